@@ -1,0 +1,27 @@
+# Template development: a local .venv with requirements-dev.txt, the template tests, a demo bake.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+
+.PHONY: test demo clean
+
+# The stamp is newer than requirements-dev.txt once the venv holds it; pip itself is left as is.
+$(VENV)/.installed: requirements-dev.txt
+	@$(PY) -c "import sys; sys.exit(sys.version_info < (3, 10))" || { echo "ERROR: $(PY) is missing or older than Python 3.10; run make PY=python3.X" >&2; exit 1; }
+	$(VPY) -m pip --version >/dev/null 2>&1 || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -r requirements-dev.txt
+	touch $@
+
+test: $(VENV)/.installed
+	$(VPY) -m pytest -q tests
+
+demo: $(VENV)/.installed
+	rm -rf scratch/my-trainer
+	$(VPY) -m cookiecutter . --no-input -o scratch
+	cd scratch/my-trainer && ../../$(VPY) train.py hydra.run.dir=outputs/demo
+	@echo "TensorBoard logs: scratch/my-trainer/outputs/demo/tb"
+	@echo "Checkpoint: scratch/my-trainer/outputs/demo/checkpoints/last.pth"
+	@echo "View: .venv/bin/tensorboard --logdir scratch/my-trainer/outputs"
+
+clean:
+	rm -rf scratch

@@ -1,0 +1,20 @@
+"""Run the generated project's own test suite, for default and non-default answers."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answers", [{}, NON_DEFAULT], ids=["defaults", "non-default"])
+def test_generated_suite_passes(bake, tmp_path, answers):
+    project = bake(tmp_path, **answers)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=project, env=dict(os.environ), capture_output=True, text=True, timeout=1200,
+    )
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+    assert proc.returncode == 0, f"generated suite failed in {project}:\n{tail}"

@@ -1,0 +1,27 @@
+"""Small datasets for the tests, plugged in through `data.train._target_` like a user's own."""
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class RngDrawingDataset(Dataset):
+    """Each item draws from the worker's global torch, numpy and python RNGs, as user augmentations do.
+
+    The label is learnable from the clean part of the input, so training moves the weights; the
+    noise makes every weight depend on every draw, so any RNG slip changes the result.
+    """
+
+    def __init__(self, size: int = 256, num_classes: int = 4, image_size: int = 16):
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        label = index % self.num_classes
+        x = torch.full((3, self.image_size, self.image_size), float(label) / self.num_classes)
+        x = x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)) + random.gauss(0.0, 0.1)
+        return x, label

@@ -1,0 +1,144 @@
+"""Train an image classifier: one DataLoader reused every epoch, and a resume that continues the same run.
+
+    python train.py                          # defaults from conf/config.yaml
+    python train.py loader=throughput optim=adamw epochs=20
+    python train.py resume=latest            # continue the newest run, bit for bit
+
+The machinery lives next to this file in {{ cookiecutter.package }}/: data, loader, resume, rng, monitor, model.
+"""
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from tqdm import tqdm
+
+from {{ cookiecutter.package }} import config, resume, rng
+from {{ cookiecutter.package }}.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
+from {{ cookiecutter.package }}.monitor import RunLog
+from {{ cookiecutter.package }}.optim import warmup_cosine
+from {{ cookiecutter.package }}.preempt import StopRequest
+
+log = logging.getLogger("train")
+config.register()
+
+
+def train(cfg) -> int:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
+    device = pick_device(cfg.device, cfg.deterministic)
+    rng.seed_everything(cfg.seed)
+    ckpt = resume.load(resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir)) if cfg.resume else None
+
+    train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
+    settings = resolve_settings(cfg.loader, device.type)
+    train_loader = TrainLoader(train_set, settings, seed=cfg.seed)  # built once, iterated every epoch
+    val_loader = eval_loader(val_set, settings)
+    model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
+    optimizer = instantiate(cfg.optim)(model.parameters())
+    scheduler = warmup_cosine(optimizer, cfg.epochs * train_loader.batches_per_epoch, **cfg.schedule)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
+    step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader) if ckpt else 0
+    if ckpt:
+        log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
+    checkpoints = resume.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+    runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None)
+    show_bar = cfg.progress and sys.stderr.isatty()
+
+    def save() -> None:
+        checkpoints.save(resume.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader))
+
+    while train_loader.epoch < cfg.epochs and (cfg.max_steps is None or step < cfg.max_steps):
+        epoch = train_loader.epoch
+        model.train()
+        loss_sum, samples, data_wait, started = 0.0, 0, 0.0, time.perf_counter()
+        waiting_since = time.perf_counter()
+        for x, y in tqdm(train_loader, desc=f"epoch {epoch}", disable=not show_bar, leave=False):
+            data_wait += time.perf_counter() - waiting_since  # time the loop stood still waiting on the loader
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, enabled=scaler.is_enabled()):
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            loss_value = loss.item()
+            loss_sum, samples = loss_sum + loss_value * len(y), samples + len(y)
+            runlog.step(step, loss_value, scheduler.get_last_lr()[0])
+            every = cfg.checkpoint.every_steps
+            if stop.requested or step == cfg.max_steps or (every and step % every == 0):
+                save()
+                if stop.requested or step == cfg.max_steps:
+                    log.info("stopped at step %d; checkpoint %s", step, checkpoints.last)
+                    runlog.close()
+                    return stop.exit_code
+            waiting_since = time.perf_counter()
+        train_time = time.perf_counter() - started
+        val_loss, val_acc = evaluate(model, val_loader, device)
+        record = {
+            "epoch": epoch, "step": step, "train_loss": loss_sum / max(samples, 1), "val_loss": val_loss,
+            "val_acc": val_acc, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples / train_time,
+            "data_wait_s": data_wait, "epoch_time_s": train_time, "worker_pids": sorted(train_loader.worker_pids),
+        }
+        runlog.epoch(record)
+        log.info("epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
+                 epoch, step, record["train_loss"], val_loss, val_acc, record["samples_per_s"], data_wait)
+        save()
+        if stop.requested:
+            runlog.close()
+            return stop.exit_code
+    log.info("done: %s", checkpoints.last)
+    runlog.close()
+    return 0
+
+
+@torch.no_grad()
+def evaluate(model, loader, device) -> tuple[float, float]:
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(1) == y).sum().item()
+        count += len(y)
+    return loss_sum / count, correct / count
+
+
+def pick_device(choice, deterministic: bool) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    device = torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
+    if deterministic:  # the same inputs give the same bits: what makes an exact resume checkable
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    return device
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg) -> None:
+    try:
+        code = train(cfg)
+    except Exception as e:
+        error = find_user_error(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

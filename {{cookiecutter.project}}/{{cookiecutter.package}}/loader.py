@@ -1,0 +1,276 @@
+"""The train and validation loaders: built once, reused every epoch, and resumable bit for bit.
+
+Why the train loader can be resumed exactly (facts from torch/utils/data/dataloader.py):
+- Batches go to workers round-robin and the cycle restarts at worker 0 every epoch, so batch `i`
+  of an epoch is made by worker `i % num_workers`. We call that worker's RNG the *stream* `i % W`.
+- Each batch leaves its worker together with a snapshot of that worker's RNG taken right after
+  making it. The main process keeps the snapshot of the last batch it *consumed* for each stream;
+  batches still prefetched are ahead of the loop and not counted.
+- A resumed run restores the streams in the worker_init_fn. Mid-epoch, a one-off set of workers
+  finishes the epoch, rotated so that batch `i` still meets stream `i % W`; the persistent
+  workers then start at the next epoch from the streams as they stand.
+- The order of batches comes from `EpochBatchSampler`, a pure function of (seed, epoch), so a
+  resume skips the consumed batches without loading them. The loader's own generator only
+  draws worker base seeds; it is saved too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
+
+from . import rng
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """A loader profile after validation: what actually reaches the DataLoader."""
+
+    batch_size: int
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    timeout: float
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_settings(cfg, device_type: str) -> LoaderSettings:
+    """Check a loader profile and settle `auto` values; combinations that cannot apply are adjusted and said so."""
+    if cfg.batch_size < 1:
+        raise UserError(f"loader.batch_size must be at least 1, got {cfg.batch_size}")
+    workers = cfg.num_workers
+    if workers == "auto":
+        workers = usable_cpus()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise UserError(f"loader.num_workers must be an integer >= 0 or 'auto', got {cfg.num_workers!r}")
+    prefetch = cfg.prefetch_factor
+    if prefetch is not None and prefetch < 1:
+        raise UserError(f"loader.prefetch_factor must be at least 1 (or null), got {prefetch}")
+    if cfg.timeout < 0:
+        raise UserError(f"loader.timeout must be >= 0 seconds, got {cfg.timeout}")
+    pin = cfg.pin_memory
+    if pin == "auto":
+        pin = device_type == "cuda"
+    if not isinstance(pin, bool):
+        raise UserError(f"loader.pin_memory must be true, false or 'auto', got {cfg.pin_memory!r}")
+    if pin and device_type != "cuda":
+        log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
+        pin = False
+    persistent, timeout = cfg.persistent_workers, cfg.timeout
+    if workers == 0:
+        ignored = [k for k, v in (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout)) if v]
+        if ignored:
+            log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
+        persistent, prefetch, timeout = False, None, 0.0
+    elif prefetch is None:
+        prefetch = 2  # PyTorch's own default
+    return LoaderSettings(cfg.batch_size, workers, prefetch, pin, persistent, float(timeout))
+
+
+class EpochBatchSampler(Sampler):
+    """The batches of one epoch: a permutation fixed by (seed, epoch), this rank's share of it, from batch `start` on.
+
+    It keeps no RNG of its own, so its whole state is (epoch, start); sharding by rank makes it
+    stand in for DistributedSampler.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
+        self.epoch, self.start = 0, 0
+        if self.batches_per_epoch() < 1:
+            raise UserError(f"the data set has {size} samples, too few for one batch of {batch_size} per process: lower loader.batch_size")
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def samples_per_rank(self) -> int:
+        return -(-self.size // self.world_size)  # padded like DistributedSampler
+
+    def batches_per_epoch(self) -> int:
+        n = self.samples_per_rank()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self) -> np.ndarray:
+        if self.shuffle:
+            seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
+        else:
+            order = np.arange(self.size)
+        padded = np.resize(order, self.samples_per_rank() * self.world_size)
+        return padded[self.rank :: self.world_size]
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch() - self.start
+
+    def __iter__(self):
+        order, size = self.order(), self.batch_size
+        return iter([order[i * size : (i + 1) * size].tolist() for i in range(self.start, self.batches_per_epoch())])
+
+
+@dataclass
+class WorkerSnapshot:
+    """Sent with every batch: the worker's RNG right after making it, the seed base of its generation, its PID."""
+
+    rng: tuple
+    base_seed: int
+    pid: int
+
+
+class CollateWithSnapshot:
+    """Runs the real collate_fn in the worker, then captures the worker's RNG (after any RNG the collate used)."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples):
+        batch = self.collate_fn(samples)
+        info = get_worker_info()
+        if info is None:  # num_workers=0: the main process RNG, saved with the main state
+            return batch, None
+        return batch, WorkerSnapshot(rng.capture(), info.seed - info.id, os.getpid())
+
+
+class SeedWorker:
+    """worker_init_fn: a fresh worker seeds torch, numpy and python `random` from `get_worker_info().seed`;
+    a restored one takes stream `(worker_id + rotation) % W` of the saved streams."""
+
+    def __init__(self, streams=None, rotation: int = 0):
+        self.streams, self.rotation = streams, rotation
+
+    def __call__(self, worker_id: int) -> None:
+        if self.streams is None:
+            rng.apply(rng.from_seed(get_worker_info().seed))
+        else:
+            rng.apply(self.streams[(worker_id + self.rotation) % len(self.streams)])
+
+
+class TrainLoader:
+    """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step."""
+
+    def __init__(self, dataset, settings: LoaderSettings, seed: int, collate_fn=None, rank: int = 0, world_size: int = 1):
+        self.dataset, self.settings = dataset, settings
+        self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.collate = CollateWithSnapshot(collate_fn or default_collate)
+        self.seeding = SeedWorker()
+        self.loader = self._dataloader(self.seeding, self.generator, settings.persistent_workers)
+        self.epoch = 0  # epochs completed
+        self.position = 0  # batches of the current epoch consumed by the loop
+        self.worker_pids: set[int] = set()  # workers that served this epoch
+        self._streams: list = [None] * settings.num_workers  # RNG per stream after its last consumed batch; None: fresh
+        self._base_seed: int | None = None  # seed base of the fresh generation, to rebuild streams still None
+        self._workers_alive = False  # persistent workers started
+
+    def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
+        s = self.settings
+        return DataLoader(
+            self.dataset, batch_sampler=self.sampler, num_workers=s.num_workers, collate_fn=self.collate,
+            pin_memory=s.pin_memory, timeout=s.timeout, worker_init_fn=seeding, generator=generator,
+            prefetch_factor=s.prefetch_factor, persistent_workers=persistent,
+        )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.sampler.batches_per_epoch()
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch - self.position
+
+    def __iter__(self):
+        workers, start = self.settings.num_workers, self.position
+        self.sampler.set_epoch(self.epoch, start)
+        self.worker_pids = set()
+        for index, (batch, snapshot) in enumerate(self._loader_for(start), start):
+            if snapshot is not None:
+                self._streams[index % workers] = snapshot.rng
+                if self._base_seed is None:
+                    self._base_seed = snapshot.base_seed
+                self.worker_pids.add(snapshot.pid)
+            self.position = index + 1
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def _loader_for(self, start: int) -> DataLoader:
+        workers = self.settings.num_workers
+        if workers == 0:
+            return self.loader
+        if start > 0:
+            # Resumed mid-epoch: a one-off set of workers, with a throwaway generator so the saved one stays in step.
+            streams = self._known_streams()
+            self._streams = list(streams) if streams is not None else [None] * workers
+            return self._dataloader(SeedWorker(streams, start % workers), torch.Generator(), persistent=False)
+        if not (self.settings.persistent_workers and self._workers_alive):
+            streams = self._known_streams() if self.settings.persistent_workers else None
+            self.seeding.streams = streams
+            if streams is None:
+                self._streams, self._base_seed = [None] * workers, None
+            self._workers_alive = self.settings.persistent_workers
+        return self.loader
+
+    def _known_streams(self) -> list | None:
+        """Every stream's RNG now, or None when a fresh generation has not served a batch yet."""
+        if all(s is not None for s in self._streams):
+            return list(self._streams)
+        if self._base_seed is None:
+            return None
+        return [s if s is not None else rng.from_seed(self._base_seed + i) for i, s in enumerate(self._streams)]
+
+    def state_dict(self) -> dict:
+        streams = self._known_streams() if self.settings.num_workers else []
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches_per_epoch": self.batches_per_epoch,
+            "batch_size": self.settings.batch_size,
+            "num_workers": self.settings.num_workers,
+            "persistent_workers": self.settings.persistent_workers,
+            "world_size": self.sampler.world_size,
+            "generator": self.generator.get_state(),
+            "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
+        }
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        mine = {k: v for k, v in self.state_dict().items() if k in ("batches_per_epoch", "batch_size", "num_workers", "persistent_workers", "world_size")}
+        changed = [f"{k} {state[k]} -> {v}" for k, v in mine.items() if state[k] != v]
+        streams = state["worker_streams"]
+        if changed:
+            what = ", ".join(changed)
+            if strict:
+                raise UserError(
+                    f"resume: the checkpoint's loader differs from this run's ({what}): resume with the same loader "
+                    "settings and world size to stay exact, or set resume_strict=false to go on with freshly seeded workers"
+                )
+            log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
+            streams = None
+        self.epoch, self.position = state["epoch"], min(state["position"], self.batches_per_epoch)
+        self.generator.set_state(state["generator"])
+        workers = self.settings.num_workers
+        self._streams = [rng.from_saved(s) for s in streams] if streams else [None] * workers
+        self._base_seed = None
+
+
+def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """The validation loader, also built once. Its own generator keeps the main RNG untouched."""
+    sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed=0, shuffle=False, drop_last=False, rank=rank, world_size=world_size)
+    return DataLoader(
+        dataset, batch_sampler=sampler, num_workers=settings.num_workers, pin_memory=settings.pin_memory,
+        timeout=settings.timeout, prefetch_factor=settings.prefetch_factor,
+        persistent_workers=settings.persistent_workers, generator=torch.Generator(),
+    )

@@ -1,0 +1,85 @@
+"""Random number generator state: capture, apply, seed, and a checkpoint-safe form.
+
+A *raw* state is what the libraries hand out, cheap to take and to send between processes:
+`(torch CPU state as bytes, numpy's global state tuple, python random state tuple)`.
+The *saved* form holds only tensors, ints, floats and None, so a checkpoint loads with
+`torch.load(weights_only=True)`: numpy's MT19937 key becomes an int64 tensor and its position ints.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+RawState = tuple  # (bytes, numpy state tuple, python state tuple)
+
+
+def capture() -> RawState:
+    return (torch.get_rng_state().numpy().tobytes(), np.random.get_state(), random.getstate())
+
+
+def apply(raw: RawState) -> None:
+    torch_bytes, numpy_state, python_state = raw
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+
+
+def from_seed(seed: int) -> RawState:
+    """The state that seeding all three generators with `seed` gives, without touching the globals."""
+    seed = int(seed)
+    torch_state = torch.Generator().manual_seed(seed).get_state()
+    # numpy seeds take 32-bit words; split the (up to 64-bit) seed so no bits are dropped.
+    words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]
+    numpy_state = np.random.RandomState(words).get_state()
+    return (torch_state.numpy().tobytes(), numpy_state, random.Random(seed).getstate())
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) in this process. Seed 0 is a seed like any other."""
+    apply(from_seed(seed))
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def to_saved(raw: RawState) -> dict:
+    torch_bytes, (name, key, pos, has_gauss, cached_gaussian), (version, internal, gauss_next) = raw
+    return {
+        "torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8).clone(),
+        "numpy": {
+            "name": str(name),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+    }
+
+
+def from_saved(saved: dict) -> RawState:
+    n, p = saved["numpy"], saved["python"]
+    numpy_state = (n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    python_state = (p["version"], tuple(int(v) for v in p["internal"].tolist()), p["gauss_next"])
+    return (saved["torch"].numpy().tobytes(), numpy_state, python_state)
+
+
+def capture_main() -> dict:
+    """Everything the main process draws from: python, numpy, torch CPU and, once CUDA is in use, every device."""
+    state = to_saved(capture())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_main(state: dict) -> None:
+    apply(from_saved(state))
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(states)
