@@ -40,8 +40,7 @@ def train(cfg) -> int:
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     settings = resolve_settings(cfg.loader, device.type)
-    train_loader = TrainLoader(train_set, settings, seed=cfg.seed)  # built once, iterated every epoch
-    val_loader = eval_loader(val_set, settings)
+    train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value)  # built once, iterated every epoch
     model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = warmup_cosine(optimizer, cfg.epochs * train_loader.batches_per_epoch, **cfg.schedule)
@@ -49,6 +48,7 @@ def train(cfg) -> int:
     step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader) if ckpt else 0
     if ckpt:
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
+    val_loader = eval_loader(val_set, settings)  # built once too
     checkpoints = resume.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
     runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None)
     show_bar = cfg.progress and sys.stderr.isatty()

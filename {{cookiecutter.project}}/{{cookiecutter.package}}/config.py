@@ -20,6 +20,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class RngMode(str, Enum):
+    per_sample = "per_sample"
+    per_worker = "per_worker"
+
+
 @dataclass
 class LoaderConfig:
     batch_size: int = 64
@@ -54,6 +59,7 @@ class Config:
     deterministic: bool = True
     amp: bool = False
     progress: bool = True
+    rng_mode: RngMode = RngMode.per_sample
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

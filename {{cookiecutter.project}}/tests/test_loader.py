@@ -1,0 +1,95 @@
+"""The train loader's pieces, with real worker processes: batch order, worker seeding and RNG snapshots."""
+
+import random
+
+import numpy as np
+import torch
+
+from {{ cookiecutter.package }} import rng
+from {{ cookiecutter.package }}.loader import EpochBatchSampler, LoaderSettings, TrainLoader
+from tests.datasets import RngDrawingDataset
+
+
+def settings(workers, persistent=True, prefetch=2):
+    return LoaderSettings(8, workers, prefetch if workers else None, False, persistent and workers > 0, 0.0)
+
+
+def test_sampler_is_a_permutation_per_epoch_and_skips_without_loading():
+    sampler = EpochBatchSampler(50, 8, seed=3, drop_last=False)
+    first = [i for batch in sampler for i in batch]
+    assert sorted(first) == list(range(50))
+    sampler.set_epoch(1)
+    assert [i for batch in sampler for i in batch] != first
+    sampler.set_epoch(0, start=2)
+    assert [i for batch in sampler for i in batch] == first[16:] and len(sampler) == 5
+
+
+def test_sampler_shards_ranks_disjointly():
+    shards = [set(i for b in EpochBatchSampler(64, 4, seed=0, rank=r, world_size=2) for i in b) for r in (0, 1)]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 64
+
+
+def test_from_seed_matches_seeding_the_globals():
+    rng.apply(rng.from_seed(2**40 + 7))
+    drawn = (torch.rand(3), np.random.rand(3), random.random())
+    random.seed(2**40 + 7)
+    torch.manual_seed(2**40 + 7)
+    assert torch.equal(drawn[0], torch.rand(3)) and drawn[2] == random.random()
+    saved = rng.to_saved(rng.capture())
+    expected = (torch.rand(2), np.random.rand(2), random.random())
+    rng.apply(rng.from_saved(saved))
+    again = (torch.rand(2), np.random.rand(2), random.random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+
+def epoch_batches(loader):
+    return [x.clone() for x, _ in loader]
+
+
+def test_workers_seeded_from_seed_and_distinct():
+    loader = TrainLoader(RngDrawingDataset(64), settings(2), seed=5, rng_mode="per_worker")
+    a = epoch_batches(loader)
+    b = epoch_batches(TrainLoader(RngDrawingDataset(64), settings(2), seed=5, rng_mode="per_worker"))
+    c = epoch_batches(TrainLoader(RngDrawingDataset(64), settings(2), seed=6, rng_mode="per_worker"))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    assert len(loader.worker_pids) == 2
+
+
+def test_persistent_workers_live_across_epochs_and_streams_run_on():
+    loader = TrainLoader(RngDrawingDataset(64), settings(2), seed=5)
+    first = epoch_batches(loader)
+    pids = set(loader.worker_pids)
+    second = epoch_batches(loader)
+    assert loader.worker_pids == pids and loader.epoch == 2
+    assert not torch.equal(first[0], second[0])
+
+
+def test_per_sample_batches_do_not_depend_on_workers():
+    runs = [epoch_batches(TrainLoader(RngDrawingDataset(48), settings(w), seed=2)) for w in (0, 1, 3)]
+    assert all(torch.equal(x, y) for other in runs[1:] for x, y in zip(runs[0], other))
+    main_before = torch.get_rng_state()
+    epoch_batches(TrainLoader(RngDrawingDataset(48), settings(0), seed=2))
+    assert torch.equal(main_before, torch.get_rng_state())  # data randomness leaves the main RNG alone
+
+
+def test_state_dict_mid_epoch_resumes_exactly():
+    """rng_mode=per_worker: the workers' own streams are saved and restored."""
+    for workers, persistent in ((0, False), (2, True), (3, False), (3, True)):
+        rng.seed_everything(9)  # with 0 workers the dataset draws from the main RNG
+        straight = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        expected = epoch_batches(straight) + epoch_batches(straight)
+        rng.seed_everything(9)
+        first = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        got = epoch_batches(first)
+        for i, (x, _) in enumerate(first):
+            got.append(x.clone())
+            if i == 3:
+                break
+        state, main_rng = first.state_dict(), rng.capture_main()
+        resumed = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        resumed.load_state_dict(state)
+        rng.restore_main(main_rng)
+        got += epoch_batches(resumed)
+        assert len(got) == len(expected)
+        assert all(torch.equal(x, y) for x, y in zip(got, expected)), (workers, persistent)

@@ -1,0 +1,58 @@
+"""rng_mode=per_sample: the loader profile is a pure performance choice; the same seed gives the same weights."""
+
+import pytest
+import torch
+
+from tests.conftest import RNG_DATA, load_ckpt, run_train
+
+SETUPS = [
+    ("loader=memory-tight",),
+    ("loader=balanced",),
+    ("loader=throughput",),
+    ("loader=balanced", "loader.num_workers=0"),
+    ("loader=memory-tight", "loader.num_workers=3"),
+    ("loader=throughput", "loader.num_workers=4"),
+]
+
+
+def weights(run_dir):
+    return load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+
+
+def equal(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def per_sample_runs(tmp_path_factory):
+    runs = {}
+    for setup in SETUPS:
+        run_dir = tmp_path_factory.mktemp("per_sample")
+        run_train(run_dir, *RNG_DATA, "epochs=2", *setup)
+        runs[setup] = weights(run_dir)
+    return runs
+
+
+def test_same_weights_for_every_profile_and_worker_count(per_sample_runs):
+    reference = per_sample_runs[SETUPS[0]]
+    for setup, result in per_sample_runs.items():
+        assert equal(reference, result), setup
+
+
+def test_same_weights_on_image_files(tmp_path, shapes):
+    run_train(tmp_path / "tight", *shapes, "loader=memory-tight", "max_steps=6")
+    run_train(tmp_path / "fast", *shapes, "loader=throughput", "max_steps=6")
+    assert equal(weights(tmp_path / "tight"), weights(tmp_path / "fast"))
+
+
+def test_resume_may_switch_profile(tmp_path, per_sample_runs):
+    run_train(tmp_path / "first", *RNG_DATA, "epochs=2", "loader=memory-tight", "max_steps=7")
+    run_train(tmp_path / "second", *RNG_DATA, "epochs=2", "loader=throughput", "loader.num_workers=3",
+              f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert equal(per_sample_runs[SETUPS[0]], weights(tmp_path / "second"))
+
+
+def test_negative_control_per_worker_depends_on_worker_count(tmp_path):
+    run_train(tmp_path / "two", *RNG_DATA, "epochs=2", "rng_mode=per_worker", "loader.num_workers=2")
+    run_train(tmp_path / "three", *RNG_DATA, "epochs=2", "rng_mode=per_worker", "loader.num_workers=3")
+    assert not equal(weights(tmp_path / "two"), weights(tmp_path / "three"))
