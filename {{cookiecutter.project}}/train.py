@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from {{ cookiecutter.package }} import config, resume, rng
+from {{ cookiecutter.package }} import config, distributed, health, memory, resume, rng
 from {{ cookiecutter.package }}.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.monitor import RunLog
@@ -35,26 +35,47 @@ def train(cfg) -> int:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     device = pick_device(cfg.device, cfg.deterministic)
+    world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
+    device = distributed.rank_device(device, world)
     rng.seed_everything(cfg.seed)
-    ckpt = resume.load(resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir)) if cfg.resume else None
+    found = resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir) if cfg.resume else None
+    ckpt = resume.load(found) if found else None
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     settings = resolve_settings(cfg.loader, device.type)
-    train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value)  # built once, iterated every epoch
+    if cfg.loader.max_prefetch_mib is not None:  # before any worker starts: fit the batches in flight to the budget
+        settings, change = memory.fit_budget(settings, memory.sample_batch_bytes(train_set, settings.batch_size),
+                                             cfg.loader.max_prefetch_mib, cfg.loader.on_budget)
+        if change and world.is_main:
+            log.warning("loader: %s", change)
+    train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value,
+                               rank=world.rank, world_size=world.world_size)  # built once, iterated every epoch
     model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = warmup_cosine(optimizer, cfg.epochs * train_loader.batches_per_epoch, **cfg.schedule)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp and device.type == "cuda")
-    step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader) if ckpt else 0
-    if ckpt:
+    step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
+    net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
+    if ckpt and world.is_main:
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
-    val_loader = eval_loader(val_set, settings)  # built once too
-    checkpoints = resume.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-    runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None)
-    show_bar = cfg.progress and sys.stderr.isatty()
+    val_loader = eval_loader(val_set, settings, world.rank, world.world_size)  # built once too
+    checkpoints = resume.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep) if world.is_main else None
+    runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main)
+    monitor = health.Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
+    show_bar = cfg.progress and sys.stderr.isatty() and world.is_main
 
-    def save() -> None:
-        checkpoints.save(resume.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader))
+    def save() -> None:  # every rank hands its RNG and loader state to rank 0, which writes the file once
+        ranks = distributed.gather_to_main(resume.rank_state(train_loader), world)
+        if world.is_main:
+            checkpoints.save(resume.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks))
+        distributed.barrier(world)
+
+    def finish(code: int) -> int:
+        runlog.close()
+        distributed.leave(world)
+        if stop.requested:
+            stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk
+        return code
 
     while train_loader.epoch < cfg.epochs and (cfg.max_steps is None or step < cfg.max_steps):
         epoch = train_loader.epoch
@@ -63,47 +84,53 @@ def train(cfg) -> int:
         waiting_since = time.perf_counter()
         for x, y in tqdm(train_loader, desc=f"epoch {epoch}", disable=not show_bar, leave=False):
             data_wait += time.perf_counter() - waiting_since  # time the loop stood still waiting on the loader
+            if monitor.plan is None:  # the first batch: log what the loader holds in flight, in bytes
+                monitor.set_plan(memory.plan((x, y), train_loader.settings))
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, enabled=scaler.is_enabled()):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(net(x), y)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             step += 1
-            loss_value = loss.item()
+            # one all-reduce: the mean loss, and whether any rank was signalled, so all stop at the same step
+            loss_value, stopping = distributed.sum_all([loss.item(), float(stop.requested)], device, world)
+            loss_value /= world.world_size
             loss_sum, samples = loss_sum + loss_value * len(y), samples + len(y)
             runlog.step(step, loss_value, scheduler.get_last_lr()[0])
+            monitor.step(step, data_wait, started)  # a health sample every monitor.every_steps and at the epoch's last batch
             every = cfg.checkpoint.every_steps
-            if stop.requested or step == cfg.max_steps or (every and step % every == 0):
+            if stopping or step == cfg.max_steps or (every and step % every == 0):
                 save()
-                if stop.requested or step == cfg.max_steps:
-                    log.info("stopped at step %d; checkpoint %s", step, checkpoints.last)
-                    runlog.close()
-                    return stop.exit_code
+                if stopping or step == cfg.max_steps:
+                    log.info("stopped at step %d; checkpoint saved", step)
+                    return finish(stop.exit_code)
             waiting_since = time.perf_counter()
         train_time = time.perf_counter() - started
-        val_loss, val_acc = evaluate(model, val_loader, device)
+        val_loss, val_acc = evaluate(model, val_loader, device, world)
+        loss_sum, samples, rate, stopping = distributed.sum_all([loss_sum, samples, samples / train_time, float(stop.requested)], device, world)
         record = {
             "epoch": epoch, "step": step, "train_loss": loss_sum / max(samples, 1), "val_loss": val_loss,
-            "val_acc": val_acc, "lr": scheduler.get_last_lr()[0], "samples_per_s": samples / train_time,
+            "val_acc": val_acc, "lr": scheduler.get_last_lr()[0], "samples_per_s": rate,
             "data_wait_s": data_wait, "epoch_time_s": train_time, "worker_pids": sorted(train_loader.worker_pids),
+            **monitor.epoch(data_wait, train_time),  # worker_count, rss_mib, pss_mib, fds, data_wait_share
         }
         runlog.epoch(record)
-        log.info("epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
-                 epoch, step, record["train_loss"], val_loss, val_acc, record["samples_per_s"], data_wait)
+        if world.is_main:
+            log.info("epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
+                     epoch, step, record["train_loss"], val_loss, val_acc, rate, data_wait)
         save()
-        if stop.requested:
-            runlog.close()
-            return stop.exit_code
-    log.info("done: %s", checkpoints.last)
-    runlog.close()
-    return 0
+        if stopping:
+            return finish(stop.exit_code)
+    log.info("done at step %d", step)
+    return finish(0)
 
 
 @torch.no_grad()
-def evaluate(model, loader, device) -> tuple[float, float]:
+def evaluate(model, loader, device, world) -> tuple[float, float]:
+    """Loss and accuracy over the whole validation set: each rank takes its share, the sums are added."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for x, y in loader:
@@ -112,6 +139,7 @@ def evaluate(model, loader, device) -> tuple[float, float]:
         loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(1) == y).sum().item()
         count += len(y)
+    loss_sum, correct, count = distributed.sum_all([loss_sum, correct, count], device, world)
     return loss_sum / count, correct / count
 
 
@@ -131,7 +159,7 @@ def main(cfg) -> None:
     try:
         code = train(cfg)
     except Exception as e:
-        error = find_user_error(e)
+        error = find_user_error(e) or health.worker_death(e)  # a killed worker: its pid and signal, not a traceback
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)

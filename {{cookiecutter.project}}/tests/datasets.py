@@ -1,6 +1,7 @@
 """Small datasets for the tests, plugged in through `data.train._target_` like a user's own."""
 
 import random
+import time
 
 import numpy as np
 import torch
@@ -25,3 +26,15 @@ class RngDrawingDataset(Dataset):
         x = torch.full((3, self.image_size, self.image_size), float(label) / self.num_classes)
         x = x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)) + random.gauss(0.0, 0.1)
         return x, label
+
+
+class SlowItems(RngDrawingDataset):
+    """RngDrawingDataset whose items take `item_s` seconds each, like slow storage: keeps workers busy long enough to watch."""
+
+    def __init__(self, size: int = 256, num_classes: int = 4, image_size: int = 16, item_s: float = 0.01):
+        super().__init__(size, num_classes, image_size)
+        self.item_s = item_s
+
+    def __getitem__(self, index: int):
+        time.sleep(self.item_s)
+        return super().__getitem__(index)

@@ -77,7 +77,7 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, straight, profile):
     """The checkpoint written after epoch 0's validation (position 0 of epoch 1)."""
     reference = straight(f"loader={profile}")
     boundary = load_ckpt(reference / "checkpoints/step-00000012.pth")
-    assert (boundary["epoch"], boundary["loader"]["position"]) == (1, 0)
+    assert (boundary["epoch"], boundary["ranks"][0]["loader"]["position"]) == (1, 0)
     run_train(tmp_path, *DATA, "epochs=3", f"loader={profile}", f"resume={reference}/checkpoints/step-00000012.pth")
     assert same_weights(reference / "checkpoints/last.pth", tmp_path / "checkpoints/last.pth")
     assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
@@ -90,7 +90,7 @@ def test_negative_control_reseeded_workers_differ(tmp_path, straight):
     first = tmp_path / "first"
     run_train(first, *DATA, "epochs=3", "max_steps=13", *overrides)
     ckpt = load_ckpt(first / "checkpoints/last.pth")
-    ckpt["loader"]["worker_streams"] = None
+    ckpt["ranks"][0]["loader"]["worker_streams"] = None
     torch.save(ckpt, tmp_path / "reseeded.pth")
     run_train(tmp_path / "second", *DATA, "epochs=3", f"resume={tmp_path / 'reseeded.pth'}", *overrides)
     assert not same_weights(reference / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
@@ -126,7 +126,7 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     run_train(tmp_path, *DATA, "epochs=1", "checkpoint.every_steps=5", "checkpoint.keep=2")
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["last.pth", "step-00000010.pth", "step-00000012.pth"]
-    assert load_ckpt(tmp_path / "checkpoints/step-00000010.pth")["loader"]["position"] == 10
+    assert load_ckpt(tmp_path / "checkpoints/step-00000010.pth")["ranks"][0]["loader"]["position"] == 10
 
 
 def test_resume_latest_finds_the_newest(tmp_path):

@@ -25,6 +25,11 @@ class RngMode(str, Enum):
     per_worker = "per_worker"
 
 
+class OnBudget(str, Enum):
+    adjust = "adjust"  # lower prefetch_factor, then num_workers, until the prefetch plan fits
+    error = "error"  # refuse to start instead
+
+
 @dataclass
 class LoaderConfig:
     batch_size: int = 64
@@ -33,6 +38,8 @@ class LoaderConfig:
     pin_memory: Any = "auto"  # true, false, or "auto" (on when training on CUDA)
     persistent_workers: bool = True
     timeout: float = 0.0
+    max_prefetch_mib: Optional[float] = None  # budget for batches in flight (see memory.py); None = no budget
+    on_budget: OnBudget = OnBudget.adjust
 
 
 @dataclass
@@ -46,6 +53,11 @@ class CheckpointConfig:
     every_steps: Optional[int] = None
     keep: int = 3
     search_dir: str = "outputs"
+
+
+@dataclass
+class MonitorConfig:
+    every_steps: int = 50  # worker/memory/fd health sample every N steps (and at each epoch end); 0 = epoch ends only
 
 
 @dataclass
@@ -63,6 +75,7 @@ class Config:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     data: Any = MISSING
     model: Any = MISSING
     optim: Any = MISSING

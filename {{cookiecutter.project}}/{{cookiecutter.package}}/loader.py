@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_in
 
 from . import rng
 from .errors import UserError
+from .preempt import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ class EpochBatchSampler(Sampler):
     """
 
     def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, pad: bool = True):
         self.size, self.batch_size, self.seed = size, batch_size, seed
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
+        self.pad = pad  # training pads so every rank takes as many steps; evaluation counts each sample once
         self.epoch, self.start = 0, 0
         if self.batches_per_epoch() < 1:
             raise UserError(f"the data set has {size} samples, too few for one batch of {batch_size} per process: lower loader.batch_size")
@@ -101,6 +103,8 @@ class EpochBatchSampler(Sampler):
         self.epoch, self.start = epoch, start
 
     def samples_per_rank(self) -> int:
+        if not self.pad:
+            return len(range(self.rank, self.size, self.world_size))
         return -(-self.size // self.world_size)  # padded like DistributedSampler
 
     def batches_per_epoch(self) -> int:
@@ -113,8 +117,9 @@ class EpochBatchSampler(Sampler):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
         else:
             order = np.arange(self.size)
-        padded = np.resize(order, self.samples_per_rank() * self.world_size)
-        return padded[self.rank :: self.world_size]
+        if self.pad:
+            order = np.resize(order, self.samples_per_rank() * self.world_size)
+        return order[self.rank :: self.world_size]
 
     def __len__(self) -> int:
         return self.batches_per_epoch() - self.start
@@ -204,6 +209,7 @@ class SeedWorker:
         self.streams, self.rotation = streams, rotation
 
     def __call__(self, worker_id: int) -> None:
+        StopRequest.shield_worker()
         if self.streams is None:
             rng.apply(rng.from_seed(get_worker_info().seed))
         else:
@@ -220,7 +226,9 @@ class TrainLoader:
         self.rng_mode, self.settings = rng_mode, settings
         self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample")
         self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size)
-        self.generator = torch.Generator().manual_seed(seed)
+        # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed, so mix, don't shift.)
+        loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+        self.generator = torch.Generator().manual_seed(loader_seed)
         self.collate = CollateWithSnapshot(collate_fn or default_collate)
         self.seeding = SeedWorker()
         self.loader: DataLoader | None = None  # the DataLoader reused every epoch, made on first use
@@ -328,9 +336,10 @@ class TrainLoader:
 
 def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1) -> DataLoader:
     """The validation loader, also built once. Its own generator keeps the main RNG untouched."""
-    sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed=0, shuffle=False, drop_last=False, rank=rank, world_size=world_size)
+    sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed=0, shuffle=False, drop_last=False,
+                                rank=rank, world_size=world_size, pad=False)
     return DataLoader(
         dataset, batch_sampler=sampler, num_workers=settings.num_workers, pin_memory=settings.pin_memory,
         timeout=settings.timeout, prefetch_factor=settings.prefetch_factor,
-        persistent_workers=settings.persistent_workers, generator=torch.Generator(),
+        persistent_workers=settings.persistent_workers, generator=torch.Generator(), worker_init_fn=StopRequest.shield_worker,
     )

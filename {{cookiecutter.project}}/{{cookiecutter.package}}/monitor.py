@@ -10,7 +10,12 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, purge_step: int | None = None):
+    """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op."""
+
+    def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
         if purge_step is not None:  # resuming into a folder a crashed run also wrote: drop its lines past the checkpoint
             for name in ("metrics.jsonl", "steps.jsonl"):
@@ -21,18 +26,31 @@ class RunLog:
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
 
     def step(self, step: int, loss: float, lr: float) -> None:
+        if not self.enabled:
+            return
         self.steps.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
         self.tb.add_scalar("train/loss", loss, step)
         self.tb.add_scalar("train/lr", lr, step)
 
     def epoch(self, record: dict) -> None:
+        if not self.enabled:
+            return
         self.metrics.write(json.dumps(record) + "\n")
         for key, value in record.items():
             if isinstance(value, (int, float)) and key not in ("epoch", "step"):
                 self.tb.add_scalar(f"epoch/{key}", value, record["step"])
         self.tb.flush()
 
+    def scalars(self, group: str, values: dict, step: int) -> None:
+        """TensorBoard only, e.g. the loader health samples under `health/`."""
+        if not self.enabled:
+            return
+        for key, value in values.items():
+            self.tb.add_scalar(f"{group}/{key}", value, step)
+
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.tb.close()
         self.metrics.close()
         self.steps.close()

@@ -1,8 +1,9 @@
-"""Preemption: SIGTERM, SIGUSR1 and SIGINT ask the loop to stop after the current step and save.
+"""Preemption: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT ask the loop to stop after the current step and save.
 
 Handlers are installed before the DataLoader forks its workers, so workers inherit a handler that
 only sets a flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill them
-while the main process is still saving.
+while the main process is still saving. A handler that was there before ours (submitit's, which
+requeues a SLURM job on USR2) is called once the checkpoint is written: see `hand_over`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import threading
 
 
 class StopRequest:
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
     def __init__(self):
         self.signum: int | None = None
+        self.previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
-                signal.signal(signum, self._handle)
+                self.previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
@@ -32,3 +34,20 @@ class StopRequest:
     @property
     def exit_code(self) -> int:
         return 130 if self.signum == signal.SIGINT else 0
+
+    @staticmethod
+    def shield_worker(worker_id: int = 0) -> None:
+        """worker_init_fn part: a DataLoader worker ignores the stop signals; the main process decides when to stop.
+
+        PyTorch's workers die on a SIGTERM that does not come from their parent, and torchrun (or
+        SLURM) signals the whole process group: the main process would then fail on a dead worker
+        instead of finishing the step and saving. Workers still exit when the main process does.
+        """
+        for signum in StopRequest.SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+    def hand_over(self) -> None:
+        """After saving: pass the signal to the handler we replaced, if it was a Python one (e.g. submitit's requeue)."""
+        previous = self.previous.get(self.signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(self.signum, None)

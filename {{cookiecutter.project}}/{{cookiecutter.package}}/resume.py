@@ -9,6 +9,7 @@ library versions. Everything is tensors, numbers, strings and containers, so it 
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from pathlib import Path
@@ -22,11 +23,18 @@ from omegaconf import OmegaConf
 from . import rng
 from .errors import UserError
 
+log = logging.getLogger(__name__)
 FORMAT = 1
-REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "loader", "rng", "config")
+REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
 
 
-def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader) -> dict:
+def rank_state(train_loader) -> dict:
+    """What differs between data-parallel processes: each one's main RNG and train loader (its worker streams)."""
+    return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
+
+
+def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
+    """The whole checkpoint; `ranks` holds `rank_state()` of every process, indexed by rank."""
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -35,8 +43,7 @@ def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader) 
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "epoch": train_loader.epoch,
         "step": step,
-        "loader": train_loader.state_dict(),
-        "rng": rng.capture_main(),
+        "ranks": ranks,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "versions": {"torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
                      "numpy": str(np.__version__), "python": platform.python_version()},
@@ -81,9 +88,10 @@ class Checkpointer:
         return self.last
 
 
-def locate(value: str, run_dir: Path, search_dir: str) -> Path:
-    """`resume=latest`: this run folder's own last.pth (a requeued job), else the newest under `search_dir`.
-    Any other value is a path, relative to where the command was run."""
+def locate(value: str, run_dir: Path, search_dir: str) -> Path | None:
+    """`resume=latest`: this run folder's own last.pth (a requeued job), else the newest under `search_dir`,
+    else None: a first job submitted with resume=latest starts fresh. Any other value is a path,
+    relative to where the command was run."""
     if value != "latest":
         return Path(to_absolute_path(value))
     own = run_dir / "checkpoints" / "last.pth"
@@ -92,7 +100,8 @@ def locate(value: str, run_dir: Path, search_dir: str) -> Path:
     root = Path(to_absolute_path(search_dir))
     found = sorted(root.glob("**/checkpoints/last.pth"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise UserError(f"resume=latest: no checkpoints/last.pth under {str(root)!r}: train once first, or give resume=<path to a .pth>")
+        log.warning("resume=latest: no checkpoints/last.pth under %s yet; starting fresh", root)
+        return None
     return found[-1]
 
 
@@ -134,21 +143,22 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
                 f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
                 f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): resume with the same model and data"
             )
-    if ckpt["loader"]["world_size"] != world_size and cfg.resume_strict:
+    if len(ckpt["ranks"]) != world_size and cfg.resume_strict:
         raise UserError(
-            f"resume: the checkpoint was written by {ckpt['loader']['world_size']} processes, this run has {world_size}: "
+            f"resume: the checkpoint was written by {len(ckpt['ranks'])} processes, this run has {world_size}: "
             "use the same number, or resume_strict=false to go on without exactness"
         )
 
 
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader) -> int:
+def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
     """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step."""
     check_fits(ckpt, cfg, model, train_loader.sampler.world_size)
+    mine = ckpt["ranks"][rank % len(ckpt["ranks"])]  # another world size only gets here with resume_strict=false
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     if scaler.is_enabled() and ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(ckpt["loader"], strict=cfg.resume_strict)
-    rng.restore_main(ckpt["rng"])
+    train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
+    rng.restore_main(mine["rng"])
     return ckpt["step"]

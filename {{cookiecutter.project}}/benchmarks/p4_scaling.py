@@ -1,0 +1,61 @@
+"""P4: loader samples/s with loader=throughput vs (usable CPUs x the rate of one process loading alone).
+
+    python benchmarks/p4_scaling.py
+
+The single-process rate is TrainLoader with num_workers=0 and one torch thread: one core's worth
+of decoding and augmenting. The throughput profile then runs one worker per usable CPU (prefetch 4,
+persistent). Perfect scaling gives 1.0; the main process's own share of the work (receiving
+batches, collating nothing but bookkeeping) and the OS take the rest. Goal >= 0.85.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from {{ cookiecutter.package }} import config  # noqa: E402
+from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
+from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus  # noqa: E402
+
+EPOCHS, ROUNDS = 2, 2  # the two settings take turns; the best round of each counts
+
+
+def rate(loader) -> float:
+    for _ in loader:  # warm-up epoch
+        pass
+    samples, began = 0, time.perf_counter()
+    for _ in range(EPOCHS):
+        for x, _y in loader:
+            samples += len(x)
+    return samples / (time.perf_counter() - began)
+
+
+def main() -> None:
+    config.register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        throughput = resolve_settings(compose("config", overrides=["loader=throughput"]).loader, "cpu")
+    dataset = shapes("data/shapes", "train", transform=train_transform(32))
+    cores = usable_cpus()
+    threads, single, many = torch.get_num_threads(), 0.0, 0.0
+    for _ in range(ROUNDS):
+        torch.set_num_threads(1)
+        alone = TrainLoader(dataset, LoaderSettings(throughput.batch_size, 0, None, False, False, 0.0), seed=0)
+        single = max(single, rate(alone))
+        torch.set_num_threads(threads)
+        many = max(many, rate(TrainLoader(dataset, throughput, seed=0)))
+    ratio = many / (cores * single)
+    print(f"P4 loader scaling, {len(dataset)} shapes images, batch {throughput.batch_size}, {EPOCHS} epochs after a warm-up, best of {ROUNDS} rounds")
+    print(f"{'setting':<44} {'samples/s':>10}")
+    print(f"{'one process (num_workers=0, 1 thread)':<44} {single:>10.0f}")
+    print(f"{f'{cores} x that (usable CPUs)':<44} {cores * single:>10.0f}")
+    print(f"{f'loader=throughput ({throughput.num_workers} workers, prefetch {throughput.prefetch_factor})':<44} {many:>10.0f}")
+    print(f"ratio throughput / (cores x single) = {ratio:.3f}  (goal >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

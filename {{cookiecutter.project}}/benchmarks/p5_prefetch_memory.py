@@ -1,0 +1,118 @@
+"""P5: the prefetch plan (memory.py) against the memory the queued batches really take.
+
+    python benchmarks/p5_prefetch_memory.py
+
+Batches of 32 x 3x224x224 float32 (18.4 MiB) through TrainLoader with persistent workers. Once
+epoch 1 is over (queue empty, nothing held) the memory is read; then epoch 2 starts, the loop takes
+its first batch and stops until the workers have filled every prefetch slot, and it is read again.
+The difference is the memory the queue holds, measured two ways:
+
+- held: the PyTorch shared-memory files that the main process and the workers hold open
+  (health.shared_batches), the same reading train.py logs beside its plan;
+- system: the machine's Shmem (/proc/meminfo) plus the private memory (Pss_Anon + Pss_File from
+  smaps_rollup) of main + workers. Queued batches sit in shared-memory files that no process has
+  mapped yet, so PSS alone misses them. Needs an otherwise quiet machine.
+
+The batch the loop holds (the loader's generator keeps a reference) is taken off both. The last row
+is the default config's data (0.75 MiB batches), measured the first way only: too small for the second.
+Goal: predicted / measured within 0.75-1.25.
+"""
+
+import gc
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from {{ cookiecutter.package }} import health, memory  # noqa: E402
+from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
+from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader  # noqa: E402
+
+MiB = 2**20
+
+
+class Big(Dataset):
+    def __len__(self) -> int:
+        return 32 * 24
+
+    def __getitem__(self, index: int):
+        return torch.full((3, 224, 224), float(index)), index % 4
+
+
+def system_mib() -> float:
+    shmem = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("Shmem:")) * 1024
+    private = 0
+    main = psutil.Process()
+    for proc in [main] + main.children(recursive=True):
+        for line in open(f"/proc/{proc.pid}/smaps_rollup"):
+            key, *value = line.split()
+            if key in ("Pss_Anon:", "Pss_File:"):
+                private += int(value[0]) * 1024
+    return (shmem + private) / MiB
+
+
+def held_mib() -> float:
+    main = psutil.Process()
+    return health.shared_batches([main.pid] + [c.pid for c in main.children(recursive=True)]) / MiB
+
+
+def settle(plan_bytes: int, timeout_s: float = 20.0) -> None:
+    """Wait until the workers have filled every prefetch slot (plus the batch in hand)."""
+    deadline = time.time() + timeout_s
+    while held_mib() * MiB < plan_bytes and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+
+
+def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool) -> tuple[float, float, float | None]:
+    settings = LoaderSettings(batch_size, workers, prefetch, False, True, 0.0)
+    loader = TrainLoader(dataset, settings, seed=0)
+    for batch in loader:  # epoch 1: workers start and reach their steady memory
+        pass
+    plan = memory.plan(batch, settings)
+    del batch
+    gc.collect()
+    time.sleep(0.5)
+    empty_held, empty_system = held_mib(), system_mib() if system else None
+    batches = iter(loader)
+    next(batches)  # epoch 2's first batch: the generator keeps it, the workers refill the queue
+    settle(plan.bytes + plan.batch_bytes)
+    one = plan.batch_bytes / MiB
+    held = held_mib() - empty_held - one
+    total = system_mib() - empty_system - one if system else None
+    for _ in batches:
+        pass
+    del loader, batches
+    gc.collect()
+    while psutil.Process().children():
+        time.sleep(0.05)
+    return plan.mib, held, total
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on a 2-CPU machine is the point of a row
+    rows = [("big", 1, 1), ("big", 2, 2), ("big", 2, 4), ("big", 4, 2)]
+    print(f"P5 prefetch memory: predicted (plan) vs measured, persistent workers, pid {os.getpid()}")
+    print(f"{'data':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} {'plan/held':>9} "
+          f"{'system MiB':>10} {'plan/system':>11}")
+    ratios = []
+    for name, workers, prefetch in rows + [("shapes", 2, 2)]:
+        dataset = Big() if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))
+        plan, held, total = measure(dataset, 32 if name == "big" else 64, workers, prefetch, system=name == "big")
+        ratios.append(plan / held)
+        system = f"{total:>10.1f} {plan / total:>11.3f}" if total is not None else f"{'-':>10} {'-':>11}"
+        print(f"{name:<8} {workers:>7} {prefetch:>8} {plan:>9.1f} {held:>9.1f} {plan / held:>9.3f} {system}")
+    ok = all(0.75 <= r <= 1.25 for r in ratios)
+    print(f"plan / held from {min(ratios):.3f} to {max(ratios):.3f}  (goal 0.75-1.25: {'met' if ok else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

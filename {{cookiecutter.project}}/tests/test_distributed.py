@@ -1,0 +1,121 @@
+"""Data-parallel training with torchrun (2 ranks, gloo on CPU) and the SLURM launcher config."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from {{ cookiecutter.package }} import config
+from tests.conftest import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train
+
+DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=2"]  # 2 x 100 samples, 6 steps per epoch
+
+
+def torchrun(run_dir, *overrides, expect=0, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", *DATA, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def same_weights(a, b) -> bool:
+    a, b = load_ckpt(a)["model"], load_ckpt(b)["model"]
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp")
+    torchrun(run_dir)
+    return run_dir
+
+
+def test_two_ranks_train_and_only_rank0_writes(straight):
+    records = read_jsonl(straight / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == [0, 1] and records[-1]["step"] == 12
+    assert len(read_jsonl(straight / "steps.jsonl")) == 12  # one line per step, not one per rank
+    ckpt = load_ckpt(straight / "checkpoints/last.pth")
+    assert len(ckpt["ranks"]) == 2
+    streams = [r["loader"]["worker_streams"][0]["torch"] for r in ckpt["ranks"]]
+    assert not torch.equal(*streams)  # each rank's worker has its own RNG stream, and both are saved
+
+
+def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
+    torchrun(tmp_path / "first", "max_steps=4")
+    torchrun(tmp_path / "second", f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "first/steps.jsonl") + read_jsonl(tmp_path / "second/steps.jsonl")]
+    assert losses == [r["loss"] for r in read_jsonl(straight / "steps.jsonl")]
+
+
+def test_world_size_mismatch_is_refused(tmp_path, straight):
+    proc = run_train(tmp_path, *DATA, f"resume={straight}/checkpoints/step-00000006.pth", expect=2)
+    assert "written by 2 processes, this run has 1" in proc.stderr
+
+
+def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
+    run_dir = tmp_path / "first"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", *DATA, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    steps = run_dir / "steps.jsonl"
+    deadline = time.time() + 120
+    while not (steps.exists() and steps.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    ckpt = load_ckpt(run_dir / "checkpoints/last.pth")
+    assert 2 <= ckpt["step"] < 12, out[-2000:]
+    assert len(ckpt["ranks"]) == 2 and ckpt["ranks"][0]["loader"]["position"] == ckpt["ranks"][1]["loader"]["position"]
+    torchrun(tmp_path / "second", f"resume={run_dir}/checkpoints/last.pth")
+    assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
+
+
+def test_slurm_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    config.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "resume=latest"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.signal_delay_s == 120 and launcher.max_num_timeout == 5 and launcher.tasks_per_node == 1
+
+
+# A stand-in for submitit's job process: it owns USR2 before train.py starts and "requeues" when called.
+REQUEUE = """
+import pathlib, runpy, signal, sys
+marker = pathlib.Path(sys.argv[1])
+def requeue(signum, frame):
+    marker.write_text(str(signum))
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, requeue)
+sys.argv = ["train.py", *sys.argv[2:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
+    reference = tmp_path / "straight"
+    run_train(reference, *DATA)
+    job_dir, marker = tmp_path / "job", tmp_path / "requeued"
+    cmd = [sys.executable, "-c", REQUEUE, str(marker), *DATA, "resume=latest", f"checkpoint.search_dir={job_dir}",
+           f"hydra.run.dir={job_dir}"]
+    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    steps = job_dir / "steps.jsonl"
+    deadline = time.time() + 120
+    while not (steps.exists() and steps.read_text().count("\n") >= 3) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and marker.read_text() == str(int(signal.SIGUSR2)), out[-2000:]
+    stopped = load_ckpt(job_dir / "checkpoints/last.pth")["step"]
+    # the requeued job: same command, same folder; resume=latest finds the folder's own checkpoint
+    run_train(job_dir, *DATA, "resume=latest", f"checkpoint.search_dir={job_dir}")
+    assert read_jsonl(job_dir / "steps.jsonl")[stopped]["step"] == stopped + 1
+    assert [r["step"] for r in read_jsonl(job_dir / "steps.jsonl")] == list(range(1, 25))
+    assert same_weights(reference / "checkpoints/last.pth", job_dir / "checkpoints/last.pth")

@@ -1,0 +1,46 @@
+"""The loader doctor: one run measures every profile, writes doctor.json and recommends; its rules on made-up figures."""
+
+import json
+import subprocess
+import sys
+
+from {{ cookiecutter.package }}.doctor import recommend
+from tests.conftest import PROJECT
+
+PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
+
+
+def test_doctor_measures_every_profile(tmp_path, shapes_root):
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor", f"data.root={shapes_root}", "data.per_class=40",
+           "loader.batch_size=16", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert [r["profile"] for r in report["profiles"]] == PROFILES
+    for r in report["profiles"]:
+        assert r["batches_per_epoch"] == 10 and r["batches_per_s"] > 0 and r["peak_pss_mib"] > 0
+        assert "prefetch plan" in r["plan"] and r["plan_mib"] > 0
+        assert r["first_batch_e1_s"] > 0 and r["first_batch_e2_s"] > 0 and r["worker_start_s"] is not None
+    assert report["recommendation"]["profile"] in PROFILES and report["recommendation"]["reasons"]
+    assert "recommendation: loader=" in proc.stdout and "batches/s" in proc.stdout
+
+
+def profile(name, workers, prefetch, persistent, rate, peak, restart=0.05):
+    return {"profile": name, "num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": persistent,
+            "batches_per_s": rate, "peak_pss_mib": peak, "in_flight_mib": 10.0, "first_batch_e2_s": restart}
+
+
+PROFILE_SET = [profile("memory-tight", 1, 1, False, 10, 400), profile("balanced", 2, 2, True, 20, 800),
+               profile("throughput", 8, 4, True, 60, 2000)]
+
+
+def test_recommend_follows_the_decision_table():
+    tight = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=1200, cores=8, full_batches=100)
+    assert tight["profile"] == "memory-tight" and "memory is tight" in tight["reasons"][0]
+    waiting = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=64000, cores=8, full_batches=100)
+    assert waiting["profile"] == "throughput" and "waits on data" in waiting["reasons"][0]
+    fine = recommend(PROFILE_SET, "balanced", model_bps=5, available_mib=64000, cores=8, full_batches=100)
+    assert fine["profile"] == "balanced" and fine["overrides"] == []
+    slow_start = [profile("memory-tight", 1, 1, False, 10, 400, restart=2.0)]
+    start = recommend(slow_start, "memory-tight", model_bps=5, available_mib=64000, cores=8, full_batches=100)
+    assert "loader.persistent_workers=true" in start["overrides"] and "slow epoch start" in start["reasons"][-1]

@@ -1,0 +1,92 @@
+"""The prefetch plan and the memory budget: bytes of a real batch, what the budget lowers first, and a refusal."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from {{ cookiecutter.package }} import memory
+from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.loader import LoaderSettings
+from tests.conftest import RNG_DATA, run_train
+from tests.datasets import RngDrawingDataset
+
+MiB = 2**20
+
+
+def settings(workers=2, prefetch=2, pin=False):
+    return LoaderSettings(16, workers, prefetch if workers else None, pin, workers > 0, 0.0)
+
+
+def test_plan_counts_every_tensor_of_a_real_batch():
+    dataset = RngDrawingDataset(64, image_size=16)
+    batch = default_collate([dataset[i] for i in range(16)])
+    one = 16 * 3 * 16 * 16 * 4 + 16 * 8  # float32 images + int64 labels
+    assert memory.batch_bytes(batch) == one
+    assert memory.batch_bytes({"x": batch[0], "more": [batch[1], np.zeros(10, np.float64)], "name": "a"}) == one + 80
+    plan = memory.plan(batch, settings(3, 2))
+    assert (plan.in_flight, plan.pinned_copies, plan.bytes) == (6, 0, 6 * one)
+    pinned = memory.plan(batch, settings(3, 2, pin=True))
+    assert (pinned.in_flight, pinned.pinned_copies, pinned.bytes) == (6, 6, 12 * one)
+    assert memory.plan(batch, settings(0)).bytes == 0
+    line = plan.line()
+    assert "prefetch" in line and "MiB" in line and "16x3x16x16 float32" in line and "3 workers x prefetch_factor 2" in line
+
+
+def test_batch_size_is_estimated_before_the_workers_without_touching_the_main_rng():
+    dataset = RngDrawingDataset(64, image_size=16)  # its items draw from torch, numpy and python random
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    estimate = memory.sample_batch_bytes(dataset, 16)
+    assert estimate == memory.batch_bytes(default_collate([dataset[i] for i in range(16)]))
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    memory.sample_batch_bytes(dataset, 16)
+    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
+    assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2] == after[2]
+
+
+def test_budget_lowers_prefetch_first_then_workers_and_says_so():
+    big = settings(4, 4)  # 16 batches of 1 MiB in flight
+    same, note = memory.fit_budget(big, MiB, 32)
+    assert same == big and note is None
+    assert memory.fit_budget(big, MiB, None) == (big, None)
+
+    fitted, note = memory.fit_budget(big, MiB, 8)  # 8 batches fit: 4 workers x 2
+    assert (fitted.num_workers, fitted.prefetch_factor) == (4, 2)
+    assert "prefetch_factor 4 -> 2" in note and "num_workers" not in note and "8.0 MiB in flight" in note
+
+    fitted, note = memory.fit_budget(big, MiB, 3.5)  # fewer batches than workers: one each, three workers
+    assert (fitted.num_workers, fitted.prefetch_factor, fitted.persistent_workers) == (3, 1, True)
+    assert "prefetch_factor 4 -> 1" in note and "num_workers 4 -> 3" in note
+
+    fitted, note = memory.fit_budget(big, MiB, 0.5)  # not even one batch: the main process loads
+    assert (fitted.num_workers, fitted.prefetch_factor, fitted.persistent_workers) == (0, None, False)
+    assert "num_workers 4 -> 0" in note and "main process" in note
+
+    fitted, _ = memory.fit_budget(settings(4, 4, pin=True), MiB, 8)  # pinned copies count double
+    assert (fitted.num_workers, fitted.prefetch_factor) == (4, 1)
+    assert memory.plan_for(fitted, MiB).mib <= 8
+
+
+def test_budget_error_refuses_in_one_line():
+    with pytest.raises(UserError, match="max_prefetch_mib=8") as caught:
+        memory.fit_budget(settings(4, 4), MiB, 8, on_budget="error")
+    assert "\n" not in str(caught.value) and "on_budget=adjust" in str(caught.value)
+    with pytest.raises(UserError, match="positive"):
+        memory.fit_budget(settings(), MiB, 0)
+
+
+def test_train_py_refuses_over_budget_with_on_budget_error(tmp_path):
+    proc = run_train(tmp_path, *RNG_DATA, "loader.max_prefetch_mib=0.01", "loader.on_budget=error", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: loader: the prefetch plan needs 0.2 MiB"), lines
+
+
+def test_train_py_adjusts_to_the_budget_and_logs_the_plan(tmp_path):
+    # one RNG_DATA batch is 16 x 3x16x16 float32 + 16 int64 = 48.1 KiB; balanced holds 4 (0.19 MiB), 0.1 MiB holds 2
+    proc = run_train(tmp_path, *RNG_DATA, "loader.max_prefetch_mib=0.1", "max_steps=4")
+    out = proc.stdout + proc.stderr
+    assert "loader: the prefetch plan (0.2 MiB) is over loader.max_prefetch_mib=0.1: prefetch_factor 2 -> 1" in out
+    assert "x 2 batches in flight (2 workers x prefetch_factor 1) = 0.1 MiB" in out

@@ -1,0 +1,329 @@
+"""The loader doctor: measure every loader profile on your data without training, then recommend one.
+
+    python -m {{ cookiecutter.package }}.doctor                          # the default data
+    python -m {{ cookiecutter.package }}.doctor data=imagefolder data.root=/images data.num_classes=10
+    python -m {{ cookiecutter.package }}.doctor loader.batch_size=128    # loader.* overrides apply to every profile
+
+Each profile in conf/loader/ is built as train.py builds it (resolve_settings, the memory budget,
+TrainLoader) and run for two epochs over an evenly spaced part of the training set
+(`batches_per_epoch()` batches), because epoch 2 is where persistent workers pay off. Measured:
+
+- worker start: from asking for the epoch's first batch until a worker begins its first item
+  (process start and worker_init_fn); the slowest worker counts, since the epoch waits for it.
+- dataset init in a worker: how much longer a worker's first item takes than its later ones
+  (files opened lazily, caches, decoders warming up).
+- first batch, epochs 1 and 2: how long the loop waits at each epoch start.
+- steady batches/s: epoch 2 after its first batch.
+- peak PSS: main process + workers, polled every 0.2 s.
+- the prefetch plan, and what was measured in shared memory once the queue had filled.
+- model batches/s: forward + backward of the configured model on one batch, on the run's device;
+  the rate the loader has to keep up with.
+
+The recommendation follows the decision table of the prefetch-memory notes: memory tight -> fewer
+workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
+starts -> persistent workers. A table is printed and everything goes to doctor.json in the run folder.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
+
+from . import config, health, memory, rng
+from .errors import UserError, find_user_error
+from .loader import TrainLoader, resolve_settings, usable_cpus
+
+log = logging.getLogger("doctor")
+config.register()
+
+MiB = 2**20
+MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
+START_SHARE = 0.05  # an epoch start costing more than this share of an epoch is worth persistent workers
+
+
+def batches_per_epoch(settings) -> int:
+    """Enough batches that the queue turns over several times, few enough to stay quick."""
+    return max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)
+
+
+class Probe(Dataset):
+    """Times each item in the process that makes it: its first item, and the ones after."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.first: tuple[float, float] | None = None  # (wall-clock start, seconds) of this process's first item
+        self.later: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        began = time.time()  # wall clock: comparable between processes
+        item = self.dataset[index]
+        took = time.time() - began
+        if self.first is None:
+            self.first = (began, took)
+        else:
+            self.later = self.later[-200:] + [took]
+        return item
+
+
+class ProbeCollate:
+    """The usual collate, plus the worker's first-item figures riding along with the batch."""
+
+    def __init__(self, probe: Probe):
+        self.probe = probe  # the same object as the worker's dataset copy: fork and pickling both keep the identity
+
+    def __call__(self, samples):
+        info = get_worker_info()
+        first = self.probe.first or (time.time(), 0.0)
+        steady = statistics.median(self.probe.later) if self.probe.later else 0.0
+        return default_collate(samples), {"pid": os.getpid(), "worker": info is not None, "began": first[0],
+                                          "first_s": first[1], "steady_s": steady}
+
+
+class PeakPss:
+    """Polls health.pss_mib() in a thread until stopped; keeps the highest reading."""
+
+    def __init__(self, every_s: float = 0.2):
+        self.every_s, self.peak, self._stop = every_s, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, health.pss_mib())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, health.pss_mib())
+
+
+def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
+    """Bytes of batches in shared memory once they stop growing (or reach what is expected)."""
+    pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
+    best, steady_since, deadline = 0, time.time(), time.time() + timeout_s
+    while time.time() < deadline:
+        now = health.shared_batches(pids)
+        if now > best:
+            best, steady_since = now, time.time()
+        if best >= expected_bytes or time.time() - steady_since > 0.5:
+            break
+        time.sleep(0.05)
+    return best
+
+
+def wait_for_workers_to_exit(timeout_s: float = 10.0) -> None:
+    gc.collect()  # the DataLoader iterator shuts its workers down when collected
+    deadline = time.time() + timeout_s
+    while psutil.Process().children() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> dict:
+    settings = resolve_settings(loader_cfg, device.type)
+    try:
+        settings, change = memory.fit_budget(settings, memory.sample_batch_bytes(dataset, settings.batch_size),
+                                             loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
+    except UserError as e:  # on_budget=error and over budget: this profile would not start
+        return {"profile": name, "refused": str(e)}
+    count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
+    part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
+    probe = Probe(part)
+    loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
+    result = {"profile": name, "num_workers": settings.num_workers, "prefetch_factor": settings.prefetch_factor,
+              "persistent_workers": settings.persistent_workers, "pin_memory": settings.pin_memory,
+              "batch_size": settings.batch_size, "budget_change": change, "batches_per_epoch": loader.batches_per_epoch}
+    with PeakPss() as peak:
+        for epoch in (1, 2):
+            asked, arrivals, reports = time.time(), [], {}
+            for batch, report in loader:
+                arrivals.append(time.time())
+                if report["worker"]:
+                    reports.setdefault(report["pid"], report)  # a worker's first batch carries its first item
+                if epoch == 1 and len(arrivals) == 1:
+                    plan = memory.plan(batch, settings)
+                    result["plan"], result["plan_mib"] = plan.line(), plan.mib
+                    del batch  # the loader's generator still holds it: the one batch in hand, taken off below
+                    held = wait_for_queue(plan.bytes + plan.batch_bytes)
+                    result["in_flight_mib"] = max(held - plan.batch_bytes, 0) / MiB
+            result[f"first_batch_e{epoch}_s"] = arrivals[0] - asked
+            if epoch == 1:  # fresh workers: when each began its first item, and how much longer that item took
+                result["worker_start_s"] = max((r["began"] - asked for r in reports.values()), default=None)
+                result["dataset_init_s"] = max((max(r["first_s"] - r["steady_s"], 0.0) for r in reports.values()),
+                                               default=None)
+            else:
+                span = arrivals[-1] - arrivals[0]
+                result["batches_per_s"] = (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
+    result["peak_pss_mib"] = peak.peak
+    del loader, probe
+    wait_for_workers_to_exit()
+    return result
+
+
+def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int = 5) -> float:
+    """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
+    saved = rng.capture()  # the model's initialisation draws from the main RNG; leave it as it was
+    try:
+        model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
+        x, y = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
+    finally:
+        rng.apply(saved)
+    x, y = x.to(device), y.to(device)
+    for i in range(steps + 2):  # two warm-up steps, then the timed ones
+        if i == 2:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return steps / (time.perf_counter() - began)
+
+
+def recommend(results: list[dict], current: str, model_bps: float, available_mib: float, cores: int,
+              full_batches: int) -> dict:
+    """The seed's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
+    ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
+    if not ran:
+        return {"profile": current, "overrides": [], "reasons": ["no profile produced two batches in epoch 2: nothing to compare"]}
+    by_name = {r["profile"]: r for r in ran}
+    now = by_name.get(current, ran[0])
+    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in-flight batches are in no PSS
+    fits = [r for r in ran if footprint[r["profile"]] <= MEMORY_SHARE * available_mib]
+    reasons, overrides = [], []
+    if footprint[now["profile"]] > MEMORY_SHARE * available_mib:
+        leanest = min(ran, key=lambda r: footprint[r["profile"]])
+        pick = leanest
+        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+                       f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
+                       f"peak at {footprint[leanest['profile']]:.0f} MiB")
+        if leanest["num_workers"] > 1 or (leanest["prefetch_factor"] or 0) > 1:
+            overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]
+    elif now["batches_per_s"] < 1.1 * model_bps and fits:
+        fastest = max(fits, key=lambda r: r["batches_per_s"])
+        pick = fastest if fastest["batches_per_s"] > 1.1 * now["batches_per_s"] else now
+        reasons.append(f"the model waits on data: it takes {model_bps:.1f} batches/s, {current} delivers "
+                       f"{now['batches_per_s']:.1f}, and memory is free")
+        if pick is not now:
+            reasons.append(f"more workers: {pick['profile']} delivers {pick['batches_per_s']:.1f} batches/s")
+        elif now["num_workers"] < cores:
+            overrides.append(f"loader.num_workers={min(cores, 2 * max(now['num_workers'], 1))}")
+            reasons.append(f"more workers: {cores} CPUs are usable, {current} uses {now['num_workers']}")
+        else:
+            reasons.append(f"the workers already use all {cores} CPUs: cheaper transforms, smaller images or more "
+                           "CPUs are what is left")
+    else:
+        pick = now
+        reasons.append(f"{current} keeps up: {now['batches_per_s']:.1f} batches/s from the loader, "
+                       f"{model_bps:.1f} batches/s taken by the model")
+    epoch_s = full_batches / pick["batches_per_s"]
+    restart = pick["first_batch_e2_s"]
+    if not pick["persistent_workers"] and pick["num_workers"] and restart > START_SHARE * epoch_s:
+        overrides.append("loader.persistent_workers=true")
+        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} of an "
+                       "epoch); persistent workers skip it, at the price of keeping their memory")
+    return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
+
+
+COLUMNS = [  # (key, header, format)
+    ("profile", "profile", "{}"), ("num_workers", "workers", "{}"), ("prefetch_factor", "prefetch", "{}"),
+    ("persistent_workers", "persistent", "{}"), ("plan_mib", "plan MiB", "{:.1f}"),
+    ("in_flight_mib", "in flight MiB", "{:.1f}"), ("worker_start_s", "worker start s", "{:.2f}"),
+    ("dataset_init_s", "dataset init s", "{:.2f}"), ("first_batch_e1_s", "1st batch e1 s", "{:.2f}"),
+    ("first_batch_e2_s", "1st batch e2 s", "{:.2f}"), ("batches_per_s", "batches/s", "{:.1f}"),
+    ("peak_pss_mib", "peak PSS MiB", "{:.0f}"),
+]
+
+
+def table(results: list[dict]) -> str:
+    rows = [[h for _, h, _ in COLUMNS]]
+    for r in results:
+        if "refused" in r:
+            rows.append([r["profile"], "refused: " + r["refused"]])
+            continue
+        rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    lines = []
+    for row in rows:
+        lines.append(row[0].ljust(widths[0]) + "  " + ("  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:]))
+                                                       if len(row) == len(COLUMNS) else row[1]))
+    return "\n".join(lines)
+
+
+def diagnose(cfg) -> dict:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    device = torch.device("cuda" if cfg.device.value != "cpu" and torch.cuda.is_available() else "cpu")
+    if cfg.device.value == "cuda" and device.type != "cuda":
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    rng.seed_everything(cfg.seed)
+    current = HydraConfig.get().runtime.choices.get("loader", "balanced")
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("loader=")]
+    profiles = GlobalHydra.instance().config_loader().get_group_options("loader")
+    available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
+    began = time.perf_counter()
+    train_set = instantiate(cfg.data.train)
+    build_s = time.perf_counter() - began
+    results = []
+    for name in profiles:
+        profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
+        log.info("measuring loader=%s", name)
+        results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed))
+    model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
+    full_batches = max(len(train_set) // cfg.loader.batch_size, 1)
+    advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
+    report = {
+        "machine": {"cpus": cores, "available_mib": available_mib, "device": str(device),
+                    "torch": torch.__version__, "python": sys.version.split()[0]},
+        "data": {"train_samples": len(train_set), "build_s": build_s, "full_epoch_batches": full_batches},
+        "model_batches_per_s": model_bps, "current": current, "profiles": results, "recommendation": advice,
+    }
+    (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
+    print(table(results))
+    print(f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
+          f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s")
+    for r in results:
+        if r.get("budget_change"):
+            print(f"{r['profile']}: {r['budget_change']}")
+    line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
+    print(f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]))
+    print(f"written: {run_dir / 'doctor.json'}")
+    return report
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg) -> None:
+    try:
+        diagnose(cfg)
+    except Exception as e:
+        error = find_user_error(e) or health.worker_death(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
