@@ -109,6 +109,8 @@ def train(cfg) -> int:
                     return finish(stop.exit_code)
             waiting_since = time.perf_counter()
         train_time = time.perf_counter() - started
+        if train_loader.epoch < cfg.epochs:  # persistent workers queue the next epoch's first batches during validation
+            train_loader.start_next_epoch()
         val_loss, val_acc = evaluate(model, val_loader, device, world)
         loss_sum, samples, rate, stopping = distributed.sum_all([loss_sum, samples, samples / train_time, float(stop.requested)], device, world)
         record = {

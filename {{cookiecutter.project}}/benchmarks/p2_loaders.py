@@ -1,5 +1,9 @@
 """P2: samples/s of our TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
+TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: the
+exact-resume overhead, budget 2% against DataLoader) and per_sample (also reseeding the three
+generators before every batch: budget 3% against per_worker).
+
     python benchmarks/p2_loaders.py            # pip install torchdata for the third column
 
 Same data (the generated shapes, decoded and augmented in the workers), batch 64, 2 workers,
@@ -41,9 +45,9 @@ def rate(loader) -> float:
 
 
 def build(kind: str, dataset):
-    if kind == "TrainLoader":
+    if kind.startswith("TrainLoader"):
         settings = LoaderSettings(BATCH, WORKERS, PREFETCH, False, True, 0.0)
-        return TrainLoader(dataset, settings, seed=0)
+        return TrainLoader(dataset, settings, seed=0, rng_mode=kind.split()[1])
     cls = DataLoader if kind == "DataLoader" else StatefulDataLoader
     return cls(dataset, batch_size=BATCH, shuffle=True, drop_last=True, num_workers=WORKERS, prefetch_factor=PREFETCH,
                persistent_workers=True, generator=torch.Generator().manual_seed(0))
@@ -52,18 +56,19 @@ def build(kind: str, dataset):
 def main() -> None:
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
     dataset = shapes("data/shapes", "train", transform=train_transform(32))
-    kinds = ["DataLoader", "TrainLoader"] + (["StatefulDataLoader"] if StatefulDataLoader else [])
+    kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"] + (["StatefulDataLoader"] if StatefulDataLoader else [])
     best = {k: 0.0 for k in kinds}
     for _ in range(ROUNDS):
         for kind in kinds:
             best[kind] = max(best[kind], rate(build(kind, dataset)))
     print(f"P2 loader samples/s, {len(dataset)} shapes images, batch {BATCH}, {WORKERS} workers, prefetch {PREFETCH}, "
           f"persistent; best of {ROUNDS} rounds x {EPOCHS} epochs")
-    print(f"{'loader':<20} {'samples/s':>10} {'/ DataLoader':>13}")
+    print(f"{'loader':<24} {'samples/s':>10} {'/ DataLoader':>13}")
     for kind in kinds:
-        print(f"{kind:<20} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
+        print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
+    print(f"rng_mode cost: per_sample / per_worker = {best['TrainLoader per_sample'] / best['TrainLoader per_worker']:.3f}")
     if StatefulDataLoader is None:
-        print(f"{'StatefulDataLoader':<20} skipped: torchdata cannot be imported here ({STATEFUL_WHY})")
+        print(f"{'StatefulDataLoader':<24} skipped: torchdata cannot be imported here ({STATEFUL_WHY})")
 
 
 if __name__ == "__main__":

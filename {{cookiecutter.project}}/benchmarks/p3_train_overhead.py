@@ -2,11 +2,12 @@
 
     python benchmarks/p3_train_overhead.py
 
-Both run 2 epochs of the default config (SmallCNN on the shapes data, loader=balanced, SGD) in their
-own process and report samples/s of epoch 2 (epoch 1 includes the workers' start), timed the same
-way: from asking for the first batch to the end of the last step, validation excluded. The bare
-loop has no scheduler, logging, health monitor, checkpoints or deterministic kernels. Goal:
-train.py / bare >= 0.97. The pair runs ROUNDS (2) times in turns and the best of each counts.
+Both run EPOCHS epochs of the default config (SmallCNN on the shapes data, loader=balanced, SGD) in
+their own process, timed the same way: samples/s from asking for an epoch's first batch to the end
+of its last step, validation excluded. The bare loop has no scheduler, logging, health monitor,
+checkpoints or deterministic kernels. The pair runs ROUNDS times in turns; the best epoch after the
+first (which includes the workers' start) of each counts, so that a moment when another job takes a
+core does not decide the result. Goal: train.py / bare >= 0.97.
 """
 
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ROUNDS = 2
+EPOCHS, ROUNDS = 3, 3
 
 
 def bare() -> float:
@@ -33,12 +34,12 @@ def bare() -> float:
 
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["epochs=2"])
+        cfg = compose("config", overrides=[f"epochs={EPOCHS}"])
     torch.manual_seed(cfg.seed)
     loader = TrainLoader(instantiate(cfg.data.train), resolve_settings(cfg.loader, "cpu"), seed=cfg.seed)
     model = instantiate(cfg.model, num_classes=cfg.data.num_classes)
     optimizer = instantiate(cfg.optim)(model.parameters())
-    rate = 0.0
+    rates = []
     for _ in range(cfg.epochs):
         model.train()
         samples, began = 0, time.perf_counter()
@@ -48,16 +49,16 @@ def bare() -> float:
             loss.backward()
             optimizer.step()
             samples += len(y)
-        rate = samples / (time.perf_counter() - began)
-    return rate  # the last epoch's
+        rates.append(samples / (time.perf_counter() - began))
+    return max(rates[1:])
 
 
 def train_py() -> float:
     with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, "train.py", "epochs=2", "progress=false", f"hydra.run.dir={run_dir}"],
+        subprocess.run([sys.executable, "train.py", f"epochs={EPOCHS}", "progress=false", f"hydra.run.dir={run_dir}"],
                        cwd=ROOT, check=True, capture_output=True)
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["samples_per_s"]
+        return max(json.loads(line)["samples_per_s"] for line in lines[1:])
 
 
 def main() -> None:
@@ -70,7 +71,8 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--bare"], cwd=ROOT, check=True, capture_output=True, text=True)
         best_bare = max(best_bare, json.loads(out.stdout.strip().splitlines()[-1]))
     ratio = best_train / best_bare
-    print("P3 training step rate, default config (SmallCNN, shapes, loader=balanced), epoch 2 samples/s")
+    print(f"P3 training step rate, default config (SmallCNN, shapes, loader=balanced), samples/s, best epoch of "
+          f"2-{EPOCHS} over {ROUNDS} rounds")
     print(f"{'loop':<10} {'samples/s':>10}")
     print(f"{'train.py':<10} {best_train:>10.1f}")
     print(f"{'bare':<10} {best_bare:>10.1f}")

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def wait_for_steps(run_dir: Path, count: int, timeout: float = 120) -> None:
+    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl), or `timeout` passed."""
+    steps, deadline = run_dir / "steps.jsonl", time.time() + timeout
+    while not (steps.exists() and steps.read_text().count("\n") >= count) and time.time() < deadline:
+        time.sleep(0.01)
 
 
 def load_ckpt(path: Path) -> dict:

@@ -3,22 +3,24 @@
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package }} import config
-from tests.conftest import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train
+from tests.conftest import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, wait_for_steps
 
 DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=2"]  # 2 x 100 samples, 6 steps per epoch
 
 
+def torchrun_cmd(run_dir, *overrides):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "train.py", *DATA, *overrides, f"hydra.run.dir={run_dir}"]
+
+
 def torchrun(run_dir, *overrides, expect=0, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "train.py", *DATA, *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -60,13 +62,8 @@ def test_world_size_mismatch_is_refused(tmp_path, straight):
 
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     run_dir = tmp_path / "first"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "train.py", *DATA, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    steps = run_dir / "steps.jsonl"
-    deadline = time.time() + 120
-    while not (steps.exists() and steps.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.01)
+    proc = subprocess.Popen(torchrun_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     ckpt = load_ckpt(run_dir / "checkpoints/last.pth")
@@ -106,10 +103,7 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
     cmd = [sys.executable, "-c", REQUEUE, str(marker), *DATA, "resume=latest", f"checkpoint.search_dir={job_dir}",
            f"hydra.run.dir={job_dir}"]
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    steps = job_dir / "steps.jsonl"
-    deadline = time.time() + 120
-    while not (steps.exists() and steps.read_text().count("\n") >= 3) and time.time() < deadline:
-        time.sleep(0.01)
+    wait_for_steps(job_dir, 3)
     proc.send_signal(signal.SIGUSR2)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and marker.read_text() == str(int(signal.SIGUSR2)), out[-2000:]

@@ -61,6 +61,10 @@ def test_exit_status_names_signal_and_code():
     assert health.exit_status(quitter.pid) == "exited with code 3"
     sleeper.join(), quitter.join()
     assert health.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
+    # PyTorch's "exited unexpectedly" comes after it reaped the worker; its Process object still knows how
+    line = health.worker_death(RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"))
+    assert line.startswith(f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
+                           f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"), line
 
 
 def test_killed_worker_stops_train_py_with_one_line(tmp_path):
@@ -82,7 +86,7 @@ def test_killed_worker_stops_train_py_with_one_line(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: DataLoader worker (pid {victim})") and "signal" in lines[0], err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: DataLoader worker (pid {victim}) killed by signal 9 (SIGKILL)"), err[-2000:]
 
 
 def test_worker_death_finds_the_message_in_a_chain():

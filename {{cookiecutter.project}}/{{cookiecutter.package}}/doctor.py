@@ -14,7 +14,7 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
   (files opened lazily, caches, decoders warming up).
 - first batch, epochs 1 and 2: how long the loop waits at each epoch start.
 - steady batches/s: epoch 2 after its first batch.
-- peak PSS: main process + workers, polled every 0.2 s.
+- peak PSS: main process + workers, polled every 0.2 s or more (at most a tenth of a core).
 - the prefetch plan, and what was measured in shared memory once the queue had filled.
 - model batches/s: forward + backward of the configured model on one batch, on the run's device;
   the rate the loader has to keep up with.
@@ -100,10 +100,14 @@ class ProbeCollate:
 
 
 class PeakPss:
-    """Polls health.pss_mib() in a thread until stopped; keeps the highest reading."""
+    """Polls health.pss_mib() in a thread until stopped; keeps the highest reading.
+
+    A reading costs ~10 ms of kernel time per process (smaps_rollup walks the page tables), so the
+    poll waits at least ten times what the last reading took: at most a tenth of a core."""
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.peak, self._stop = every_s, 0.0, threading.Event()
+        self._wait = every_s
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
@@ -116,8 +120,10 @@ class PeakPss:
         self.peak = max(self.peak, health.pss_mib())
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while not self._stop.wait(self._wait):
+            began = time.perf_counter()
             self.peak = max(self.peak, health.pss_mib())
+            self._wait = max(self.every_s, 10 * (time.perf_counter() - began))
 
 
 def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:

@@ -13,9 +13,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import multiprocessing.process
 import os
+import re
 import signal
+import threading
 import time
 
 import psutil
@@ -83,6 +87,25 @@ class WorkerDied(RuntimeError):
     """A train loader worker is gone while the run still needs it."""
 
 
+# PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
+# signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
+# unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
+TORCH_WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
+
+
+def _ended(pid: int) -> str | None:
+    """How a worker ended: from the kernel if it is not reaped yet, else from its multiprocessing.Process,
+    which PyTorch keeps in the iterator that the exception's traceback still references."""
+    status = exit_status(pid)
+    if status is not None:
+        return status
+    for obj in gc.get_objects():  # type(), not isinstance(): some objects answer __class__ with a deprecation warning
+        if issubclass(type(obj), multiprocessing.process.BaseProcess) and obj.pid == pid and obj.exitcode is not None:
+            code = obj.exitcode
+            return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+    return None
+
+
 def worker_death(exc: BaseException) -> str | None:
     """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
 
@@ -91,8 +114,13 @@ def worker_death(exc: BaseException) -> str | None:
     """
     while exc is not None:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        if isinstance(exc, WorkerDied) or (isinstance(exc, RuntimeError) and text.startswith("DataLoader worker (pid")
-                                           and ("killed by signal" in text or "exited unexpectedly" in text)):
+        found = TORCH_WORKER_DEATH.match(text) if isinstance(exc, RuntimeError) else None
+        if isinstance(exc, WorkerDied) or found:
+            if found:
+                pids = [int(p) for p in found.group(1).split(",")]
+                ends = [(pid, _ended(pid)) for pid in pids]
+                if all(how for _, how in ends):
+                    text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Killed" in text or "SIGKILL" in text:
                 return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
                         "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
@@ -137,16 +165,40 @@ def sample(worker_pids: set[int]) -> dict:
     }
 
 
+class Reading(threading.Thread):
+    """One `sample()` taken off the training loop: reading smaps_rollup makes the kernel walk each process's
+    page tables (~10 ms for a process holding PyTorch), and the loop need not stand still for that."""
+
+    def __init__(self, worker_pids: set[int]):
+        super().__init__(name="health-sample", daemon=True)
+        self.worker_pids, self.result, self.error = set(worker_pids), None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = sample(self.worker_pids)
+        except Exception as e:  # handed to the main thread by get()
+            self.error = e
+
+    def get(self) -> dict:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class Monitor:
     """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's
     workers still live); writes TensorBoard scalars under `health/` and hands the epoch figures to
-    metrics.jsonl. `runlog.enabled` is False on ranks other than 0: those sample but write nothing."""
+    metrics.jsonl. Readings run in a short-lived thread and are written once done (at the latest at
+    the epoch's end). `runlog.enabled` is False on ranks other than 0: those sample but write nothing."""
 
     def __init__(self, loader, runlog, every_steps: int):
         self.loader, self.runlog, self.every = loader, runlog, every_steps
         self.plan = None  # memory.Plan, set from the first batch
         self._epoch = None  # the epoch the window belongs to
         self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
+        self._pending: list[tuple[int, dict, Reading, str]] = []  # (step, window figures, reading, what for)
         self._epoch_sample: dict | None = None
         self._steps_seen = 0
         self._measured_logged = False
@@ -161,24 +213,43 @@ class Monitor:
         if self._epoch != self.loader.epoch:  # first step of an epoch: the window starts at the epoch start
             self._epoch, self._mark, self._epoch_sample = self.loader.epoch, (step - 1, 0.0, started), None
         self._steps_seen += 1
+        self._write_done()
         last = self.loader.position == self.loader.batches_per_epoch
         if self._measure_now():
-            self._log_measured(step)
+            self._measured_logged = True
+            self._pending.append((step, {}, Reading(self.loader.worker_pids), "measured"))
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
         self._check_workers()
         steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
         self._mark = (step, data_wait, now)
-        reading = sample(self.loader.worker_pids)
-        reading["wait_ms_per_step"] = 1000 * wait / steps
-        reading["compute_ms_per_step"] = 1000 * (elapsed - wait) / steps
-        reading["data_wait_share"] = wait / elapsed if elapsed > 0 else 0.0
-        if last:
-            self._epoch_sample = reading
-        if not self.runlog.enabled:
-            return
-        self.runlog.scalars("health", reading, step)
+        window = {"wait_ms_per_step": 1000 * wait / steps, "compute_ms_per_step": 1000 * (elapsed - wait) / steps,
+                  "data_wait_share": wait / elapsed if elapsed > 0 else 0.0}
+        self._pending.append((step, window, Reading(self.loader.worker_pids), "epoch end" if last else "sample"))
+        if last and not self.loader.settings.persistent_workers:
+            self._write_done(wait=True)  # these workers exit as soon as the loop asks for the next batch: read them now
+
+    def _write_done(self, wait: bool = False) -> None:
+        """Write the readings that have finished (all of them, waiting, with `wait`)."""
+        still = []
+        for step, window, reading, what in self._pending:
+            if reading.is_alive() and not wait:
+                still.append((step, window, reading, what))
+                continue
+            figures = {**reading.get(), **window}
+            if what == "epoch end":
+                self._epoch_sample = figures
+            if not self.runlog.enabled:
+                continue
+            if what == "measured":
+                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those in "
+                         "flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB (RSS %.0f MiB)",
+                         self.plan.mib, step, figures["shm_mib"], figures["main_pss_mib"], figures["workers_pss_mib"],
+                         figures["pss_mib"], figures["rss_mib"])
+            else:
+                self.runlog.scalars("health", figures, step)
+        self._pending = still
 
     def _measure_now(self) -> bool:
         """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
@@ -187,16 +258,9 @@ class Monitor:
         left = self.loader.batches_per_epoch - self.loader.position
         return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
-    def _log_measured(self, step: int) -> None:
-        self._measured_logged = True
-        reading = sample(self.loader.worker_pids)
-        log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those in flight "
-                 "and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB (RSS %.0f MiB)",
-                 self.plan.mib, step, reading["shm_mib"], reading["main_pss_mib"], reading["workers_pss_mib"],
-                 reading["pss_mib"], reading["rss_mib"])
-
     def epoch(self, data_wait: float, train_time: float) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, and its data wait share."""
+        self._write_done(wait=True)
         reading = self._epoch_sample or sample(self.loader.worker_pids)
         record = {
             "worker_count": reading["worker_count"],

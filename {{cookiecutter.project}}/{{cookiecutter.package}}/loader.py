@@ -238,6 +238,8 @@ class TrainLoader:
         self._streams: list = [None] * settings.num_workers  # RNG per stream after its last consumed batch; None: fresh
         self._base_seed: int | None = None  # seed base of the fresh generation, to rebuild streams still None
         self._workers_alive = False  # persistent workers started
+        self._pending = None  # the next epoch's batches, already asked of the workers (start_next_epoch)
+        self._generator_before_pending = None  # the generator as it was before that iterator drew a base seed
 
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
         s = self.settings
@@ -254,11 +256,29 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.batches_per_epoch - self.position
 
+    def start_next_epoch(self) -> None:
+        """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
+
+        Only with persistent workers: they are alive during validation anyway, and what they queue is
+        within the prefetch plan (non-persistent profiles keep their promise to free memory between
+        epochs). Nothing is consumed, so position and streams stay as they are; the generator is saved
+        as it was before this iterator drew its base seed, so a checkpoint taken meanwhile resumes exactly.
+        """
+        if self._pending is not None or self.position or not (self.settings.persistent_workers and self.settings.num_workers):
+            return
+        self._generator_before_pending = self.generator.get_state()
+        self.sampler.set_epoch(self.epoch, 0)
+        self._pending = iter(self._loader_for(0))
+
     def __iter__(self):
         workers, start = self.settings.num_workers, self.position
-        self.sampler.set_epoch(self.epoch, start)
         self.worker_pids = set()
-        for index, (batch, snapshot) in enumerate(self._loader_for(start), start):
+        if self._pending is not None:
+            batches, self._pending, self._generator_before_pending = self._pending, None, None
+        else:
+            self.sampler.set_epoch(self.epoch, start)
+            batches = self._loader_for(start)
+        for index, (batch, snapshot) in enumerate(batches, start):
             if snapshot is not None:
                 self._streams[index % workers] = snapshot.rng
                 if self._base_seed is None:
@@ -306,7 +326,7 @@ class TrainLoader:
             "persistent_workers": self.settings.persistent_workers,
             "world_size": self.sampler.world_size,
             "rng_mode": self.rng_mode,
-            "generator": self.generator.get_state(),
+            "generator": self.generator.get_state() if self._pending is None else self._generator_before_pending,
             "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
         }
 

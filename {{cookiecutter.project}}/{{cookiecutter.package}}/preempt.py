@@ -8,6 +8,7 @@ requeues a SLURM job on USR2) is called once the checkpoint is written: see `han
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -37,17 +38,28 @@ class StopRequest:
 
     @staticmethod
     def shield_worker(worker_id: int = 0) -> None:
-        """worker_init_fn part: a DataLoader worker ignores the stop signals; the main process decides when to stop.
+        """worker_init_fn part: a DataLoader worker leaves the stop signals to the main process.
 
         PyTorch's workers die on a SIGTERM that does not come from their parent, and torchrun (or
         SLURM) signals the whole process group: the main process would then fail on a dead worker
-        instead of finishing the step and saving. Workers still exit when the main process does.
+        instead of finishing the step and saving. So a worker ignores USR1/USR2/INT, and takes a
+        SIGTERM only from its parent (which is how the parent shuts it down at exit): SIGTERM is
+        blocked and a thread waits for it, reading who sent it.
         """
-        for signum in StopRequest.SIGNALS:
+        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
 
     def hand_over(self) -> None:
         """After saving: pass the signal to the handler we replaced, if it was a Python one (e.g. submitit's requeue)."""
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)
+
+
+def _exit_on_sigterm_from_parent() -> None:
+    parent = os.getppid()
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)  # exit code 0: the parent asked, so PyTorch does not report a failed worker

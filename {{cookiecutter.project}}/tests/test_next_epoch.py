@@ -1,0 +1,51 @@
+"""Persistent workers start the next epoch while validation runs (TrainLoader.start_next_epoch), and nothing changes:
+the same batches, and a checkpoint taken meanwhile resumes exactly."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader
+from tests.datasets import RngDrawingDataset
+
+
+def make(rng_mode, persistent=True):
+    return TrainLoader(RngDrawingDataset(64), LoaderSettings(8, 2, 2, False, persistent, 0.0), seed=3, rng_mode=rng_mode)
+
+
+def epoch(loader):
+    return [x.clone() for x, _ in loader]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("rng_mode", ["per_worker", "per_sample"])
+def test_next_epoch_started_early_changes_nothing(rng_mode):
+    straight = make(rng_mode)
+    expected = [epoch(straight) for _ in range(3)]
+
+    early = make(rng_mode)
+    got = [epoch(early)]
+    early.start_next_epoch()  # train.py: before validation
+    at_boundary = early.state_dict()  # train.py: the checkpoint written after validation
+    got += [epoch(early), epoch(early)]
+    assert all(same(g, e) for g, e in zip(got, expected))
+
+    resumed = make(rng_mode)  # a resumed run starts its persistent workers early: their iterator draws a base seed
+    resumed.load_state_dict(at_boundary)
+    before = resumed.generator.get_state()
+    resumed.start_next_epoch()
+    again = resumed.state_dict()
+    assert torch.equal(again["generator"], before) and not torch.equal(resumed.generator.get_state(), before)
+    assert same(epoch(resumed), expected[1])
+    second = make(rng_mode)
+    second.load_state_dict(again)
+    assert same(epoch(second), expected[1]) and same(epoch(second), expected[2])
+
+
+def test_only_persistent_workers_start_early():
+    loader = make("per_sample", persistent=False)
+    epoch(loader)
+    loader.start_next_epoch()  # non-persistent workers exit between epochs to free memory: not restarted early
+    assert loader._pending is None
