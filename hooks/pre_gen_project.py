@@ -11,9 +11,9 @@ PROJECT = {{ cookiecutter.project | tojson }}
 PACKAGE = {{ cookiecutter.package | tojson }}
 
 # Imports the generated project relies on, plus its own top-level names
-# (conf/, tests/, train.py): a package with one of these names would shadow them.
+# (conf/, tests/, benchmarks/, train.py): a package with one of these names would shadow them.
 TAKEN = {"torch", "torchvision", "hydra", "omegaconf", "numpy", "PIL", "tensorboard",
-         "tqdm", "psutil", "pytest", "conf", "tests", "train"} | set(sys.stdlib_module_names)
+         "tqdm", "psutil", "pytest", "conf", "tests", "benchmarks", "train"} | set(sys.stdlib_module_names)
 # Compared case-insensitively: on macOS and Windows a `Json/` folder shadows `json`.
 TAKEN_LOWER = {name.lower() for name in TAKEN}
 

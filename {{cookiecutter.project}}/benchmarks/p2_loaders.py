@@ -4,7 +4,7 @@ TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with 
 exact-resume overhead, budget 2% against DataLoader) and per_sample (also reseeding the three
 generators before every batch: budget 3% against per_worker).
 
-    python benchmarks/p2_loaders.py            # pip install torchdata for the third column
+    python benchmarks/p2_loaders.py            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
 
 Same data (the generated shapes, decoded and augmented in the workers), batch 64, 2 workers,
 prefetch 2, persistent workers. Each loader runs a warm-up epoch, then EPOCHS timed epochs; the

@@ -29,17 +29,33 @@ def test_sampler_shards_ranks_disjointly():
     assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 64
 
 
+def draw():
+    return torch.rand(3), np.random.rand(3), random.random()
+
+
+def same_draws(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
 def test_from_seed_matches_seeding_the_globals():
-    rng.apply(rng.from_seed(2**40 + 7))
-    drawn = (torch.rand(3), np.random.rand(3), random.random())
-    random.seed(2**40 + 7)
-    torch.manual_seed(2**40 + 7)
-    assert torch.equal(drawn[0], torch.rand(3)) and drawn[2] == random.random()
+    seed = 2**40 + 7
+    rng.apply(rng.from_seed(seed))
+    expected = draw()
+    rng.seed_cpu(seed)
+    assert same_draws(expected, draw())
+    random.seed(seed)
+    torch.manual_seed(seed)
+    got = draw()
+    assert torch.equal(expected[0], got[0]) and expected[2] == got[2]
+    rng.seed_cpu(seed + 1)
+    assert not same_draws(expected, draw())
+
+
+def test_saved_form_round_trips():
     saved = rng.to_saved(rng.capture())
-    expected = (torch.rand(2), np.random.rand(2), random.random())
+    expected = draw()
     rng.apply(rng.from_saved(saved))
-    again = (torch.rand(2), np.random.rand(2), random.random())
-    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+    assert same_draws(expected, draw())
 
 
 def epoch_batches(loader):

@@ -166,7 +166,7 @@ class SeededBatches(torch.utils.data.Dataset):
         in_main = get_worker_info() is None
         saved = rng.capture() if in_main else None
         key = np.random.SeedSequence([self.seed, self.rank, batch.epoch, batch.number]).generate_state(2, np.uint32)
-        rng.apply(rng.from_seed(int(key[0]) << 32 | int(key[1])))
+        rng.seed_cpu(int(key[0]) << 32 | int(key[1]))
         try:
             return self._fetch(batch)
         finally:
@@ -211,7 +211,7 @@ class SeedWorker:
     def __call__(self, worker_id: int) -> None:
         StopRequest.shield_worker()
         if self.streams is None:
-            rng.apply(rng.from_seed(get_worker_info().seed))
+            rng.seed_cpu(get_worker_info().seed)  # the state rng.from_seed(seed) describes, as the main process assumes
         else:
             rng.apply(self.streams[(worker_id + self.rotation) % len(self.streams)])
 
