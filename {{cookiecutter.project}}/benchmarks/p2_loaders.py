@@ -23,7 +23,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
-from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader  # noqa: E402
+from common import samples_per_s  # noqa: E402
+from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader  # noqa: E402
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -32,16 +33,6 @@ except Exception as e:  # not installed, or built for another torch
     StatefulDataLoader, STATEFUL_WHY = None, f"{type(e).__name__}: {e}"
 
 EPOCHS, ROUNDS, BATCH, WORKERS, PREFETCH = 2, 3, 64, 2, 2
-
-
-def rate(loader) -> float:
-    for _ in loader:  # warm-up epoch: workers start, files enter the page cache
-        pass
-    samples, began = 0, time.perf_counter()
-    for _ in range(EPOCHS):
-        for x, _y in loader:
-            samples += len(x)
-    return samples / (time.perf_counter() - began)
 
 
 def build(kind: str, dataset):
@@ -53,6 +44,23 @@ def build(kind: str, dataset):
                persistent_workers=True, generator=torch.Generator().manual_seed(0))
 
 
+def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tuple[float, float]:
+    """Seconds per batch to fetch the same batches in this process without and with the per-batch seeding.
+
+    Worker scheduling moves whole-loader samples/s by several percent between runs on a small
+    machine; timing the fetch itself, alternating the two, isolates what rng_mode adds."""
+    plain, seeded = SeededBatches(dataset, 0, 0, per_sample=False), SeededBatches(dataset, 0, 0, per_sample=True)
+    keys = [BatchIndices(list(range(i * BATCH, (i + 1) * BATCH)), 0, i) for i in range(batches)]
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(rounds):
+        for per_sample, wrapped in ((False, plain), (True, seeded)):
+            began = time.perf_counter()
+            for key in keys:
+                wrapped.__getitems__(key)
+            best[per_sample] = min(best[per_sample], time.perf_counter() - began)
+    return best[False] / batches, best[True] / batches
+
+
 def main() -> None:
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
     dataset = shapes("data/shapes", "train", transform=train_transform(32))
@@ -60,13 +68,16 @@ def main() -> None:
     best = {k: 0.0 for k in kinds}
     for _ in range(ROUNDS):
         for kind in kinds:
-            best[kind] = max(best[kind], rate(build(kind, dataset)))
+            best[kind] = max(best[kind], samples_per_s(build(kind, dataset), EPOCHS))
     print(f"P2 loader samples/s, {len(dataset)} shapes images, batch {BATCH}, {WORKERS} workers, prefetch {PREFETCH}, "
           f"persistent; best of {ROUNDS} rounds x {EPOCHS} epochs")
     print(f"{'loader':<24} {'samples/s':>10} {'/ DataLoader':>13}")
     for kind in kinds:
         print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
-    print(f"rng_mode cost: per_sample / per_worker = {best['TrainLoader per_sample'] / best['TrainLoader per_worker']:.3f}")
+    print(f"rng_mode cost: per_sample / per_worker samples/s = {best['TrainLoader per_sample'] / best['TrainLoader per_worker']:.3f} (whole loader)")
+    plain, seeded = fetch_cost_of_per_sample(dataset)
+    print(f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
+          f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)")
     if StatefulDataLoader is None:
         print(f"{'StatefulDataLoader':<24} skipped: torchdata cannot be imported here ({STATEFUL_WHY})")
 

@@ -9,7 +9,6 @@ batches, collating nothing but bookkeeping) and the OS take the rest. Goal >= 0.
 """
 
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,19 +19,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from {{ cookiecutter.package }} import config  # noqa: E402
 from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
+from common import samples_per_s  # noqa: E402
 from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus  # noqa: E402
 
 EPOCHS, ROUNDS = 2, 2  # the two settings take turns; the best round of each counts
-
-
-def rate(loader) -> float:
-    for _ in loader:  # warm-up epoch
-        pass
-    samples, began = 0, time.perf_counter()
-    for _ in range(EPOCHS):
-        for x, _y in loader:
-            samples += len(x)
-    return samples / (time.perf_counter() - began)
 
 
 def main() -> None:
@@ -45,9 +35,9 @@ def main() -> None:
     for _ in range(ROUNDS):
         torch.set_num_threads(1)
         alone = TrainLoader(dataset, LoaderSettings(throughput.batch_size, 0, None, False, False, 0.0), seed=0)
-        single = max(single, rate(alone))
+        single = max(single, samples_per_s(alone, EPOCHS))
         torch.set_num_threads(threads)
-        many = max(many, rate(TrainLoader(dataset, throughput, seed=0)))
+        many = max(many, samples_per_s(TrainLoader(dataset, throughput, seed=0), EPOCHS))
     ratio = many / (cores * single)
     print(f"P4 loader scaling, {len(dataset)} shapes images, batch {throughput.batch_size}, {EPOCHS} epochs after a warm-up, best of {ROUNDS} rounds")
     print(f"{'setting':<44} {'samples/s':>10}")
