@@ -4,7 +4,7 @@
     python train.py loader=throughput optim=adamw epochs=20
     python train.py resume=latest            # continue the newest run, bit for bit
 
-The machinery lives next to this file in {{ cookiecutter.package }}/: data, loader, resume, rng, monitor, model.
+The machinery lives next to this file in {{ cookiecutter.package }}/: data, loader, checkpoint, resume, rng, runlog, monitor, schedule, model.
 """
 
 import logging
@@ -20,11 +20,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from {{ cookiecutter.package }} import config, distributed, health, memory, resume, rng
+from {{ cookiecutter.package }} import checkpoint, config, distributed, memory, resume, rng
 from {{ cookiecutter.package }}.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
-from {{ cookiecutter.package }}.monitor import RunLog
-from {{ cookiecutter.package }}.optim import warmup_cosine
+from {{ cookiecutter.package }}.monitor import Monitor, worker_death
+from {{ cookiecutter.package }}.runlog import RunLog
+from {{ cookiecutter.package }}.schedule import warmup_cosine
 from {{ cookiecutter.package }}.preempt import StopRequest
 
 log = logging.getLogger("train")
@@ -39,7 +40,7 @@ def train(cfg) -> int:
     device = distributed.rank_device(device, world)
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir) if cfg.resume else None
-    ckpt = resume.load(found) if found else None
+    ckpt = checkpoint.load(found) if found else None
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     settings = resolve_settings(cfg.loader, device.type)
@@ -59,15 +60,15 @@ def train(cfg) -> int:
     if ckpt and world.is_main:
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
     val_loader = eval_loader(val_set, settings, world.rank, world.world_size)  # built once too
-    checkpoints = resume.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep) if world.is_main else None
+    checkpoints = checkpoint.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep) if world.is_main else None
     runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main)
-    monitor = health.Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
+    monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     show_bar = cfg.progress and sys.stderr.isatty() and world.is_main
 
     def save() -> None:  # every rank hands its RNG and loader state to rank 0, which writes the file once
         ranks = distributed.gather_to_main(resume.rank_state(train_loader), world)
         if world.is_main:
-            checkpoints.save(resume.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks))
+            checkpoints.save(checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks))
         distributed.barrier(world)
 
     def finish(code: int) -> int:
@@ -161,7 +162,7 @@ def main(cfg) -> None:
     try:
         code = train(cfg)
     except Exception as e:
-        error = find_user_error(e) or health.worker_death(e)  # a killed worker: its pid and signal, not a traceback
+        error = find_user_error(e) or worker_death(e)  # a killed worker: its pid and signal, not a traceback
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ its first batch and stops until the workers have filled every prefetch slot, and
 The difference is the memory the queue holds, measured two ways:
 
 - held: the PyTorch shared-memory files that the main process and the workers hold open
-  (health.shared_batches), the same reading train.py logs beside its plan;
+  (monitor.shared_batches), the same reading train.py logs beside its plan;
 - system: the machine's Shmem (/proc/meminfo) plus the private memory (Pss_Anon + Pss_File from
   smaps_rollup) of main + workers. Queued batches sit in shared-memory files that no process has
   mapped yet, so PSS alone misses them. Needs an otherwise quiet machine.
@@ -32,7 +32,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from {{ cookiecutter.package }} import health, memory  # noqa: E402
+from {{ cookiecutter.package }} import memory, monitor  # noqa: E402
 from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
 from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader  # noqa: E402
 
@@ -61,7 +61,7 @@ def system_mib() -> float:
 
 def held_mib() -> float:
     main = psutil.Process()
-    return health.shared_batches([main.pid] + [c.pid for c in main.children(recursive=True)]) / MiB
+    return monitor.shared_batches([main.pid] + [c.pid for c in main.children(recursive=True)]) / MiB
 
 
 def settle(plan_bytes: int, timeout_s: float = 20.0) -> None:

@@ -3,9 +3,13 @@
 import random
 import time
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from {{ cookiecutter.package }}.stream import ShardedStream
 
 
 class RngDrawingDataset(Dataset):
@@ -38,3 +42,21 @@ class SlowItems(RngDrawingDataset):
     def __getitem__(self, index: int):
         time.sleep(self.item_s)
         return super().__getitem__(index)
+
+
+class CountingShard:
+    """A stand-in shard reader: shard `s` holds records `(s, i)` for `i < per_shard`, each with a small tensor.
+
+    A real reader opens a file here (tar, parquet, lines of JSON) and yields decoded samples.
+    """
+
+    def __init__(self, per_shard: int, size: int = 8):
+        self.per_shard, self.size = per_shard, size
+
+    def __call__(self, shard: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for i in range(self.per_shard):
+            yield shard, i, torch.full((self.size,), float(shard * self.per_shard + i))
+
+
+def counting_stream(num_shards: int = 8, per_shard: int = 100) -> ShardedStream:
+    return ShardedStream(range(num_shards), CountingShard(per_shard))

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import resolve_settings, usable_cpus
-from tests.conftest import PROJECT, run_train
+from tests.helpers import PROJECT, run_train
 
 config.register()
 PROFILES = ["memory-tight", "balanced", "throughput"]

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package }} import config
-from tests.conftest import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, wait_for_steps
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=2"]  # 2 x 100 samples, 6 steps per epoch
 
@@ -23,11 +23,6 @@ def torchrun(run_dir, *overrides, expect=0, timeout=300):
     proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
-
-
-def same_weights(a, b) -> bool:
-    a, b = load_ckpt(a)["model"], load_ckpt(b)["model"]
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from {{ cookiecutter.package }}.doctor import recommend
-from tests.conftest import PROJECT
+from tests.helpers import PROJECT
 
 PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
 

@@ -6,12 +6,9 @@ import numpy as np
 import torch
 
 from {{ cookiecutter.package }} import rng
-from {{ cookiecutter.package }}.loader import EpochBatchSampler, LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
 from tests.datasets import RngDrawingDataset
-
-
-def settings(workers, persistent=True, prefetch=2):
-    return LoaderSettings(8, workers, prefetch if workers else None, False, persistent and workers > 0, 0.0)
+from tests.helpers import loader_settings
 
 
 def test_sampler_is_a_permutation_per_epoch_and_skips_without_loading():
@@ -63,17 +60,17 @@ def epoch_batches(loader):
 
 
 def test_workers_seeded_from_seed_and_distinct():
-    loader = TrainLoader(RngDrawingDataset(64), settings(2), seed=5, rng_mode="per_worker")
+    loader = TrainLoader(RngDrawingDataset(64), loader_settings(8, 2), seed=5, rng_mode="per_worker")
     a = epoch_batches(loader)
-    b = epoch_batches(TrainLoader(RngDrawingDataset(64), settings(2), seed=5, rng_mode="per_worker"))
-    c = epoch_batches(TrainLoader(RngDrawingDataset(64), settings(2), seed=6, rng_mode="per_worker"))
+    b = epoch_batches(TrainLoader(RngDrawingDataset(64), loader_settings(8, 2), seed=5, rng_mode="per_worker"))
+    c = epoch_batches(TrainLoader(RngDrawingDataset(64), loader_settings(8, 2), seed=6, rng_mode="per_worker"))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], c[0])
     assert len(loader.worker_pids) == 2
 
 
 def test_persistent_workers_live_across_epochs_and_streams_run_on():
-    loader = TrainLoader(RngDrawingDataset(64), settings(2), seed=5)
+    loader = TrainLoader(RngDrawingDataset(64), loader_settings(8, 2), seed=5)
     first = epoch_batches(loader)
     pids = set(loader.worker_pids)
     second = epoch_batches(loader)
@@ -82,10 +79,10 @@ def test_persistent_workers_live_across_epochs_and_streams_run_on():
 
 
 def test_per_sample_batches_do_not_depend_on_workers():
-    runs = [epoch_batches(TrainLoader(RngDrawingDataset(48), settings(w), seed=2)) for w in (0, 1, 3)]
+    runs = [epoch_batches(TrainLoader(RngDrawingDataset(48), loader_settings(8, w), seed=2)) for w in (0, 1, 3)]
     assert all(torch.equal(x, y) for other in runs[1:] for x, y in zip(runs[0], other))
     main_before = torch.get_rng_state()
-    epoch_batches(TrainLoader(RngDrawingDataset(48), settings(0), seed=2))
+    epoch_batches(TrainLoader(RngDrawingDataset(48), loader_settings(8, 0), seed=2))
     assert torch.equal(main_before, torch.get_rng_state())  # data randomness leaves the main RNG alone
 
 
@@ -93,17 +90,17 @@ def test_state_dict_mid_epoch_resumes_exactly():
     """rng_mode=per_worker: the workers' own streams are saved and restored."""
     for workers, persistent in ((0, False), (2, True), (3, False), (3, True)):
         rng.seed_everything(9)  # with 0 workers the dataset draws from the main RNG
-        straight = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        straight = TrainLoader(RngDrawingDataset(80), loader_settings(8, workers, persistent), seed=1, rng_mode="per_worker")
         expected = epoch_batches(straight) + epoch_batches(straight)
         rng.seed_everything(9)
-        first = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        first = TrainLoader(RngDrawingDataset(80), loader_settings(8, workers, persistent), seed=1, rng_mode="per_worker")
         got = epoch_batches(first)
         for i, (x, _) in enumerate(first):
             got.append(x.clone())
             if i == 3:
                 break
         state, main_rng = first.state_dict(), rng.capture_main()
-        resumed = TrainLoader(RngDrawingDataset(80), settings(workers, persistent), seed=1, rng_mode="per_worker")
+        resumed = TrainLoader(RngDrawingDataset(80), loader_settings(8, workers, persistent), seed=1, rng_mode="per_worker")
         resumed.load_state_dict(state)
         rng.restore_main(main_rng)
         got += epoch_batches(resumed)

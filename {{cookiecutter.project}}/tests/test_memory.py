@@ -9,15 +9,10 @@ from torch.utils.data import default_collate
 
 from {{ cookiecutter.package }} import memory
 from {{ cookiecutter.package }}.errors import UserError
-from {{ cookiecutter.package }}.loader import LoaderSettings
-from tests.conftest import RNG_DATA, run_train
+from tests.helpers import RNG_DATA, loader_settings, run_train
 from tests.datasets import RngDrawingDataset
 
 MiB = 2**20
-
-
-def settings(workers=2, prefetch=2, pin=False):
-    return LoaderSettings(16, workers, prefetch if workers else None, pin, workers > 0, 0.0)
 
 
 def test_plan_counts_every_tensor_of_a_real_batch():
@@ -26,11 +21,11 @@ def test_plan_counts_every_tensor_of_a_real_batch():
     one = 16 * 3 * 16 * 16 * 4 + 16 * 8  # float32 images + int64 labels
     assert memory.batch_bytes(batch) == one
     assert memory.batch_bytes({"x": batch[0], "more": [batch[1], np.zeros(10, np.float64)], "name": "a"}) == one + 80
-    plan = memory.plan(batch, settings(3, 2))
+    plan = memory.plan(batch, loader_settings(16, 3, prefetch=2))
     assert (plan.in_flight, plan.pinned_copies, plan.bytes) == (6, 0, 6 * one)
-    pinned = memory.plan(batch, settings(3, 2, pin=True))
+    pinned = memory.plan(batch, loader_settings(16, 3, prefetch=2, pin=True))
     assert (pinned.in_flight, pinned.pinned_copies, pinned.bytes) == (6, 6, 12 * one)
-    assert memory.plan(batch, settings(0)).bytes == 0
+    assert memory.plan(batch, loader_settings(16, 0)).bytes == 0
     line = plan.line()
     assert "prefetch" in line and "MiB" in line and "16x3x16x16 float32" in line and "3 workers x prefetch_factor 2" in line
 
@@ -48,7 +43,7 @@ def test_batch_size_is_estimated_before_the_workers_without_touching_the_main_rn
 
 
 def test_budget_lowers_prefetch_first_then_workers_and_says_so():
-    big = settings(4, 4)  # 16 batches of 1 MiB in flight
+    big = loader_settings(16, 4, prefetch=4)  # 16 batches of 1 MiB in flight
     same, note = memory.fit_budget(big, MiB, 32)
     assert same == big and note is None
     assert memory.fit_budget(big, MiB, None) == (big, None)
@@ -65,17 +60,17 @@ def test_budget_lowers_prefetch_first_then_workers_and_says_so():
     assert (fitted.num_workers, fitted.prefetch_factor, fitted.persistent_workers) == (0, None, False)
     assert "num_workers 4 -> 0" in note and "main process" in note
 
-    fitted, _ = memory.fit_budget(settings(4, 4, pin=True), MiB, 8)  # pinned copies count double
+    fitted, _ = memory.fit_budget(loader_settings(16, 4, prefetch=4, pin=True), MiB, 8)  # pinned copies count double
     assert (fitted.num_workers, fitted.prefetch_factor) == (4, 1)
     assert memory.plan_for(fitted, MiB).mib <= 8
 
 
 def test_budget_error_refuses_in_one_line():
     with pytest.raises(UserError, match="max_prefetch_mib=8") as caught:
-        memory.fit_budget(settings(4, 4), MiB, 8, on_budget="error")
+        memory.fit_budget(loader_settings(16, 4, prefetch=4), MiB, 8, on_budget="error")
     assert "\n" not in str(caught.value) and "on_budget=adjust" in str(caught.value)
     with pytest.raises(UserError, match="positive"):
-        memory.fit_budget(settings(), MiB, 0)
+        memory.fit_budget(loader_settings(16), MiB, 0)
 
 
 def test_train_py_refuses_over_budget_with_on_budget_error(tmp_path):

@@ -14,17 +14,12 @@ import time
 import pytest
 import torch
 
-from tests.conftest import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, wait_for_steps
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 # Each worker's own RNG streams, captured and restored: the mode whose exactness needs the most care.
 DATA = [*RNG_DATA, "rng_mode=per_worker"]
 
 STEPS = 36  # 3 epochs x 12 batches
-
-
-def same_weights(a, b) -> bool:
-    a, b = load_ckpt(a)["model"], load_ckpt(b)["model"]
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +129,7 @@ def test_resume_latest_finds_the_newest(tmp_path):
 
 SAVER = """
 import sys, torch
-from {{ cookiecutter.package }}.resume import Checkpointer
+from {{ cookiecutter.package }}.checkpoint import Checkpointer
 saver = Checkpointer(__import__("pathlib").Path(sys.argv[1]), keep=1)
 step = 0
 while True:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import RNG_DATA, load_ckpt, run_train
+from tests.helpers import RNG_DATA, load_ckpt, run_train
 
 SETUPS = [
     ("loader=memory-tight",),

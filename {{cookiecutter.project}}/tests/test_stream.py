@@ -3,7 +3,8 @@
 import pytest
 from torch.utils.data import DataLoader
 
-from {{ cookiecutter.package }}.stream import CountingShard, ShardedStream, example
+from {{ cookiecutter.package }}.stream import ShardedStream
+from tests.datasets import CountingShard, counting_stream
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3-4 workers on a 2-CPU runner
 
@@ -16,7 +17,7 @@ def keys(dataset, workers):
 @pytest.mark.parametrize("workers", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("shards", [7, 2], ids=["whole-shards", "records-strided"])
 def test_every_sample_once(workers, shards):
-    got = keys(example(num_shards=shards, per_shard=13), workers)
+    got = keys(counting_stream(num_shards=shards, per_shard=13), workers)
     assert sorted(got) == [(s, i) for s in range(shards) for i in range(13)]
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import load_ckpt, read_jsonl, run_train
+from tests.helpers import load_ckpt, read_jsonl, run_train
 
 EPOCH_KEYS = {"epoch", "step", "train_loss", "val_loss", "val_acc", "samples_per_s", "data_wait_s", "worker_pids"}
 

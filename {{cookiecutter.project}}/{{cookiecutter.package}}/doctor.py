@@ -46,7 +46,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
-from . import config, health, memory, rng
+from . import config, memory, monitor, rng
 from .errors import UserError, find_user_error
 from .loader import TrainLoader, resolve_settings, usable_cpus
 
@@ -100,7 +100,7 @@ class ProbeCollate:
 
 
 class PeakPss:
-    """Polls health.pss_mib() in a thread until stopped; keeps the highest reading.
+    """Polls monitor.pss_mib() in a thread until stopped; keeps the highest reading.
 
     A reading costs ~10 ms of kernel time per process (smaps_rollup walks the page tables), so the
     poll waits at least ten times what the last reading took: at most a tenth of a core."""
@@ -117,12 +117,12 @@ class PeakPss:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, health.pss_mib())
+        self.peak = max(self.peak, monitor.pss_mib())
 
     def _run(self) -> None:
         while not self._stop.wait(self._wait):
             began = time.perf_counter()
-            self.peak = max(self.peak, health.pss_mib())
+            self.peak = max(self.peak, monitor.pss_mib())
             self._wait = max(self.every_s, 10 * (time.perf_counter() - began))
 
 
@@ -131,7 +131,7 @@ def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
     pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
     best, steady_since, deadline = 0, time.time(), time.time() + timeout_s
     while time.time() < deadline:
-        now = health.shared_batches(pids)
+        now = monitor.shared_batches(pids)
         if now > best:
             best, steady_since = now, time.time()
         if best >= expected_bytes or time.time() - steady_since > 0.5:
@@ -324,7 +324,7 @@ def main(cfg) -> None:
     try:
         diagnose(cfg)
     except Exception as e:
-        error = find_user_error(e) or health.worker_death(e)
+        error = find_user_error(e) or monitor.worker_death(e)
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -1,62 +1,283 @@
-"""What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
-per optimizer step) and TensorBoard event files under `tb/`."""
+"""Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits on data.
+
+- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages,
+  and RSS counts a shared page once in every process that maps it. PSS splits each shared page
+  between them, so PSS summed over main + workers is what the run really holds (Linux; elsewhere
+  psutil has no PSS and USS is used).
+- A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the
+  worker holds open but no process has mapped yet, so it is in nobody's PSS. `shm_mib` counts those
+  files directly: it is the measured counterpart of the prefetch plan (memory.py).
+- A worker that dies is named with its signal or exit code. PyTorch's own SIGCHLD handler usually
+  raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check here covers the gaps.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import gc
+import logging
+import multiprocessing.process
+import os
+import re
+import signal
+import threading
+import time
 
-from torch.utils.tensorboard import SummaryWriter
+import psutil
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
 
 
-class RunLog:
-    """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op."""
+def _memory(proc: psutil.Process) -> tuple[int, int]:
+    info = proc.memory_full_info()
+    return info.rss, getattr(info, "pss", getattr(info, "uss", info.rss))
 
-    def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True):
-        self.enabled = enabled
-        if not enabled:
+
+def _fds(proc: psutil.Process) -> int:
+    return proc.num_fds() if hasattr(proc, "num_fds") else proc.num_handles()
+
+
+def shared_batches(pids) -> int:
+    """Bytes of PyTorch shared-memory files (batches in flight) held open by these processes, each file once."""
+    seen: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # not Linux, or the process is gone
+            continue
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if "/torch_" not in os.readlink(path):
+                    continue
+                st = os.stat(path)
+            except OSError:  # closed meanwhile
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def exit_status(pid: int) -> str | None:
+    """How a child process ended, without reaping it ("killed by signal 9 (SIGKILL)"); None while it runs."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, AttributeError, OSError):  # already reaped (a normal shutdown), or not POSIX
+        return None
+    if info is None:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"killed by signal {info.si_status} ({signal.Signals(info.si_status).name})"
+    return f"exited with code {info.si_status}"
+
+
+def pss_mib() -> float:
+    """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
+    main = psutil.Process()
+    total = _memory(main)[1]
+    for child in main.children(recursive=True):
+        try:
+            total += _memory(child)[1]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
+            continue
+    return total / MiB
+
+
+class WorkerDied(RuntimeError):
+    """A train loader worker is gone while the run still needs it."""
+
+
+# PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
+# signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
+# unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
+TORCH_WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
+
+
+def _ended(pid: int) -> str | None:
+    """How a worker ended: from the kernel if it is not reaped yet, else from its multiprocessing.Process,
+    which PyTorch keeps in the iterator that the exception's traceback still references."""
+    status = exit_status(pid)
+    if status is not None:
+        return status
+    for obj in gc.get_objects():  # type(), not isinstance(): some objects answer __class__ with a deprecation warning
+        if issubclass(type(obj), multiprocessing.process.BaseProcess) and obj.pid == pid and obj.exitcode is not None:
+            code = obj.exitcode
+            return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+    return None
+
+
+def worker_death(exc: BaseException) -> str | None:
+    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
+
+    The traceback of such an error shows only where the main process noticed, never why the worker
+    died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
+    """
+    while exc is not None:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        found = TORCH_WORKER_DEATH.match(text) if isinstance(exc, RuntimeError) else None
+        if isinstance(exc, WorkerDied) or found:
+            if found:
+                pids = [int(p) for p in found.group(1).split(",")]
+                ends = [(pid, _ended(pid)) for pid in pids]
+                if all(how for _, how in ends):
+                    text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
+            if "Killed" in text or "SIGKILL" in text:
+                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
+                        "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
+            return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def sample(worker_pids: set[int]) -> dict:
+    """One reading of this process and its children.
+
+    `workers_*` and `fds` cover every live child process: the train loader's workers, the persistent
+    validation workers and anything a dataset spawned; all of it is memory the run holds.
+    `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches).
+    """
+    main = psutil.Process()
+    main_rss, main_pss = _memory(main)
+    fds = _fds(main)
+    workers_rss = workers_pss = 0
+    live, train_workers = [main.pid], 0
+    for child in main.children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rss, pss = _memory(child)
+            fds += _fds(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
+            continue
+        workers_rss, workers_pss = workers_rss + rss, workers_pss + pss
+        live.append(child.pid)
+        train_workers += child.pid in worker_pids
+    return {
+        "worker_count": train_workers,
+        "rss_mib": (main_rss + workers_rss) / MiB,
+        "pss_mib": (main_pss + workers_pss) / MiB,
+        "main_rss_mib": main_rss / MiB,
+        "main_pss_mib": main_pss / MiB,
+        "workers_rss_mib": workers_rss / MiB,
+        "workers_pss_mib": workers_pss / MiB,
+        "fds": fds,
+        "shm_mib": shared_batches(live) / MiB,
+    }
+
+
+class Reading(threading.Thread):
+    """One `sample()` taken off the training loop: reading smaps_rollup makes the kernel walk each process's
+    page tables (~10 ms for a process holding PyTorch), and the loop need not stand still for that."""
+
+    def __init__(self, worker_pids: set[int]):
+        super().__init__(name="health-sample", daemon=True)
+        self.worker_pids, self.result, self.error = set(worker_pids), None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = sample(self.worker_pids)
+        except Exception as e:  # handed to the main thread by get()
+            self.error = e
+
+    def get(self) -> dict:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Monitor:
+    """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's
+    workers still live); writes TensorBoard scalars under `health/` and hands the epoch figures to
+    metrics.jsonl. Readings run in a short-lived thread and are written once done (at the latest at
+    the epoch's end). `runlog.enabled` is False on ranks other than 0: those sample but write nothing."""
+
+    def __init__(self, loader, runlog, every_steps: int):
+        self.loader, self.runlog, self.every = loader, runlog, every_steps
+        self.plan = None  # memory.Plan, set from the first batch
+        self._epoch = None  # the epoch the window belongs to
+        self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
+        self._pending: list[tuple[int, dict, Reading, str]] = []  # (step, window figures, reading, what for)
+        self._epoch_sample: dict | None = None
+        self._steps_seen = 0
+        self._measured_logged = False
+
+    def set_plan(self, plan) -> None:
+        self.plan = plan
+        if self.runlog.enabled:
+            log.info(plan.line())
+
+    def step(self, step: int, data_wait: float, started: float) -> None:
+        """Call once per step with the epoch's cumulative data wait and its start time (perf_counter)."""
+        if self._epoch != self.loader.epoch:  # first step of an epoch: the window starts at the epoch start
+            self._epoch, self._mark, self._epoch_sample = self.loader.epoch, (step - 1, 0.0, started), None
+        self._steps_seen += 1
+        self._write_done()
+        last = self.loader.position == self.loader.batches_per_epoch
+        if self._measure_now():
+            self._measured_logged = True
+            self._pending.append((step, {}, Reading(self.loader.worker_pids), "measured"))
+        if not (last or (self.every and step % self.every == 0)):
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if purge_step is not None:  # resuming into a folder a crashed run also wrote: drop its lines past the checkpoint
-            for name in ("metrics.jsonl", "steps.jsonl"):
-                drop_records_from(run_dir / name, purge_step)
-        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self.steps = open(run_dir / "steps.jsonl", "a", buffering=1)
-        # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
+        now = time.perf_counter()
+        self._check_workers()
+        steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
+        self._mark = (step, data_wait, now)
+        window = {"wait_ms_per_step": 1000 * wait / steps, "compute_ms_per_step": 1000 * (elapsed - wait) / steps,
+                  "data_wait_share": wait / elapsed if elapsed > 0 else 0.0}
+        self._pending.append((step, window, Reading(self.loader.worker_pids), "epoch end" if last else "sample"))
+        if last and not self.loader.settings.persistent_workers:
+            self._write_done(wait=True)  # these workers exit as soon as the loop asks for the next batch: read them now
 
-    def step(self, step: int, loss: float, lr: float) -> None:
-        if not self.enabled:
-            return
-        self.steps.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
-        self.tb.add_scalar("train/loss", loss, step)
-        self.tb.add_scalar("train/lr", lr, step)
+    def _write_done(self, wait: bool = False) -> None:
+        """Write the readings that have finished (all of them, waiting, with `wait`)."""
+        still = []
+        for step, window, reading, what in self._pending:
+            if reading.is_alive() and not wait:
+                still.append((step, window, reading, what))
+                continue
+            figures = {**reading.get(), **window}
+            if what == "epoch end":
+                self._epoch_sample = figures
+            if not self.runlog.enabled:
+                continue
+            if what == "measured":
+                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those in "
+                         "flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB (RSS %.0f MiB)",
+                         self.plan.mib, step, figures["shm_mib"], figures["main_pss_mib"], figures["workers_pss_mib"],
+                         figures["pss_mib"], figures["rss_mib"])
+            else:
+                self.runlog.scalars("health", figures, step)
+        self._pending = still
 
-    def epoch(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.metrics.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("epoch", "step"):
-                self.tb.add_scalar(f"epoch/{key}", value, record["step"])
-        self.tb.flush()
+    def _measure_now(self) -> bool:
+        """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
+        if self.plan is None or self._measured_logged or not self.runlog.enabled:
+            return False
+        left = self.loader.batches_per_epoch - self.loader.position
+        return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
-    def scalars(self, group: str, values: dict, step: int) -> None:
-        """TensorBoard only, e.g. the loader health samples under `health/`."""
-        if not self.enabled:
-            return
-        for key, value in values.items():
-            self.tb.add_scalar(f"{group}/{key}", value, step)
+    def epoch(self, data_wait: float, train_time: float) -> dict:
+        """The epoch's keys for metrics.jsonl: the reading at its last batch, and its data wait share."""
+        self._write_done(wait=True)
+        reading = self._epoch_sample or sample(self.loader.worker_pids)
+        record = {
+            "worker_count": reading["worker_count"],
+            "rss_mib": round(reading["rss_mib"], 1),
+            "pss_mib": round(reading["pss_mib"], 1),
+            "fds": reading["fds"],
+            "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
+        }
+        if self.runlog.enabled:
+            log.info("health: %d workers, PSS %.0f MiB (main %.0f + workers %.0f), RSS %.0f MiB, %d fds, "
+                     "%.1f MiB batches in shared memory, data wait %.0f%% of the epoch", record["worker_count"],
+                     reading["pss_mib"], reading["main_pss_mib"], reading["workers_pss_mib"], reading["rss_mib"],
+                     record["fds"], reading["shm_mib"], 100 * record["data_wait_share"])
+        return record
 
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.tb.close()
-        self.metrics.close()
-        self.steps.close()
-
-
-def drop_records_from(path: Path, step: int) -> None:
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
+    def _check_workers(self) -> None:
+        for pid in sorted(self.loader.worker_pids):
+            status = exit_status(pid)
+            if status is not None:
+                raise WorkerDied(f"DataLoader worker (pid {pid}) {status}")

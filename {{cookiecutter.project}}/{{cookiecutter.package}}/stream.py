@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 
@@ -48,21 +47,3 @@ class ShardedStream(IterableDataset):
                 if position % readers == me:
                     yield record
                 position += 1
-
-
-class CountingShard:
-    """The example's reader: shard `s` holds records `(s, i)` for `i < per_shard`, each with a small tensor.
-
-    A real reader opens a file here (tar, parquet, lines of JSON) and yields decoded samples.
-    """
-
-    def __init__(self, per_shard: int, size: int = 8):
-        self.per_shard, self.size = per_shard, size
-
-    def __call__(self, shard: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for i in range(self.per_shard):
-            yield shard, i, torch.full((self.size,), float(shard * self.per_shard + i))
-
-
-def example(num_shards: int = 8, per_shard: int = 100) -> ShardedStream:
-    return ShardedStream(range(num_shards), CountingShard(per_shard))

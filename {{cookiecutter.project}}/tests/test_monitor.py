@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from {{ cookiecutter.package }} import health
-from tests.conftest import PROJECT, RNG_DATA, read_jsonl, run_train
+from {{ cookiecutter.package }} import monitor
+from tests.helpers import PROJECT, RNG_DATA, read_jsonl, run_train
 
 HEALTH_KEYS = {"worker_count", "rss_mib", "pss_mib", "fds", "data_wait_share"}
 
@@ -48,21 +48,21 @@ def test_exit_status_names_signal_and_code():
     ctx = mp.get_context("fork")
     sleeper = ctx.Process(target=time.sleep, args=(60,))
     sleeper.start()
-    assert health.exit_status(sleeper.pid) is None  # still running
+    assert monitor.exit_status(sleeper.pid) is None  # still running
     os.kill(sleeper.pid, signal.SIGKILL)
     deadline = time.time() + 10
-    while health.exit_status(sleeper.pid) is None and time.time() < deadline:
+    while monitor.exit_status(sleeper.pid) is None and time.time() < deadline:
         time.sleep(0.01)
-    assert health.exit_status(sleeper.pid) == "killed by signal 9 (SIGKILL)"
+    assert monitor.exit_status(sleeper.pid) == "killed by signal 9 (SIGKILL)"
     quitter = ctx.Process(target=_exit_with, args=(3,))
     quitter.start()
-    while health.exit_status(quitter.pid) is None and time.time() < deadline:
+    while monitor.exit_status(quitter.pid) is None and time.time() < deadline:
         time.sleep(0.01)
-    assert health.exit_status(quitter.pid) == "exited with code 3"
+    assert monitor.exit_status(quitter.pid) == "exited with code 3"
     sleeper.join(), quitter.join()
-    assert health.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
+    assert monitor.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
     # PyTorch's "exited unexpectedly" comes after it reaped the worker; its Process object still knows how
-    line = health.worker_death(RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"))
+    line = monitor.worker_death(RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"))
     assert line.startswith(f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
                            f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"), line
 
@@ -96,7 +96,7 @@ def test_worker_death_finds_the_message_in_a_chain():
         except RuntimeError:
             raise KeyError("cleanup failed on the way out")
     except KeyError as e:
-        line = health.worker_death(e)
+        line = monitor.worker_death(e)
     assert line.startswith("DataLoader worker (pid 4242) is killed by signal: Killed. A SIGKILL")
-    assert health.worker_death(health.WorkerDied("DataLoader worker (pid 7) exited with code 1")).endswith("num_workers=0 to see the error in the main process")
-    assert health.worker_death(RuntimeError("something else")) is None
+    assert monitor.worker_death(monitor.WorkerDied("DataLoader worker (pid 7) exited with code 1")).endswith("num_workers=0 to see the error in the main process")
+    assert monitor.worker_death(RuntimeError("something else")) is None
