@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from {{ cookiecutter.package }} import checkpoint, config, distributed, memory, resume, rng
+from {{ cookiecutter.package }} import checkpoint, config, distributed, memory, resume, rng, submit
 from {{ cookiecutter.package }}.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.monitor import Monitor, worker_death
@@ -30,6 +30,7 @@ from {{ cookiecutter.package }}.preempt import StopRequest
 
 log = logging.getLogger("train")
 config.register()
+submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value, torch.backends.cudnn too: see submit.py
 
 
 def train(cfg) -> int:
