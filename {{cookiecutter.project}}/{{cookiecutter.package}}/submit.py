@@ -24,7 +24,7 @@ def picklable_modules() -> None:
 
     Called by train.py once its imports are done, so the torch.backends modules (and any such
     module a user's train.py imports) are covered when the launcher pickles `main()`. The job
-    process gets the very same module back from `importlib.import_module(name)`.
+    process gets the very same module back by importing it by name.
     """
     for module in list(sys.modules.values()):
         kind = type(module)
@@ -37,4 +37,12 @@ def _importable(module: types.ModuleType) -> bool:
 
 
 def _by_name(module: types.ModuleType):
-    return importlib.import_module, (module.__name__,)
+    return _import, (module.__name__,)
+
+
+def _import(name: str) -> types.ModuleType:
+    """Unpickling in the job: the module, and its type registered there too, because the job pickles
+    `main()` again when submitit checkpoints it for a requeue (train.py's own call does not run there)."""
+    module = importlib.import_module(name)
+    copyreg.pickle(type(module), _by_name)
+    return module
