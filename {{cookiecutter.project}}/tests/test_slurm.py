@@ -90,7 +90,8 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     sweep = tmp_path / "multirun"
     # three jobs: 0 and 1 train the same run (job 0 is preempted, job 1 runs through), 2 another seed
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
-           *shapes, "loader.batch_size=16", "seed=0,0,1", "resume=latest", "checkpoint.search_dir=${hydra:runtime.output_dir}"]
+           *shapes, "loader.batch_size=16", "seed=0,0,1", "resume=latest",
+           "checkpoint.search_dir=${hydra:runtime.output_dir}"]  # each job resumes from its own folder only
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(sweep / "0", 2, timeout=300)
