@@ -5,16 +5,21 @@ job process, its signal handlers, its requeue on the preemption signal), without
 Needs the slurm extra: pip install -e ".[slurm]".
 """
 
+import os
+import pickle
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import config
-from tests.helpers import PROJECT, read_jsonl, same_weights, wait_for_steps
+from tests.helpers import PROJECT, read_jsonl, run_train, same_weights, wait_for_steps
 
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'
 pytest.importorskip("submitit", reason=NEEDS)
@@ -117,3 +122,71 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     assert [r["step"] for r in steps0] == list(range(1, total + 1))  # one folder, one unbroken record
     assert [r["loss"] for r in steps0] == [r["loss"] for r in steps1]
     assert not same_weights(sweep / "1/checkpoints/last.pth", sweep / "2/checkpoints/last.pth")  # the check can fail
+
+
+# Stand-ins for the three SLURM commands submitit calls; everything else is the real launcher and job.
+FAKE_SLURM = {
+    "sbatch": 'echo "Submitted batch job 4242"',  # submitit keeps the script it hands over as <id>_submission.sh
+    "srun": "exit 1",  # only looked for: the job below is started with srun's command line, as srun would
+    "scontrol": 'echo "$@" >> "$(dirname "$0")/scontrol.calls"',  # submitit requeues with `scontrol requeue <id>`
+}
+SLURM_TASK_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                  "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
+                  "SUBMITIT_EXECUTOR": "slurm"}
+
+
+def slurm_commands(bin_dir):
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def run_slurm_task(command, env, log, stop_after_steps=None, job_dir=None):
+    """The job's task as srun starts it on a node; with stop_after_steps, preempted (USR2) once it trained that far."""
+    with open(log, "a") as out:
+        env = {**env, **SLURM_TASK_ENV}
+        proc = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            if stop_after_steps:
+                wait_for_steps(job_dir, stop_after_steps, timeout=300)
+                for p in (psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)):
+                    p.send_signal(signal.SIGUSR2)
+            return proc.wait(timeout=600)
+        finally:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resumes_exactly(tmp_path, shapes):
+    sweep, env = tmp_path / "multirun", slurm_commands(tmp_path / "bin")
+    overrides = [*shapes, "loader.batch_size=16"]
+    submit = subprocess.Popen([sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+                               *overrides, "resume=latest", "checkpoint.search_dir=${hydra:runtime.output_dir}"],
+                              cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    folder = sweep / ".submitit/4242"
+    try:
+        deadline = time.time() + 300
+        while not (folder / "4242_submitted.pkl").exists() and submit.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        submit.kill()  # from here on it would poll sacct for the job's state: the cluster's part
+    assert (folder / "4242_submitted.pkl").exists(), submit.communicate()[0][-3000:]
+    script = (folder / "4242_submission.sh").read_text()
+    assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --time=240" in script, script
+    srun = shlex.split(script.strip().splitlines()[-1].replace("%j", "4242"))
+    assert srun[0] == "srun"
+    command = srun[srun.index("--error") + 2:]  # what srun runs: python -u -m submitit.core._submit <folder>
+    assert command[-3:] == ["-m", "submitit.core._submit", str(folder)]
+
+    log = tmp_path / "task.log"
+    assert run_slurm_task(command, env, log, stop_after_steps=2, job_dir=sweep / "0") == 255, log.read_text()[-3000:]
+    assert (tmp_path / "bin/scontrol.calls").read_text() == "requeue 4242\n"  # submitit asked SLURM to requeue it
+    assert run_slurm_task(command, env, log) == 0, log.read_text()[-3000:]  # the requeued job: the same command again
+    assert pickle.loads((folder / "4242_0_result.pkl").read_bytes())[0] == "success"
+
+    resumed = re.findall(r"resumed from step (\d+)", (sweep / "0/train.log").read_text())
+    assert len(resumed) == 1 and int(resumed[0]) >= 2
+    run_train(tmp_path / "straight", *overrides)
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", sweep / "0/checkpoints/last.pth")
