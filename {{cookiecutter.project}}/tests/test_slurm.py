@@ -1,8 +1,9 @@
-"""SLURM through Hydra's submitit launcher, run for real with submitit's local executor.
+"""SLURM through Hydra's submitit launcher, run for real without a cluster.
 
-`hydra/launcher=submitit_local` pickles the job and runs it as the SLURM executor does (submitit's
-job process, its signal handlers, its requeue on the preemption signal), without a cluster.
-Needs the slurm extra: pip install -e ".[slurm]".
+`hydra/launcher=submitit_local` pickles the jobs and runs them as the SLURM executor does (submitit's
+job process, its signal handlers, its requeue on the preemption signal). `hydra/launcher=slurm`
+itself runs with stand-ins for sbatch, srun and scontrol only. Needs the slurm extra:
+pip install -e ".[slurm]".
 """
 
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -24,7 +26,6 @@ from tests.helpers import PROJECT, read_jsonl, run_train, same_weights, wait_for
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'
 pytest.importorskip("submitit", reason=NEEDS)
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason=NEEDS)
-psutil = pytest.importorskip("psutil")
 
 from submitit.local.local import LocalJobEnvironment  # noqa: E402
 
@@ -67,8 +68,7 @@ def test_main_pickles_by_value_loads_in_a_fresh_process_and_pickles_again(tmp_pa
     assert python(LOAD_AND_REPICKLE, str(blob)).strip() == "job: main CudnnModule"
 
 
-def test_slurm_launcher_composes_and_pickles_the_same_job():
-    """The slurm config composes, builds submitit's SLURM launcher, and that launcher pickles as the local one does."""
+def test_slurm_launcher_config_composes_into_submitits_slurm_launcher():
     from hydra.utils import instantiate
 
     config.register()
