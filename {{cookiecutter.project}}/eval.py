@@ -43,7 +43,7 @@ class EvalConfig(config.Config):
 config.register()
 ConfigStore.instance().store(name="schema", node=EvalConfig)  # train.py's schema plus ckpt and split
 
-# Config sections a checkpoint stores that decide its numbers; the checkpoint's copy is used unless the command names them
+# Config sections that decide a checkpoint's numbers: its own copy is used unless the command names them
 FROM_CHECKPOINT = ("data", "model")
 
 
@@ -64,8 +64,8 @@ def evaluate_checkpoint(cfg) -> dict:
                 cfg[section] = saved[section]
         if "loader" not in named:  # the batch size sets how the per-batch sums are rounded: keep the run's
             cfg.loader.batch_size = saved["loader"]["batch_size"]
-    if cfg.split not in cfg.data or not OmegaConf.is_dict(cfg.data[cfg.split]) or "_target_" not in cfg.data[cfg.split]:
-        splits = [k for k, v in cfg.data.items() if OmegaConf.is_dict(v) and "_target_" in v]
+    splits = [k for k, v in cfg.data.items() if OmegaConf.is_dict(v) and "_target_" in v]
+    if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
@@ -84,8 +84,12 @@ def evaluate_checkpoint(cfg) -> dict:
     loader = eval_loader(dataset, resolve_settings(cfg.loader, device.type))
     loss, acc = evaluate(model, loader, device, World())
     return {
-        f"{cfg.split}_loss": loss, f"{cfg.split}_acc": acc, "split": cfg.split, "samples": len(dataset),
-        "step": ckpt["step"], "checkpoint": str(found),
+        f"{cfg.split}_loss": loss,
+        f"{cfg.split}_acc": acc,
+        "split": cfg.split,
+        "samples": len(dataset),
+        "step": ckpt["step"],
+        "checkpoint": str(found),
         "metrics": ckpt.get("metrics"),  # the training run's record of that epoch, when the file is a best.pth
     }
 
@@ -103,8 +107,10 @@ def main(cfg) -> None:
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     split = result["split"]
-    print(f"{result['checkpoint']} step {result['step']}: {split}_loss {result[f'{split}_loss']:.6f} "
-          f"{split}_acc {result[f'{split}_acc']:.6f} on {result['samples']} samples -> {out}")
+    print(
+        f"{result['checkpoint']} step {result['step']}: {split}_loss {result[f'{split}_loss']:.6f} "
+        f"{split}_acc {result[f'{split}_acc']:.6f} on {result['samples']} samples -> {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,15 @@ def test_best_keeps_the_first_best_epoch(tmp_path, mode, values, kept):
     for epoch, value in enumerate(values):
         state = {"step": epoch, "w": torch.full((3,), float(epoch))}
         best.update({"epoch": epoch, "val_acc": value}, state, saver)
-        assert state["best"] == {"monitor": "val_acc", "mode": mode, "value": values[kept] if epoch >= kept else best.value}
+        assert state["best"] == {
+            "monitor": "val_acc",
+            "mode": mode,
+            "value": values[kept] if epoch >= kept else best.value,
+        }
     saved = load_ckpt(tmp_path / "best.pth")
-    assert saved["metrics"] == {"epoch": kept, "val_acc": values[kept]} and torch.equal(saved["w"], torch.full((3,), float(kept)))
+    assert saved["metrics"] == {"epoch": kept, "val_acc": values[kept]} and torch.equal(
+        saved["w"], torch.full((3,), float(kept))
+    )
     assert not list(tmp_path.glob(".tmp-*"))  # written through a temp file and renamed
 
 
@@ -31,9 +37,10 @@ def test_unknown_monitor_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="checkpoint.monitor"):
         Best("val_accuracy", "max")
     proc = run_train(tmp_path, "checkpoint.monitor=val_accuracy", expect=2)
-    assert proc.stderr.strip().splitlines() == [
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == (
         "error: checkpoint.monitor must be one of val_acc, val_loss, train_loss (metrics.jsonl keys), got 'val_accuracy'"
-    ]
+    )
 
 
 SAME = ("epoch", "step", "train_loss", "val_loss", "val_acc")  # timings and process figures differ between runs
@@ -63,5 +70,3 @@ def test_a_resumed_run_does_not_overwrite_a_better_best(tmp_path):
             assert {k: got[k] for k in SAME} == {k: expected[k] for k in SAME}
         else:
             assert got["epoch"] > expected["epoch"]  # a worse epoch overwrote the best one
-
-

@@ -15,8 +15,9 @@ from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train
 def trained(tmp_path_factory, shapes_root) -> Path:
     """Two epochs on image files with augmentation; checkpoints after each epoch (step 5 and step 10)."""
     run_dir = tmp_path_factory.mktemp("trained")
-    run_train(run_dir, f"data.root={shapes_root}", "data.per_class=40", "epochs=2", "loader.batch_size=32",
-              "progress=false")
+    run_train(
+        run_dir, f"data.root={shapes_root}", "data.per_class=40", "epochs=2", "loader.batch_size=32", "progress=false"
+    )
     return run_dir
 
 

@@ -108,7 +108,9 @@ class Best:
 
     def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
         if monitor not in MONITORABLE:
-            raise UserError(f"checkpoint.monitor must be one of {', '.join(MONITORABLE)} (metrics.jsonl keys), got {monitor!r}")
+            raise UserError(
+                f"checkpoint.monitor must be one of {', '.join(MONITORABLE)} (metrics.jsonl keys), got {monitor!r}"
+            )
         self.monitor, self.mode = monitor, mode
         saved = (ckpt or {}).get("best") or {}
         same_rule = saved.get("monitor") == monitor and saved.get("mode") == mode
@@ -124,7 +126,7 @@ class Best:
         return value > self.value if self.mode == "max" else value < self.value
 
     def update(self, record: dict, state: dict, checkpointer: Checkpointer) -> bool:
-        """Write `state` with `record` under `metrics` as best.pth when this epoch is the best so far;
+        """Write `state` plus `record` under `metrics` as best.pth when this epoch is the best so far;
         `state["best"]` is set either way, so last.pth carries the best value too."""
         better = self.improves(record)
         if better:
