@@ -38,9 +38,8 @@ def test_unknown_monitor_is_refused_in_one_line(tmp_path):
         Best("val_accuracy", "max")
     proc = run_train(tmp_path, "checkpoint.monitor=val_accuracy", expect=2)
     (line,) = proc.stderr.strip().splitlines()
-    assert line == (
-        "error: checkpoint.monitor must be one of val_acc, val_loss, train_loss (metrics.jsonl keys), got 'val_accuracy'"
-    )
+    assert line.startswith("error: checkpoint.monitor must be one of val_acc, val_loss, train_loss")
+    assert line.endswith("got 'val_accuracy'")
 
 
 SAME = ("epoch", "step", "train_loss", "val_loss", "val_acc")  # timings and process figures differ between runs
