@@ -33,9 +33,13 @@ def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
     assert not Best("val_loss", "min", saved).improves({"val_loss": 0.3})
 
 
-def test_unknown_monitor_is_refused_in_one_line(tmp_path):
+def test_unknown_monitor_is_refused():
     with pytest.raises(UserError, match="checkpoint.monitor"):
         Best("val_accuracy", "max")
+
+
+@pytest.mark.slow
+def test_unknown_monitor_is_refused_by_train_py_in_one_line(tmp_path):
     proc = run_train(tmp_path, "checkpoint.monitor=val_accuracy", expect=2)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: checkpoint.monitor must be one of val_acc, val_loss, train_loss")

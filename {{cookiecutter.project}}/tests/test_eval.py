@@ -50,18 +50,22 @@ def test_best_checkpoint_holds_the_best_epoch(tmp_path, trained):
     assert best["metrics"] == expected and best["step"] == expected["step"]
     assert best["best"] == {"monitor": "val_acc", "mode": "max", "value": expected["val_acc"]}
     assert load_ckpt(trained / "checkpoints/last.pth")["best"]["value"] == expected["val_acc"]
-    run_eval(tmp_path, f"ckpt={trained}/checkpoints/best.pth")
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert (result["val_loss"], result["val_acc"]) == (expected["val_loss"], expected["val_acc"])
 
 
 @pytest.mark.slow
-def test_latest_and_another_split(tmp_path, trained):
+def test_best_latest_and_another_split(tmp_path, trained):
+    records = read_jsonl(trained / "metrics.jsonl")
+    best = load_ckpt(trained / "checkpoints/best.pth")["metrics"]
+    run_eval(tmp_path / "best", f"ckpt={trained}/checkpoints/best.pth")
+    result = json.loads((tmp_path / "best/eval.json").read_text())
+    assert (result["val_loss"], result["val_acc"], result["metrics"]) == (best["val_loss"], best["val_acc"], best)
     run_eval(tmp_path / "a", "ckpt=latest", f"checkpoint.search_dir={trained.parent}", "split=train")
     result = json.loads((tmp_path / "a/eval.json").read_text())
     assert result["split"] == "train" and result["samples"] == 160 and 0 <= result["train_acc"] <= 1
+    assert result["step"] == records[-1]["step"]  # latest: the newest last.pth
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_refused_in_one_line(tmp_path):
     (tmp_path / "random.pth").write_bytes(torch.randint(0, 255, (4096,), dtype=torch.uint8).numpy().tobytes())
     proc = run_eval(tmp_path / "run", f"ckpt={tmp_path / 'random.pth'}", expect=2)

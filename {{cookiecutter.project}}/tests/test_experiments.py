@@ -47,6 +47,7 @@ def run_here(cwd, *overrides: str, timeout: int = 600) -> subprocess.CompletedPr
     return proc
 
 
+@pytest.mark.slow
 def test_debug_experiment_runs_and_names_its_folder(tmp_path, shapes_root):
     run_here(tmp_path, "experiment=debug", f"data.root={shapes_root}")
     (run,) = (tmp_path / "outputs").glob("*/*")
