@@ -1,5 +1,7 @@
 """Bake the template and check what comes out: files, names, no leftover Jinja."""
 import ast
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,22 @@ def test_fully_rendered(bake, tmp_path, answers):
         assert "{%" not in text, f"unrendered '{{%' in {rel}"
         if path.suffix == ".py":
             ast.parse(text, filename=str(rel))
+
+
+@pytest.mark.parametrize("answers", [{}, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+def test_ruff_clean_as_generated(bake, tmp_path, answers, command):
+    """The baked project passes its own lint and format settings ([tool.ruff] in its pyproject.toml), as its CI runs them."""
+    project = bake(tmp_path, **answers)
+    proc = subprocess.run([sys.executable, "-m", "ruff", *command, "--no-cache"], cwd=project, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, f"ruff {' '.join(command)} in {project}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+
+
+def test_ci_and_hooks_are_there(bake, tmp_path):
+    project = bake(tmp_path)
+    ci = (project / ".github/workflows/ci.yml").read_text()
+    assert "download.pytorch.org/whl/cpu" in ci and 'pytest -m "not slow"' in ci
+    assert "ruff check" in ci and "ruff format --check" in ci
+    hooks = (project / ".pre-commit-config.yaml").read_text()
+    assert all(h in hooks for h in ("ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer", "check-yaml"))
