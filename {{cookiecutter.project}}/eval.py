@@ -68,6 +68,8 @@ def evaluate_checkpoint(cfg) -> dict:
     if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     if cfg.deterministic:  # the same kernels as the training run's validation
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -31,6 +31,8 @@ def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
     assert Best("val_loss", "min", saved).value == 0.25
     assert Best("val_acc", "max", saved).value is None  # another rule: the old value means nothing
     assert not Best("val_loss", "min", saved).improves({"val_loss": 0.3})
+    fresh = Best("val_loss", "min")
+    assert not fresh.improves({"val_loss": float("nan")}) and fresh.improves({"val_loss": 9.0})  # NaN never the best
 
 
 def test_unknown_monitor_is_refused():

@@ -9,6 +9,7 @@ versions. Everything is tensors, numbers, strings and containers, so it loads wi
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -121,6 +122,8 @@ class Best:
 
     def improves(self, record: dict) -> bool:
         value = record[self.monitor]
+        if math.isnan(value):  # a diverged epoch is never the best, and must not block the ones after it
+            return False
         if self.value is None:
             return True
         return value > self.value if self.mode == "max" else value < self.value
