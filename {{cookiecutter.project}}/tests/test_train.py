@@ -7,10 +7,11 @@ from tests.helpers import load_ckpt, read_jsonl, run_train
 EPOCH_KEYS = {"epoch", "step", "train_loss", "val_loss", "val_acc", "samples_per_s", "data_wait_s", "worker_pids"}
 
 
-SLOW = pytest.mark.slow
+# balanced in the fast tier, the other two profiles in the slow one
+PROFILES = [pytest.param("memory-tight", marks=pytest.mark.slow), "balanced", pytest.param("throughput", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("profile", [pytest.param("memory-tight", marks=SLOW), "balanced", pytest.param("throughput", marks=SLOW)])
+@pytest.mark.parametrize("profile", PROFILES)
 def test_short_training_per_profile(tmp_path, shapes, profile):
     run_train(tmp_path, f"loader={profile}", *shapes)
     records = read_jsonl(tmp_path / "metrics.jsonl")
