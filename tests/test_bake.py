@@ -77,3 +77,16 @@ def test_ci_and_hooks_are_there(bake, tmp_path):
     assert "ruff check" in ci and "ruff format --check" in ci
     hooks = (project / ".pre-commit-config.yaml").read_text()
     assert all(h in hooks for h in ("ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer", "check-yaml"))
+
+
+def test_readme_generate_command_works_from_a_clone(template_dir, cookiecutter_config, tmp_path):
+    """`cookiecutter . --no-input` as the README writes it, run in the repository root."""
+    readme = (template_dir / "README.md").read_text()
+    assert "cookiecutter . --no-input" in readme
+    proc = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", ".", "--no-input", "-o", str(tmp_path),
+         "--config-file", str(cookiecutter_config)],
+        cwd=template_dir, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "my-trainer" / "train.py").is_file() and (tmp_path / "my-trainer" / "eval.py").is_file()
