@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: test test-all demo clean
+.PHONY: test test-all format demo clean
 
 # The stamp is newer than requirements-dev.txt once the venv holds it; pip itself is left as is.
 $(VENV)/.installed: requirements-dev.txt
@@ -19,6 +19,10 @@ test: $(VENV)/.installed
 # Everything, with the generated project's slow tier once (torchrun, every resume case, sweeps): much longer.
 test-all: $(VENV)/.installed
 	$(VPY) -m pytest -q -rA tests
+
+# ruff's fixes and formatting for the template's .py files (through a bake: the Jinja fields stop ruff reading them).
+format: $(VENV)/.installed
+	$(VPY) scripts/format_template.py
 
 demo: $(VENV)/.installed
 	rm -rf scratch/my-trainer
