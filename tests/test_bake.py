@@ -90,3 +90,12 @@ def test_readme_generate_command_works_from_a_clone(template_dir, cookiecutter_c
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "my-trainer" / "train.py").is_file() and (tmp_path / "my-trainer" / "eval.py").is_file()
+
+
+def test_hygiene_hooks_would_change_nothing(bake, tmp_path):
+    """What the pre-commit hygiene hooks fix (trailing whitespace, missing or extra final newlines) is not there."""
+    project = bake(tmp_path)
+    for path, text in text_files(project):
+        rel = path.relative_to(project)
+        assert not any(line != line.rstrip() for line in text.splitlines()), f"trailing whitespace in {rel}"
+        assert not text or (text.endswith("\n") and not text.endswith("\n\n")), f"final newline in {rel}"
