@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
 
@@ -73,9 +74,12 @@ def test_ruff_clean_as_generated(bake, tmp_path, answers, command):
 def test_ci_and_hooks_are_there(bake, tmp_path):
     project = bake(tmp_path)
     ci = (project / ".github/workflows/ci.yml").read_text()
+    workflow = yaml.safe_load(ci)
+    assert {"push", "pull_request"} <= set(workflow[True])  # YAML 1.1 reads the key `on` as True
     assert "download.pytorch.org/whl/cpu" in ci and 'pytest -m "not slow"' in ci
     assert "ruff check" in ci and "ruff format --check" in ci
     hooks = (project / ".pre-commit-config.yaml").read_text()
+    assert yaml.safe_load(hooks)["repos"]
     assert all(h in hooks for h in ("ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer", "check-yaml"))
 
 
