@@ -42,7 +42,7 @@ def train(cfg) -> tuple[int, float]:
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
-    best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # the best epoch so far, kept on resume
+    best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far, kept on resume
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     settings = resolve_settings(cfg.loader, device.type)
@@ -67,7 +67,7 @@ def train(cfg) -> tuple[int, float]:
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     show_bar = cfg.progress and sys.stderr.isatty() and world.is_main
 
-    def save(record: dict | None = None) -> None:  # every rank hands its RNG and loader state to rank 0, which writes once
+    def save(record: dict | None = None) -> None:  # every rank hands its RNG and loader state to rank 0, which writes
         ranks = distributed.gather_to_main(resume.rank_state(train_loader), world)
         if world.is_main:
             state = checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks)
