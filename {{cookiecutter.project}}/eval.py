@@ -54,7 +54,10 @@ def evaluate_checkpoint(cfg) -> dict:
     found = resume.locate(cfg.ckpt, run_dir, cfg.checkpoint.search_dir)
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
-    ckpt = checkpoint.load(found)
+    try:
+        ckpt = checkpoint.load(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
+    except UserError as e:  # the same refusal train.py's resume= gives, named for this command
+        raise UserError(str(e).replace("resume: ", "eval: ", 1).replace("resume=latest", "ckpt=latest")) from None
     saved = ckpt["config"]
 
     named = {o.lstrip("+~").split("=")[0].split(".")[0] for o in HydraConfig.get().overrides.task}

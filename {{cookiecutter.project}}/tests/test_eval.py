@@ -70,7 +70,8 @@ def test_a_corrupt_checkpoint_is_refused_in_one_line(tmp_path):
     (tmp_path / "random.pth").write_bytes(torch.randint(0, 255, (4096,), dtype=torch.uint8).numpy().tobytes())
     proc = run_eval(tmp_path / "run", f"ckpt={tmp_path / 'random.pth'}", expect=2)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "not a readable checkpoint" in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: eval: "), proc.stderr
+    assert "not a readable checkpoint" in lines[0], proc.stderr
     assert not (tmp_path / "run/eval.json").exists()
 
 
