@@ -1,7 +1,10 @@
 """Bake the template and check what comes out: files, names, no leftover Jinja."""
 import ast
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
 
@@ -56,3 +59,47 @@ def test_fully_rendered(bake, tmp_path, answers):
         assert "{%" not in text, f"unrendered '{{%' in {rel}"
         if path.suffix == ".py":
             ast.parse(text, filename=str(rel))
+
+
+@pytest.mark.parametrize("answers", [{}, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+def test_ruff_clean_as_generated(bake, tmp_path, answers, command):
+    """The baked project passes its own lint and format settings ([tool.ruff] in its pyproject.toml), as its CI runs them."""
+    project = bake(tmp_path, **answers)
+    proc = subprocess.run([sys.executable, "-m", "ruff", *command, "--no-cache"], cwd=project, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, f"ruff {' '.join(command)} in {project}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+
+
+def test_ci_and_hooks_are_there(bake, tmp_path):
+    project = bake(tmp_path)
+    ci = (project / ".github/workflows/ci.yml").read_text()
+    workflow = yaml.safe_load(ci)
+    assert {"push", "pull_request"} <= set(workflow[True])  # YAML 1.1 reads the key `on` as True
+    assert "download.pytorch.org/whl/cpu" in ci and 'pytest -m "not slow"' in ci
+    assert "ruff check" in ci and "ruff format --check" in ci
+    hooks = (project / ".pre-commit-config.yaml").read_text()
+    assert yaml.safe_load(hooks)["repos"]
+    assert all(h in hooks for h in ("ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer", "check-yaml"))
+
+
+def test_readme_generate_command_works_from_a_clone(template_dir, cookiecutter_config, tmp_path):
+    """`cookiecutter . --no-input` as the README writes it, run in the repository root."""
+    readme = (template_dir / "README.md").read_text()
+    assert "cookiecutter . --no-input" in readme
+    proc = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", ".", "--no-input", "-o", str(tmp_path),
+         "--config-file", str(cookiecutter_config)],
+        cwd=template_dir, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "my-trainer" / "train.py").is_file() and (tmp_path / "my-trainer" / "eval.py").is_file()
+
+
+def test_hygiene_hooks_would_change_nothing(bake, tmp_path):
+    """What the pre-commit hygiene hooks fix (trailing whitespace, missing or extra final newlines) is not there."""
+    project = bake(tmp_path)
+    for path, text in text_files(project):
+        rel = path.relative_to(project)
+        assert not any(line != line.rstrip() for line in text.splitlines()), f"trailing whitespace in {rel}"
+        assert not text or (text.endswith("\n") and not text.endswith("\n\n")), f"final newline in {rel}"

@@ -1,25 +1,78 @@
-"""Run the generated project's own test suite, for default and non-default answers."""
+"""Run the generated project's own test suite, for default and non-default answers.
+
+`make test` runs the fast tier (`pytest -m "not slow"` in the baked project, minutes); `make test-all` adds the
+generated slow tier once, for the default answers. Each run is `pytest -v` into a log file, so a run that
+times out names the generated test it was in, not a line of dots.
+"""
+
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
 
-
-# The whole suite once (defaults); with other answers, the parts that import the renamed package
-# and train with it, which is what the answers change, without re-running every resume case.
+# With other answers, the parts that import the renamed package and train with it, which is what the answers change.
 QUICK = ["tests/test_config.py", "tests/test_loader.py", "tests/test_train.py"]
+
+# A result pytest -v writes after a test's node id once it finishes; a node id line without one is still running.
+RESULT = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def running_test(log: str) -> str:
+    """The generated test pytest -v had started but not finished when the log ends."""
+    started = [line for line in log.splitlines() if line.startswith("tests/") and "::" in line]
+    if started and not RESULT.search(started[-1]):
+        return started[-1].split()[0]
+    return "none running (between tests or in collection/teardown)"
+
+
+def run_generated(project, log_path, *args, timeout):
+    """`pytest -v ARGS` in the baked project; on timeout the whole process group goes and the test is named."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", *args]
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=project, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: train.py and loader workers go with it
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            text = log_path.read_text()
+            pytest.fail(f"generated suite timed out after {timeout} s in {running_test(text)}\n"
+                        f"full log: {log_path}\n" + "\n".join(text.splitlines()[-30:]))
+    text = log_path.read_text()
+    tail = "\n".join(text.splitlines()[-60:])
+    assert code == 0, f"generated suite failed ({' '.join(args)}) in {project}, log {log_path}:\n{tail}"
+    return text, time.monotonic() - started
+
+
+@pytest.mark.parametrize("answers, paths", [({}, []), (NON_DEFAULT, QUICK)], ids=["defaults", "non-default"])
+def test_generated_fast_tier_passes(bake, tmp_path, answers, paths):
+    project = bake(tmp_path, **answers)
+    text, seconds = run_generated(project, tmp_path / "fast.log", "-m", "not slow", *paths, timeout=900)
+    assert " passed" in text.splitlines()[-1], text.splitlines()[-1]
+    print(f"generated fast tier ({answers or 'defaults'}): {seconds:.0f} s")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("answers, paths", [({}, []), (NON_DEFAULT, QUICK)], ids=["defaults", "non-default"])
-def test_generated_suite_passes(bake, tmp_path, answers, paths):
-    project = bake(tmp_path, **answers)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-        cwd=project, env=dict(os.environ), capture_output=True, text=True, timeout=1200,
+def test_generated_slow_tier_passes(bake, tmp_path):
+    project = bake(tmp_path)
+    text, seconds = run_generated(project, tmp_path / "slow.log", "-m", "slow", timeout=3600)
+    assert " passed" in text.splitlines()[-1], text.splitlines()[-1]
+    print(f"generated slow tier: {seconds:.0f} s")
+
+
+def test_a_timeout_names_the_running_test(tmp_path):
+    """The reporting itself: a generated test that hangs is named in the failure."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_hang.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_stuck():\n    time.sleep(600)\n"
     )
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-    assert proc.returncode == 0, f"generated suite failed in {project}:\n{tail}"
+    with pytest.raises(pytest.fail.Exception, match=r"timed out after 20 s in tests/test_hang.py::test_stuck"):
+        run_generated(tmp_path, tmp_path / "hang.log", "tests", timeout=20)

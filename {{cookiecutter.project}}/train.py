@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from {{ cookiecutter.package }} import checkpoint, config, distributed, memory, resume, rng, submit
 from {{ cookiecutter.package }}.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.evaluate import evaluate
 from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.monitor import Monitor, worker_death
 from {{ cookiecutter.package }}.runlog import RunLog
@@ -33,7 +34,7 @@ config.register()
 submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value, torch.backends.cudnn too: see submit.py
 
 
-def train(cfg) -> int:
+def train(cfg) -> tuple[int, float]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     device = pick_device(cfg.device, cfg.deterministic)
@@ -42,6 +43,7 @@ def train(cfg) -> int:
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
+    best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far, kept on resume
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     settings = resolve_settings(cfg.loader, device.type)
@@ -66,18 +68,22 @@ def train(cfg) -> int:
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     show_bar = cfg.progress and sys.stderr.isatty() and world.is_main
 
-    def save() -> None:  # every rank hands its RNG and loader state to rank 0, which writes the file once
+    def save(record: dict | None = None) -> None:  # every rank hands its RNG and loader state to rank 0, which writes
         ranks = distributed.gather_to_main(resume.rank_state(train_loader), world)
         if world.is_main:
-            checkpoints.save(checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks))
+            state = checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks)
+            state["best"] = best.state()
+            if record is not None:  # an epoch end: best.pth too when this epoch is the best so far
+                best.update(record, state, checkpoints)
+            checkpoints.save(state)
         distributed.barrier(world)
 
-    def finish(code: int) -> int:
+    def finish(code: int) -> tuple[int, float]:
         runlog.close()
         distributed.leave(world)
         if stop.requested:
             stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk
-        return code
+        return code, best.value if best.value is not None else float("nan")
 
     while train_loader.epoch < cfg.epochs and (cfg.max_steps is None or step < cfg.max_steps):
         epoch = train_loader.epoch
@@ -125,26 +131,11 @@ def train(cfg) -> int:
         if world.is_main:
             log.info("epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
                      epoch, step, record["train_loss"], val_loss, val_acc, rate, data_wait)
-        save()
+        save(record)
         if stopping:
             return finish(stop.exit_code)
     log.info("done at step %d", step)
     return finish(0)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, world) -> tuple[float, float]:
-    """Loss and accuracy over the whole validation set: each rank takes its share, the sums are added."""
-    model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
-        count += len(y)
-    loss_sum, correct, count = distributed.sum_all([loss_sum, correct, count], device, world)
-    return loss_sum / count, correct / count
 
 
 def pick_device(choice, deterministic: bool) -> torch.device:
@@ -159,9 +150,10 @@ def pick_device(choice, deterministic: bool) -> torch.device:
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg) -> None:
+def main(cfg) -> float:
+    """Returns the best checkpoint.monitor value of the run: what a sweeper (Optuna) optimizes."""
     try:
-        code = train(cfg)
+        code, best = train(cfg)
     except Exception as e:
         error = find_user_error(e) or worker_death(e)  # a killed worker: its pid and signal, not a traceback
         if error is None:
@@ -170,6 +162,7 @@ def main(cfg) -> None:
         sys.exit(2)
     if code:
         sys.exit(code)
+    return best
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ def straight(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_ranks_train_and_only_rank0_writes(straight):
     records = read_jsonl(straight / "metrics.jsonl")
     assert [r["epoch"] for r in records] == [0, 1] and records[-1]["step"] == 12
@@ -42,6 +43,7 @@ def test_two_ranks_train_and_only_rank0_writes(straight):
     assert not torch.equal(*streams)  # each rank's worker has its own RNG stream, and both are saved
 
 
+@pytest.mark.slow
 def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
     torchrun(tmp_path / "first", "max_steps=4")
     torchrun(tmp_path / "second", f"resume={tmp_path}/first/checkpoints/last.pth")
@@ -50,11 +52,13 @@ def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
     assert losses == [r["loss"] for r in read_jsonl(straight / "steps.jsonl")]
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_is_refused(tmp_path, straight):
     proc = run_train(tmp_path, *DATA, f"resume={straight}/checkpoints/step-00000006.pth", expect=2)
     assert "written by 2 processes, this run has 1" in proc.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     run_dir = tmp_path / "first"
     proc = subprocess.Popen(torchrun_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -91,6 +95,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
     reference = tmp_path / "straight"
     run_train(reference, *DATA)

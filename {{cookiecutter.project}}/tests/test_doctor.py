@@ -4,12 +4,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from {{ cookiecutter.package }}.doctor import recommend
 from tests.helpers import PROJECT
 
 PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
 
 
+@pytest.mark.slow
 def test_doctor_measures_every_profile(tmp_path, shapes_root):
     cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor", f"data.root={shapes_root}", "data.per_class=40",
            "loader.batch_size=16", f"hydra.run.dir={tmp_path}"]

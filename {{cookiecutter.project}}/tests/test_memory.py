@@ -73,12 +73,14 @@ def test_budget_error_refuses_in_one_line():
         memory.fit_budget(loader_settings(16), MiB, 0)
 
 
+@pytest.mark.slow
 def test_train_py_refuses_over_budget_with_on_budget_error(tmp_path):
     proc = run_train(tmp_path, *RNG_DATA, "loader.max_prefetch_mib=0.01", "loader.on_budget=error", expect=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: loader: the prefetch plan needs 0.2 MiB"), lines
 
 
+@pytest.mark.slow
 def test_train_py_adjusts_to_the_budget_and_logs_the_plan(tmp_path):
     # one RNG_DATA batch is 16 x 3x16x16 float32 + 16 int64 = 48.1 KiB; balanced holds 4 (0.19 MiB), 0.1 MiB holds 2
     proc = run_train(tmp_path, *RNG_DATA, "loader.max_prefetch_mib=0.1", "max_steps=4")

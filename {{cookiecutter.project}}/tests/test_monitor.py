@@ -17,6 +17,7 @@ HEALTH_KEYS = {"worker_count", "rss_mib", "pss_mib", "fds", "data_wait_share"}
 
 
 @pytest.mark.parametrize("profile, workers", [("balanced", 2), ("memory-tight", 1)])
+@pytest.mark.slow
 def test_short_run_logs_health(tmp_path, profile, workers):
     proc = run_train(tmp_path, *RNG_DATA, f"loader={profile}", "epochs=2", "monitor.every_steps=4")
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -34,6 +35,7 @@ def test_short_run_logs_health(tmp_path, profile, workers):
         assert tag in events
 
 
+@pytest.mark.slow
 def test_zero_workers_report_none(tmp_path):
     run_train(tmp_path, *RNG_DATA, "loader.num_workers=0", "epochs=1")
     (record,) = read_jsonl(tmp_path / "metrics.jsonl")
@@ -67,6 +69,7 @@ def test_exit_status_names_signal_and_code():
                            f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"), line
 
 
+@pytest.mark.slow
 def test_killed_worker_stops_train_py_with_one_line(tmp_path):
     data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o for o in RNG_DATA]
     cmd = [sys.executable, "train.py", *data, "+data.train.item_s=0.01", "data.train.size=2000", "epochs=50",

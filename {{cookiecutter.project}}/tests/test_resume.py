@@ -47,12 +47,12 @@ def interrupted_then_resumed(tmp_path, k, *overrides):
 @pytest.mark.parametrize(
     "k, overrides",
     [
-        (12, ("loader=memory-tight",)),  # an epoch boundary
-        (13, ("loader=balanced",)),  # mid-epoch, not a multiple of num_workers
-        (17, ("loader=throughput",)),
-        (7, ("loader=balanced", "loader.num_workers=3")),
-        (10, ("loader=memory-tight", "loader.num_workers=4")),
-        (25, ("loader=balanced", "loader.num_workers=0")),
+        pytest.param(12, ("loader=memory-tight",), marks=pytest.mark.slow),  # an epoch boundary
+        (13, ("loader=balanced",)),  # mid-epoch, not a multiple of num_workers: the case in the fast tier
+        pytest.param(17, ("loader=throughput",), marks=pytest.mark.slow),
+        pytest.param(7, ("loader=balanced", "loader.num_workers=3"), marks=pytest.mark.slow),
+        pytest.param(10, ("loader=memory-tight", "loader.num_workers=4"), marks=pytest.mark.slow),
+        pytest.param(25, ("loader=balanced", "loader.num_workers=0"), marks=pytest.mark.slow),
     ],
 )
 def test_resume_is_exact(tmp_path, straight, k, overrides):
@@ -66,6 +66,7 @@ def test_resume_is_exact(tmp_path, straight, k, overrides):
 
 
 @pytest.mark.parametrize("profile", ["memory-tight", "balanced"])
+@pytest.mark.slow
 def test_resume_from_an_epoch_end_checkpoint(tmp_path, straight, profile):
     """The checkpoint written after epoch 0's validation (position 0 of epoch 1)."""
     reference = straight(f"loader={profile}")
@@ -76,6 +77,7 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, straight, profile):
     assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_negative_control_reseeded_workers_differ(tmp_path, straight):
     """The same resume with the worker streams dropped (workers reseeded, as peers do) must not match."""
     overrides = ("loader=balanced",)
@@ -89,6 +91,7 @@ def test_negative_control_reseeded_workers_differ(tmp_path, straight):
     assert not same_weights(reference / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
 
 
+@pytest.mark.slow
 def test_resume_on_image_files_with_augmentation(tmp_path, shapes):
     run_train(tmp_path / "straight", *shapes)
     run_train(tmp_path / "first", *shapes, "max_steps=7")
@@ -97,6 +100,7 @@ def test_resume_on_image_files_with_augmentation(tmp_path, shapes):
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 0), (signal.SIGUSR1, 0), (signal.SIGINT, 130)])
+@pytest.mark.slow
 def test_signal_saves_then_resume_is_exact(tmp_path, straight, signum, code):
     reference = straight("loader=balanced")
     run_dir = tmp_path / "first"
@@ -112,6 +116,7 @@ def test_signal_saves_then_resume_is_exact(tmp_path, straight, signum, code):
     assert same_weights(reference / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
 
 
+@pytest.mark.slow
 def test_periodic_checkpoints_keep_the_newest(tmp_path):
     run_train(tmp_path, *DATA, "epochs=1", "checkpoint.every_steps=5", "checkpoint.keep=2")
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -119,6 +124,7 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     assert load_ckpt(tmp_path / "checkpoints/step-00000010.pth")["ranks"][0]["loader"]["position"] == 10
 
 
+@pytest.mark.slow
 def test_resume_latest_finds_the_newest(tmp_path):
     outputs = tmp_path / "outputs"
     run_train(outputs / "old", *DATA, "epochs=1", "max_steps=2")
@@ -139,6 +145,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_leaves_last_readable(tmp_path):
     for delay in (0.05, 0.2, 0.45, 0.7, 1.1):
         proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
@@ -155,6 +162,7 @@ class Exploit:
         return (os.system, ("touch pwned",))
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_are_refused_in_one_line(tmp_path, straight):
     good = straight("loader=balanced") / "checkpoints/last.pth"
     data = good.read_bytes()
@@ -188,12 +196,14 @@ def test_bad_checkpoints_are_refused_in_one_line(tmp_path, straight):
         (("loader.num_workers=3",), "num_workers 2 -> 3"),
     ],
 )
+@pytest.mark.slow
 def test_mismatched_resume_is_refused(tmp_path, straight, overrides, message):
     good = straight("loader=balanced") / "checkpoints/last.pth"
     proc = run_train(tmp_path, *DATA, "loader=balanced", f"resume={good}", *overrides, expect=2)
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_changed_workers_continue_when_not_strict(tmp_path):
     run_train(tmp_path / "first", *DATA, "epochs=2", "max_steps=5")
     proc = run_train(tmp_path / "second", *DATA, "epochs=2", "loader.num_workers=1", "resume_strict=false",

@@ -33,18 +33,21 @@ def per_sample_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_same_weights_for_every_profile_and_worker_count(per_sample_runs):
     reference = per_sample_runs[SETUPS[0]]
     for setup, result in per_sample_runs.items():
         assert equal(reference, result), setup
 
 
+@pytest.mark.slow
 def test_same_weights_on_image_files(tmp_path, shapes):
     run_train(tmp_path / "tight", *shapes, "loader=memory-tight", "max_steps=6")
     run_train(tmp_path / "fast", *shapes, "loader=throughput", "max_steps=6")
     assert equal(weights(tmp_path / "tight"), weights(tmp_path / "fast"))
 
 
+@pytest.mark.slow
 def test_resume_may_switch_profile(tmp_path, per_sample_runs):
     run_train(tmp_path / "first", *RNG_DATA, "epochs=2", "loader=memory-tight", "max_steps=7")
     run_train(tmp_path / "second", *RNG_DATA, "epochs=2", "loader=throughput", "loader.num_workers=3",
@@ -52,6 +55,7 @@ def test_resume_may_switch_profile(tmp_path, per_sample_runs):
     assert equal(per_sample_runs[SETUPS[0]], weights(tmp_path / "second"))
 
 
+@pytest.mark.slow
 def test_negative_control_per_worker_depends_on_worker_count(tmp_path):
     run_train(tmp_path / "two", *RNG_DATA, "epochs=2", "rng_mode=per_worker", "loader.num_workers=2")
     run_train(tmp_path / "three", *RNG_DATA, "epochs=2", "rng_mode=per_worker", "loader.num_workers=3")

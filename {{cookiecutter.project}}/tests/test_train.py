@@ -7,7 +7,12 @@ from tests.helpers import load_ckpt, read_jsonl, run_train
 EPOCH_KEYS = {"epoch", "step", "train_loss", "val_loss", "val_acc", "samples_per_s", "data_wait_s", "worker_pids"}
 
 
-@pytest.mark.parametrize("profile", ["memory-tight", "balanced", "throughput"])
+# balanced in the fast tier, the other two profiles in the slow one
+PROFILES = [pytest.param("memory-tight", marks=pytest.mark.slow), "balanced",
+            pytest.param("throughput", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_short_training_per_profile(tmp_path, shapes, profile):
     run_train(tmp_path, f"loader={profile}", *shapes)
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -24,11 +29,13 @@ def test_short_training_per_profile(tmp_path, shapes, profile):
         assert pids[0] == pids[1] and len(pids[0]) >= 2  # the same workers serve every epoch
 
 
+@pytest.mark.slow
 def test_zero_workers(tmp_path, shapes):
     run_train(tmp_path, "loader.num_workers=0", *shapes)
     assert [r["worker_pids"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [[], []]
 
 
+@pytest.mark.slow
 def test_max_steps_stops_and_saves(tmp_path, shapes):
     run_train(tmp_path, "max_steps=3", *shapes)
     assert load_ckpt(tmp_path / "checkpoints" / "last.pth")["step"] == 3
@@ -36,5 +43,6 @@ def test_max_steps_stops_and_saves(tmp_path, shapes):
     assert not (tmp_path / "metrics.jsonl").read_text()  # stopped inside the first epoch
 
 
+@pytest.mark.slow
 def test_resnet18_and_adamw(tmp_path, shapes):
     run_train(tmp_path, "model=resnet18", "optim=adamw", "max_steps=2", *shapes)

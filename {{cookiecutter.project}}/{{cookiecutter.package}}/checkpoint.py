@@ -9,6 +9,7 @@ versions. Everything is tensors, numbers, strings and containers, so it loads wi
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -58,25 +59,85 @@ class Checkpointer:
     def last(self) -> Path:
         return self.folder / "last.pth"
 
+    @property
+    def best(self) -> Path:
+        return self.folder / "best.pth"
+
     def save(self, state: dict) -> Path:
+        tmp = self._write_tmp(state)
+        if self.keep > 0:
+            kept = self.folder / f"step-{state['step']:08d}.pth"
+            kept.unlink(missing_ok=True)
+            os.link(tmp, kept)  # same bytes, no second write; survives the rename below
+        self._commit(tmp, self.last)
+        for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
+            old.unlink()
+        return self.last
+
+    def save_best(self, state: dict) -> Path:
+        """`best.pth`, written the same atomic way: a kill mid-save leaves the previous best whole."""
+        self._commit(self._write_tmp(state), self.best)
+        return self.best
+
+    def _write_tmp(self, state: dict) -> Path:
         tmp = self.folder / f".tmp-{os.getpid()}.pth"
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        if self.keep > 0:
-            kept = self.folder / f"step-{state['step']:08d}.pth"
-            kept.unlink(missing_ok=True)
-            os.link(tmp, kept)  # same bytes, no second write; survives the rename below
-        os.replace(tmp, self.last)
+        return tmp
+
+    def _commit(self, tmp: Path, path: Path) -> None:
+        os.replace(tmp, path)
         directory = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(directory)  # make the rename itself durable
         finally:
             os.close(directory)
-        for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
-            old.unlink()
-        return self.last
+
+
+# metrics.jsonl keys checkpoint.monitor may name; add yours here when you log more per epoch
+MONITORABLE = ("val_acc", "val_loss", "train_loss")
+
+
+class Best:
+    """Which epoch `best.pth` holds: the best `monitor` value so far, `mode` max or min.
+
+    The value travels in every checkpoint under `best`, so a resumed run (in any folder) keeps
+    comparing against the best epoch before the stop and never overwrites a better best.pth.
+    """
+
+    def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
+        if monitor not in MONITORABLE:
+            raise UserError(
+                f"checkpoint.monitor must be one of {', '.join(MONITORABLE)} (metrics.jsonl keys), got {monitor!r}"
+            )
+        self.monitor, self.mode = monitor, mode
+        saved = (ckpt or {}).get("best") or {}
+        same_rule = saved.get("monitor") == monitor and saved.get("mode") == mode
+        self.value: float | None = saved.get("value") if same_rule else None
+
+    def state(self) -> dict:
+        return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
+
+    def improves(self, record: dict) -> bool:
+        value = record[self.monitor]
+        if math.isnan(value):  # a diverged epoch is never the best, and must not block the ones after it
+            return False
+        if self.value is None:
+            return True
+        return value > self.value if self.mode == "max" else value < self.value
+
+    def update(self, record: dict, state: dict, checkpointer: Checkpointer) -> bool:
+        """Write `state` plus `record` under `metrics` as best.pth when this epoch is the best so far;
+        `state["best"]` is set either way, so last.pth carries the best value too."""
+        better = self.improves(record)
+        if better:
+            self.value = record[self.monitor]
+        state["best"] = self.state()
+        if better:
+            checkpointer.save_best({**state, "metrics": record})
+        return better
 
 
 def load(path: Path) -> dict:

@@ -11,7 +11,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class Device(str, Enum):
@@ -28,6 +28,11 @@ class RngMode(str, Enum):
 class OnBudget(str, Enum):
     adjust = "adjust"  # lower prefetch_factor, then num_workers, until the prefetch plan fits
     error = "error"  # refuse to start instead
+
+
+class BestMode(str, Enum):
+    max = "max"  # higher is better (accuracy)
+    min = "min"  # lower is better (a loss)
 
 
 @dataclass
@@ -53,6 +58,8 @@ class CheckpointConfig:
     every_steps: Optional[int] = None
     keep: int = 3
     search_dir: str = "outputs"
+    monitor: str = "val_acc"  # best.pth keeps the epoch with the best value of this metrics.jsonl key
+    mode: BestMode = BestMode.max
 
 
 @dataclass
@@ -83,3 +90,10 @@ class Config:
 
 def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)  # hydra.run.dir / hydra.sweep.subdir
+
+
+def run_name(*parts) -> str:
+    """`${run_name:a,b,...}`: the parts that are set, joined by `_`, safe as one folder name (no `/`, <= 150 chars)."""
+    name = "_".join(str(p) for p in parts if p not in (None, "", "null"))
+    return name.replace("/", "-")[:150]

@@ -1,0 +1,122 @@
+"""Evaluate a checkpoint: loss and accuracy on the validation split (or another split of the data config).
+
+    python eval.py ckpt=outputs/2026-11-30/14-56-09_train_balanced/checkpoints/best.pth
+    python eval.py ckpt=latest                  # the newest last.pth under outputs/, as resume=latest finds it
+    python eval.py ckpt=latest split=train      # any split node of the data config (data.train, data.val, ...)
+
+The config is composed from the same conf/ as train.py. The `data`, `model` and `loader.batch_size` a run
+trained with are stored in its checkpoint and used as they are, so the numbers match the run's own
+validation exactly; name a group on the command line (`data=...`, `data.root=...`, `loader.batch_size=...`)
+and this run's config is used for it instead. The model is always sized by the checkpoint's data.num_classes.
+Prints one line and writes eval.json into this command's run folder.
+"""
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+from {{ cookiecutter.package }} import checkpoint, config, resume
+from {{ cookiecutter.package }}.distributed import World
+from {{ cookiecutter.package }}.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.evaluate import evaluate
+from {{ cookiecutter.package }}.loader import eval_loader, resolve_settings
+
+log = logging.getLogger("eval")
+
+
+@dataclass
+class EvalConfig(config.Config):
+    ckpt: Optional[str] = None  # a checkpoint path (relative to where you run), or "latest"
+    split: str = "val"  # the node of the data config to evaluate on
+
+
+config.register()
+ConfigStore.instance().store(name="schema", node=EvalConfig)  # train.py's schema plus ckpt and split
+
+# Config sections that decide a checkpoint's numbers: its own copy is used unless the command names them
+FROM_CHECKPOINT = ("data", "model")
+
+
+def evaluate_checkpoint(cfg) -> dict:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if not cfg.ckpt:
+        raise UserError("eval: give ckpt=PATH (a checkpoints/*.pth file) or ckpt=latest")
+    found = resume.locate(cfg.ckpt, run_dir, cfg.checkpoint.search_dir)
+    if found is None:
+        raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
+    try:
+        ckpt = checkpoint.load(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
+    except UserError as e:  # the same refusal train.py's resume= gives, named for this command
+        raise UserError(str(e).replace("resume: ", "eval: ", 1).replace("resume=latest", "ckpt=latest")) from None
+    saved = ckpt["config"]
+
+    named = {o.lstrip("+~").split("=")[0].split(".")[0] for o in HydraConfig.get().overrides.task}
+    with open_dict(cfg):
+        for section in FROM_CHECKPOINT:
+            if section not in named and section in saved:
+                cfg[section] = saved[section]
+        if "loader" not in named:  # the batch size sets how the per-batch sums are rounded: keep the run's
+            cfg.loader.batch_size = saved["loader"]["batch_size"]
+    splits = [k for k, v in cfg.data.items() if OmegaConf.is_dict(v) and "_target_" in v]
+    if cfg.split not in splits:
+        raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if cfg.deterministic:  # the same kernels as the training run's validation
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    model_cfg = cfg.model if "model" in named else saved["model"]
+    model = instantiate(model_cfg, num_classes=saved["data"]["num_classes"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise UserError(f"eval: the checkpoint's weights do not fit model {model_cfg['_target_']} ({first})") from None
+    model.to(device)
+
+    dataset = instantiate(cfg.data[cfg.split])
+    loader = eval_loader(dataset, resolve_settings(cfg.loader, device.type))
+    loss, acc = evaluate(model, loader, device, World())
+    return {
+        f"{cfg.split}_loss": loss,
+        f"{cfg.split}_acc": acc,
+        "split": cfg.split,
+        "samples": len(dataset),
+        "step": ckpt["step"],
+        "checkpoint": str(found),
+        "metrics": ckpt.get("metrics"),  # the training run's record of that epoch, when the file is a best.pth
+    }
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg) -> None:
+    try:
+        result = evaluate_checkpoint(cfg)
+    except Exception as e:
+        error = find_user_error(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    split = result["split"]
+    print(
+        f"{result['checkpoint']} step {result['step']}: {split}_loss {result[f'{split}_loss']:.6f} "
+        f"{split}_acc {result[f'{split}_acc']:.6f} on {result['samples']} samples -> {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""checkpoints/best.pth: the best epoch by checkpoint.monitor/mode, kept across a resume, refused when unknown."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.checkpoint import Best, Checkpointer
+from {{ cookiecutter.package }}.errors import UserError
+from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train
+
+
+@pytest.mark.parametrize("mode, values, kept", [("max", [0.5, 0.7, 0.6, 0.7], 1), ("min", [0.5, 0.7, 0.4, 0.4], 2)])
+def test_best_keeps_the_first_best_epoch(tmp_path, mode, values, kept):
+    saver, best = Checkpointer(tmp_path, keep=0), Best("val_acc", mode)
+    for epoch, value in enumerate(values):
+        state = {"step": epoch, "w": torch.full((3,), float(epoch))}
+        best.update({"epoch": epoch, "val_acc": value}, state, saver)
+        assert state["best"] == {
+            "monitor": "val_acc",
+            "mode": mode,
+            "value": values[kept] if epoch >= kept else best.value,
+        }
+    saved = load_ckpt(tmp_path / "best.pth")
+    assert saved["metrics"] == {"epoch": kept, "val_acc": values[kept]} and torch.equal(
+        saved["w"], torch.full((3,), float(kept))
+    )
+    assert not list(tmp_path.glob(".tmp-*"))  # written through a temp file and renamed
+
+
+def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
+    saved = {"best": {"monitor": "val_loss", "mode": "min", "value": 0.25}}
+    assert Best("val_loss", "min", saved).value == 0.25
+    assert Best("val_acc", "max", saved).value is None  # another rule: the old value means nothing
+    assert not Best("val_loss", "min", saved).improves({"val_loss": 0.3})
+    fresh = Best("val_loss", "min")
+    assert not fresh.improves({"val_loss": float("nan")}) and fresh.improves({"val_loss": 9.0})  # NaN never the best
+
+
+def test_unknown_monitor_is_refused():
+    with pytest.raises(UserError, match="checkpoint.monitor"):
+        Best("val_accuracy", "max")
+
+
+@pytest.mark.slow
+def test_unknown_monitor_is_refused_by_train_py_in_one_line(tmp_path):
+    proc = run_train(tmp_path, "checkpoint.monitor=val_accuracy", expect=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: checkpoint.monitor must be one of val_acc, val_loss, train_loss")
+    assert line.endswith("got 'val_accuracy'")
+
+
+SAME = ("epoch", "step", "train_loss", "val_loss", "val_acc")  # timings and process figures differ between runs
+
+# train_loss with mode=max: its best epoch is the first, so later epochs must not replace best.pth
+RULE = ["checkpoint.monitor=train_loss", "checkpoint.mode=max", "epochs=2", "checkpoint.keep=0"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_does_not_overwrite_a_better_best(tmp_path):
+    run_train(tmp_path / "straight", *RNG_DATA, *RULE)
+    records = read_jsonl(tmp_path / "straight/metrics.jsonl")
+    expected = next(r for r in records if r["train_loss"] == max(r["train_loss"] for r in records))
+    assert expected["epoch"] == 0, "the data no longer gives an early best epoch: this test checks nothing"
+    assert load_ckpt(tmp_path / "straight/checkpoints/best.pth")["metrics"] == expected
+    stop = expected["step"] + 3  # inside the epoch after the best one
+    for name, keep_best in (("resumed", True), ("control", False)):
+        run_dir = tmp_path / name
+        run_train(run_dir, *RNG_DATA, *RULE, f"max_steps={stop}")
+        if not keep_best:  # negative control: a checkpoint without the best value, as a naive resume would have
+            ckpt = load_ckpt(run_dir / "checkpoints/last.pth")
+            del ckpt["best"]
+            torch.save(ckpt, run_dir / "checkpoints/last.pth")
+        run_train(run_dir, *RNG_DATA, *RULE, "resume=latest", f"checkpoint.search_dir={run_dir}")  # the same folder
+        got = load_ckpt(run_dir / "checkpoints/best.pth")["metrics"]
+        if keep_best:
+            assert {k: got[k] for k in SAME} == {k: expected[k] for k in SAME}
+        else:
+            assert got["epoch"] > expected["epoch"]  # a worse epoch overwrote the best one

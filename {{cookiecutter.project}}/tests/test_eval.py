@@ -1,0 +1,90 @@
+"""eval.py: a checkpoint evaluated later gives exactly the numbers its run logged; bad input gets one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shapes_root) -> Path:
+    """Two epochs on image files with augmentation; checkpoints after each epoch (step 5 and step 10)."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    run_train(
+        run_dir, f"data.root={shapes_root}", "data.per_class=40", "epochs=2", "loader.batch_size=32", "progress=false"
+    )
+    return run_dir
+
+
+def run_eval(run_dir: Path, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "eval.py", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == expect, f"exit {proc.returncode} != {expect}: {' '.join(cmd)}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_last_checkpoint_gives_the_runs_last_metrics_exactly(tmp_path, trained):
+    records = read_jsonl(trained / "metrics.jsonl")
+    # no data or loader overrides: eval.py takes them from the checkpoint, as the run trained
+    proc = run_eval(tmp_path / "last", f"ckpt={trained}/checkpoints/last.pth")
+    result = json.loads((tmp_path / "last/eval.json").read_text())
+    assert (result["val_loss"], result["val_acc"]) == (records[-1]["val_loss"], records[-1]["val_acc"])
+    assert result["step"] == records[-1]["step"] and result["checkpoint"] == f"{trained}/checkpoints/last.pth"
+    assert len(proc.stdout.strip().splitlines()) == 1 and "val_acc" in proc.stdout
+    # negative control: the epoch-0 checkpoint gives epoch 0's numbers, which are not the last epoch's
+    run_eval(tmp_path / "first", f"ckpt={trained}/checkpoints/step-00000005.pth")
+    first = json.loads((tmp_path / "first/eval.json").read_text())
+    assert (first["val_loss"], first["val_acc"]) == (records[0]["val_loss"], records[0]["val_acc"])
+    assert first["val_loss"] != result["val_loss"]
+
+
+def test_best_checkpoint_holds_the_best_epoch(tmp_path, trained):
+    records = read_jsonl(trained / "metrics.jsonl")
+    best = load_ckpt(trained / "checkpoints/best.pth")  # weights_only=True
+    expected = next(r for r in records if r["val_acc"] == max(r["val_acc"] for r in records))  # the first of ties
+    assert best["metrics"] == expected and best["step"] == expected["step"]
+    assert best["best"] == {"monitor": "val_acc", "mode": "max", "value": expected["val_acc"]}
+    assert load_ckpt(trained / "checkpoints/last.pth")["best"]["value"] == expected["val_acc"]
+
+
+@pytest.mark.slow
+def test_best_latest_and_another_split(tmp_path, trained):
+    records = read_jsonl(trained / "metrics.jsonl")
+    best = load_ckpt(trained / "checkpoints/best.pth")["metrics"]
+    run_eval(tmp_path / "best", f"ckpt={trained}/checkpoints/best.pth")
+    result = json.loads((tmp_path / "best/eval.json").read_text())
+    assert (result["val_loss"], result["val_acc"], result["metrics"]) == (best["val_loss"], best["val_acc"], best)
+    run_eval(tmp_path / "a", "ckpt=latest", f"checkpoint.search_dir={trained.parent}", "split=train")
+    result = json.loads((tmp_path / "a/eval.json").read_text())
+    assert result["split"] == "train" and result["samples"] == 160 and 0 <= result["train_acc"] <= 1
+    assert result["step"] == records[-1]["step"]  # latest: the newest last.pth
+
+
+@pytest.mark.slow
+def test_a_corrupt_checkpoint_is_refused_in_one_line(tmp_path):
+    (tmp_path / "random.pth").write_bytes(torch.randint(0, 255, (4096,), dtype=torch.uint8).numpy().tobytes())
+    proc = run_eval(tmp_path / "run", f"ckpt={tmp_path / 'random.pth'}", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: eval: "), proc.stderr
+    assert "not a readable checkpoint" in lines[0], proc.stderr
+    assert not (tmp_path / "run/eval.json").exists()
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_in_one_line(tmp_path, trained):
+    cases = [
+        ([f"ckpt={tmp_path / 'missing.pth'}"], "no checkpoint at"),
+        ([], "give ckpt="),
+        ([f"ckpt={trained}/checkpoints/last.pth", "split=test"], "split='test'"),
+        ([f"ckpt={trained}/checkpoints/last.pth", "model=resnet18"], "do not fit"),
+    ]
+    for i, (overrides, message) in enumerate(cases):
+        proc = run_eval(tmp_path / str(i), *overrides, expect=2)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+        assert not (tmp_path / str(i) / "eval.json").exists()
