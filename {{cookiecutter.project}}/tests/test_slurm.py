@@ -96,6 +96,7 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     sweep = tmp_path / "multirun"
     # three jobs: 0 and 1 train the same run (job 0 is preempted, job 1 runs through), 2 another seed
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=${hydra.job.num}",  # job folders 0, 1, 2
            *shapes, "loader.batch_size=16", "seed=0,0,1", "resume=latest",
            "checkpoint.search_dir=${hydra:runtime.output_dir}"]  # each job resumes from its own folder only
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -163,6 +164,7 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
     sweep, env = tmp_path / "multirun", slurm_commands(tmp_path / "bin")
     overrides = [*shapes, "loader.batch_size=16"]
     submit = subprocess.Popen([sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+                               "hydra.sweep.subdir=${hydra.job.num}",
                                *overrides, "resume=latest", "checkpoint.search_dir=${hydra:runtime.output_dir}"],
                               cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = sweep / ".submitit/4242"
