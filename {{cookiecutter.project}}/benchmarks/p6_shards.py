@@ -5,6 +5,8 @@
 Per profile (conf/loader/*.yaml, as train.py resolves them, rng_mode=per_sample): samples/s and
 files opened per epoch (counted in every process, workers included). Then the shards'
 `shuffle_window` (1 shard, 4, all): samples/s, files opened and the shards one batch touches.
+Last, the bytes alone: every file read once in one process, without decoding, to isolate
+what the opens cost from the decoding and augmentation that dominate the samples/s above.
 Each setting runs a warm-up epoch and EPOCHS timed epochs; the settings take turns for ROUNDS
 rounds, and the table shows the median round with the spread (min-max) beside it, so a busy
 moment on a shared machine shows up as spread instead of deciding the result.
@@ -18,6 +20,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -99,6 +103,25 @@ def shards_per_batch(dataset: ShardDataset, batch_size: int) -> float:
     return statistics.mean(len(set(dataset.shard[b].tolist())) for b in batches)
 
 
+def read_bytes_s(folder: CountingImageFiles, shards: ShardDataset, rounds: int = 5) -> tuple[float, float]:
+    """Seconds to read every sample's bytes once (no decoding), in one process, each in its epoch order: one open,
+    read and close per file for the folder; one seek and read in an open shard for the shards. Best of `rounds`."""
+    folder_order = np.random.default_rng(0).permutation(len(folder))
+    shard_order = shards.epoch_order(0, 0)
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        began = time.perf_counter()
+        for i in folder_order:
+            with open(folder.paths[i], "rb") as f:
+                f.read()
+        best[0] = min(best[0], time.perf_counter() - began)
+        began = time.perf_counter()
+        for i in shard_order:
+            shards.read(int(i))
+        best[1] = min(best[1], time.perf_counter() - began)
+    return best[0], best[1]
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
@@ -128,8 +151,13 @@ def main() -> None:
         s = settings[p]
         folder_case, shard_case = (p, "image folder"), (p, f"shards w={WINDOW}")
         ratio = statistics.median(rates[shard_case]) / statistics.median(rates[folder_case])
-        print(f"{p:<13} {s.num_workers:>7} {spread(rates[folder_case]):>24} {spread(rates[shard_case]):>20} {ratio:>6.2f} "
+        print(f"{p:<13} {s.num_workers:>7} {spread(rates[folder_case]):>24} {spread(rates[shard_case]):>20} "
+              f"{ratio:>6.2f} "
               f"{statistics.median(opens[folder_case]):>27.0f} {statistics.median(opens[shard_case]):>7.0f}")
+    folder_s, shards_s = read_bytes_s(data["image folder"], data[f"shards w={WINDOW}"])
+    print(f"\nreading the bytes of all {n} images once, one process, no decoding (best of 5): image folder "
+          f"{folder_s * 1e3:.0f} ms ({folder_s / n * 1e6:.1f} us per file), shards {shards_s * 1e3:.0f} ms "
+          f"({shards_s / n * 1e6:.1f} us per sample): {folder_s / shards_s:.1f}x")
     batch = settings["balanced"].batch_size
     print(f"\nshuffle window (loader=balanced, batch {batch}): shards read together per epoch")
     print(f"{'shuffle_window':<15} {'samples/s':>20} {'files opened/epoch':>19} {'shards per batch':>17}")

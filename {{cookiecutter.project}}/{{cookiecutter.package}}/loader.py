@@ -117,7 +117,8 @@ class EpochBatchSampler(Sampler):
         if self.shuffle and self.order_fn is not None:
             order = np.asarray(self.order_fn(self.seed, self.epoch))
             if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
-                raise UserError(f"{self.order_fn.__qualname__} must return a permutation of the {self.size} sample numbers")
+                raise UserError(f"{self.order_fn.__qualname__} must return a permutation of the "
+                                f"{self.size} sample numbers")
         elif self.shuffle:
             seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()

@@ -66,13 +66,15 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
     if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
         raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
     if not (src / "train").is_dir():
-        raise UserError(f"{str(src / 'train')!r} is not a folder: pack expects SRC/train/<class>/* (and SRC/val/<class>/*)")
+        raise UserError(f"{str(src / 'train')!r} is not a folder: "
+                        "pack expects SRC/train/<class>/* (and SRC/val/<class>/*)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{str(dst)!r} is not empty: pack writes into a new or empty folder, and nothing was written")
     try:
         classes, class_to_idx = find_classes(str(src / "train"))
     except FileNotFoundError:
-        raise UserError(f"no class folders in {str(src / 'train')!r}: put one subfolder of images per class there") from None
+        raise UserError(f"no class folders in {str(src / 'train')!r}: "
+                        "put one subfolder of images per class there") from None
     listing = {}
     for split in SPLITS:
         folder = src / split
@@ -80,7 +82,8 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
             continue
         unknown = sorted({p.name for p in folder.iterdir() if p.is_dir()} - set(classes))
         if unknown:
-            raise UserError(f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): labels would not match")
+            raise UserError(f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
+                            "labels would not match")
         listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
         if not listing[split]:
             raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
@@ -92,7 +95,8 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
         for first in range(0, len(samples), per_shard):
             name = f"shard-{first // per_shard:05d}.tar"
             entries.append(write_shard(folder / name, samples[first : first + per_shard], first, src / split))
-        index = {"format": FORMAT, "classes": classes, "per_shard": per_shard, "samples": len(samples), "shards": entries}
+        index = {"format": FORMAT, "classes": classes, "per_shard": per_shard, "samples": len(samples),
+                 "shards": entries}
         write_atomic(folder / INDEX, json.dumps(index, separators=(",", ":")))
         size = sum(e["bytes"] for e in entries)
         report(f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(entries)} shards, "
@@ -102,7 +106,8 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
 
 def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base: Path) -> dict:
     """One tar file, written under a temporary name, flushed to disk and renamed into place; its index entry."""
-    entry = {"name": path.name, "bytes": 0, "keys": [], "paths": [], "offsets": [], "sizes": [], "labels": [], "cls_offsets": []}
+    entry = {"name": path.name, "bytes": 0, "keys": [], "paths": [], "offsets": [], "sizes": [], "labels": [],
+             "cls_offsets": []}
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -169,7 +174,8 @@ class ShardDataset(Dataset):
             raise UserError(f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
                             f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}")
         if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-            raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
+            raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), "
+                            f"got {shuffle_window!r}")
         shards = index["shards"]
         counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
@@ -202,7 +208,7 @@ class ShardDataset(Dataset):
         data = [b""] * len(indices)
         for j in np.lexsort((self.offset[indices], self.shard[indices])):
             data[j] = self.read(int(indices[j]))
-        return [self._sample(d, int(self.label[i])) for d, i in zip(data, indices)]
+        return [self._sample(d, int(self.label[i])) for d, i in zip(data, indices, strict=True)]
 
     def read(self, index: int) -> bytes:
         """The image file's bytes as packed: one seek and one read in a shard this process keeps open."""
@@ -223,7 +229,8 @@ class ShardDataset(Dataset):
         parts = []
         for first in range(0, len(shards), window):
             group = shards[first : first + window]
-            parts.append(gen.permutation(np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in group])))
+            members = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in group])
+            parts.append(gen.permutation(members))
         return np.concatenate(parts)
 
     def _sample(self, data: bytes, label: int):
@@ -259,10 +266,12 @@ class ShardDataset(Dataset):
         try:
             size = os.fstat(f.fileno()).st_size if f is not None else os.stat(path).st_size
         except FileNotFoundError:
-            raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): restore it or pack again") from None
+            raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): "
+                            "restore it or pack again") from None
         if size != expected:
             what = "truncated" if size < expected else "changed"
-            raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")
+            raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; "
+                            "copy it again or pack again")
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
@@ -275,13 +284,15 @@ def read_index(root: Path) -> dict:
         raise UserError(f"shard folder {str(root)!r} does not exist: pack an image folder first "
                         f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST")
     if not path.is_file():
-        raise UserError(f"{str(path)!r} is missing: an interrupted pack writes no index; pack again into an empty folder")
+        raise UserError(f"{str(path)!r} is missing: an interrupted pack writes no index; "
+                        "pack again into an empty folder")
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{str(path)!r} cannot be read ({e}): pack again into an empty folder") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise UserError(f"{str(path)!r} is not an index this version reads (format {FORMAT}): pack again into an empty folder")
+        raise UserError(f"{str(path)!r} is not an index this version reads (format {FORMAT}): "
+                        "pack again into an empty folder")
     return index
 
 
@@ -291,7 +302,8 @@ def read_index(root: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.shards", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* into tar shards + index.json in DST")
+    p = commands.add_parser("pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* "
+                                         "into tar shards + index.json in DST")
     p.add_argument("src", help="image folder holding train/ and val/, one subfolder per class in each")
     p.add_argument("dst", help="new or empty folder for the shards")
     p.add_argument("--per-shard", type=int, default=1000,
