@@ -158,6 +158,19 @@ def test_two_ranks_split_every_epoch_exactly(packed):
         assert not set(got[0]) & set(got[1]) and sorted(got[0] + got[1]) == list(range(len(ds)))
 
 
+def test_data_shards_config_builds_both_splits(packed):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4",
+                                           "data.shuffle_window=3"])
+    train, val = instantiate(cfg.data.train), instantiate(cfg.data.val)
+    assert (len(train), len(val), train.shuffle_window, train.classes) == (80, 16, 3, val.classes)
+    image, label = train[0]
+    assert image.shape == (3, cfg.data.image_size, cfg.data.image_size) and label == 0
+
+
 def test_sampler_refuses_an_order_that_is_not_a_permutation():
     sampler = EpochBatchSampler(10, 2, seed=0, order_fn=lambda seed, epoch: np.zeros(10, dtype=np.int64))
     with pytest.raises(UserError, match="permutation"):
