@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import make_shapes
@@ -159,9 +161,6 @@ def test_two_ranks_split_every_epoch_exactly(packed):
 
 
 def test_data_shards_config_builds_both_splits(packed):
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4",
                                            "data.shuffle_window=3"])
@@ -221,9 +220,9 @@ class WorkerSplitShards(ShardDataset):
         return order[np.argsort(self.shard[order] % self.workers, kind="stable")]
 
 
-def shard_run(root: Path, *extra: str) -> list[str]:
+def shard_run(root: Path, *extra: str, batch_size: int = 16) -> list[str]:
     return ["data=shards", f"data.root={root}", "data.num_classes=4", "data.image_size=32", "data.shuffle_window=2",
-            "loader.batch_size=16", "epochs=2", "progress=false", *extra]
+            f"loader.batch_size={batch_size}", "epochs=2", "progress=false", *extra]
 
 
 def weights(run_dir: Path) -> dict:
@@ -258,3 +257,20 @@ def weights_of_negative_control(packed: Path, tmp_path: Path, workers: int) -> d
 def test_negative_control_order_depending_on_workers_breaks_invariance(packed, tmp_path):
     two, three = (weights_of_negative_control(packed, tmp_path, workers) for workers in (2, 3))
     assert not equal(two, three)
+
+
+def torchrun(run_dir: Path, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_two_ranks_with_torchrun_resume_exactly(packed, tmp_path):
+    ddp = shard_run(packed, "loader.num_workers=1", batch_size=8)  # 40 samples and 5 steps per rank and epoch
+    torchrun(tmp_path / "straight", *ddp)
+    torchrun(tmp_path / "first", *ddp, "max_steps=3")
+    torchrun(tmp_path / "second", *ddp, f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert load_ckpt(tmp_path / "straight/checkpoints/last.pth")["step"] == 10
+    assert equal(weights(tmp_path / "straight"), weights(tmp_path / "second"))
