@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torchvision.transforms import v2
 
+from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
@@ -161,6 +162,7 @@ def test_two_ranks_split_every_epoch_exactly(packed):
 
 
 def test_data_shards_config_builds_both_splits(packed):
+    config.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4",
                                            "data.shuffle_window=3"])
@@ -186,6 +188,8 @@ def test_missing_or_changed_shards_are_named(packed, tmp_path):
     with pytest.raises(UserError, match=f"shard {shard} is truncated"):
         ds[int(ds.starts[3])]
     shard.unlink()
+    with pytest.raises(UserError, match=f"shard {shard} is missing"):
+        ds[int(ds.starts[3])]
     with pytest.raises(UserError, match=f"shard {shard} is missing"):
         ShardDataset(copy / "train")
     with pytest.raises(UserError, match="num_classes=5 but .* hold 4 classes"):

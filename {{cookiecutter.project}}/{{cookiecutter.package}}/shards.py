@@ -192,8 +192,8 @@ class ShardDataset(Dataset):
         self.opens = 0  # files this process opened: a test and benchmark figure
         self._files: OrderedDict | None = None
         self._pid: int | None = None
-        for shard in range(len(self.paths)):
-            self._check_size(shard, None)
+        for shard in range(len(self.paths)):  # now, not hours into the run
+            self._check_size(shard)
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -255,19 +255,27 @@ class ShardDataset(Dataset):
         return f
 
     def _open(self, shard: int):
-        self._check_size(shard, None)
-        f = open(self.paths[shard], "rb")
+        try:
+            f = open(self.paths[shard], "rb")
+        except FileNotFoundError:
+            self._check_size(shard)  # names the missing shard
+            raise
         self.opens += 1
-        self._check_size(shard, f)
+        try:
+            self._check_size(shard, os.fstat(f.fileno()).st_size)
+        except UserError:
+            f.close()
+            raise
         return f
 
-    def _check_size(self, shard: int, f) -> None:
+    def _check_size(self, shard: int, size: int | None = None) -> None:
         path, expected = self.paths[shard], int(self.shard_bytes[shard])
-        try:
-            size = os.fstat(f.fileno()).st_size if f is not None else os.stat(path).st_size
-        except FileNotFoundError:
-            raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): "
-                            "restore it or pack again") from None
+        if size is None:
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): "
+                                "restore it or pack again") from None
         if size != expected:
             what = "truncated" if size < expected else "changed"
             raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; "
