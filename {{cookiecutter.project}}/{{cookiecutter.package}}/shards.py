@@ -292,8 +292,8 @@ def read_index(root: Path) -> dict:
         raise UserError(f"shard folder {str(root)!r} does not exist: pack an image folder first "
                         f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST")
     if not path.is_file():
-        raise UserError(f"{str(path)!r} is missing: an interrupted pack writes no index; "
-                        "pack again into an empty folder")
+        raise UserError(f"{str(path)!r} is missing: data.root must be a folder written by "
+                        f"python -m {__package__}.shards pack (an interrupted pack writes no index: pack again)")
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as e:
