@@ -2,6 +2,7 @@
 
 import filecmp
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -150,6 +151,24 @@ def test_each_sample_once_per_epoch_with_few_files_per_batch(packed, workers):
         assert max(len(set(ds.shard[b].tolist())) for b in batches) <= 2 * ds.shuffle_window
         if workers == 0:  # read in this process: each shard opened at most once per epoch, not once per sample
             assert 0 < ds.opens - opened <= len(ds.paths)
+
+
+def read_in_child(ds: ShardDataset, index: int, results) -> None:
+    data = ds.read(index)
+    results.put((ds.opens, data))
+
+
+def test_forked_process_opens_its_own_files(packed):
+    ds = ShardDataset(packed / "train")
+    first = ds.read(1)  # the parent now holds shard 0 open, at some file position
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    child = fork.Process(target=read_in_child, args=(ds, 5, results))
+    child.start()
+    opens, data = results.get(timeout=60)
+    child.join(timeout=60)
+    assert opens == 2  # its own open of shard 0 (the parent's one is inherited in the count, not in the handle)
+    assert data == ShardDataset(packed / "train").read(5) and ds.read(1) == first and ds.opens == 1
 
 
 def test_two_ranks_split_every_epoch_exactly(packed):
