@@ -21,6 +21,7 @@ from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset
+from {{ cookiecutter.package }}.shards import main as shards_main
 from tests.helpers import PROJECT, load_ckpt, loader_settings, run_train
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
@@ -104,16 +105,19 @@ def test_webdataset_reads_the_shards(images, packed):
         assert sample["png"] == (images / "train" / rel).read_bytes() and int(sample["cls"]) == expected[rel]
 
 
-def test_pack_refuses_a_non_empty_destination(images, tmp_path):
+def test_pack_refuses_a_non_empty_destination(images, tmp_path, capsys):
     dst = tmp_path / "busy"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    proc = pack_cli(images, dst, expect=2)
-    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1 and str(dst) in proc.stderr
+    assert shards_main(["pack", str(images), str(dst)]) == 2  # the command's own entry point, in this process
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and str(dst) in err
     assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "mine"
-    proc = pack_cli(tmp_path / "nowhere", tmp_path / "out", expect=2)
-    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists()
+    assert shards_main(["pack", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert shards_main(["pack", str(images), str(tmp_path / "out"), "--per-shard", "0"]) == 2
+    assert "--per-shard" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_epoch_order_is_a_pure_function_and_keeps_locality(packed):
