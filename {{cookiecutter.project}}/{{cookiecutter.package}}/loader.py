@@ -87,12 +87,14 @@ class EpochBatchSampler(Sampler):
     """The batches of one epoch: a permutation fixed by (seed, epoch), this rank's share of it, from batch `start` on.
 
     It keeps no RNG of its own, so its whole state is (epoch, start); sharding by rank makes it
-    stand in for DistributedSampler.
+    stand in for DistributedSampler. A data set with `epoch_order(seed, epoch)` (a pure function
+    returning a permutation, e.g. shards.py's, which keeps reads local) passes it as `order_fn`
+    and it replaces the uniform permutation; padding and the split by rank stay the same.
     """
 
     def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1, pad: bool = True):
-        self.size, self.batch_size, self.seed = size, batch_size, seed
+                 rank: int = 0, world_size: int = 1, pad: bool = True, order_fn=None):
+        self.size, self.batch_size, self.seed, self.order_fn = size, batch_size, seed, order_fn
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
         self.pad = pad  # training pads so every rank takes as many steps; evaluation counts each sample once
         self.epoch, self.start = 0, 0
@@ -112,7 +114,12 @@ class EpochBatchSampler(Sampler):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def order(self) -> np.ndarray:
-        if self.shuffle:
+        if self.shuffle and self.order_fn is not None:
+            order = np.asarray(self.order_fn(self.seed, self.epoch))
+            if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
+                raise UserError(f"{self.order_fn.__qualname__} must return a permutation of the "
+                                f"{self.size} sample numbers")
+        elif self.shuffle:
             seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
         else:
@@ -225,7 +232,8 @@ class TrainLoader:
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
         self.rng_mode, self.settings = rng_mode, settings
         self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample")
-        self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size)
+        self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size,
+                                         order_fn=getattr(dataset, "epoch_order", None))
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed, so mix, don't shift.)
         loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)

@@ -1,0 +1,303 @@
+"""Tar shards: packing round-trips byte for byte, every sample once per epoch, exact resume, clear errors."""
+
+import filecmp
+import json
+import multiprocessing
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torchvision.transforms import v2
+
+from {{ cookiecutter.package }} import config
+from {{ cookiecutter.package }}.data import make_shapes
+from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
+from {{ cookiecutter.package }}.shards import INDEX, ShardDataset
+from {{ cookiecutter.package }}.shards import main as shards_main
+from tests.helpers import PROJECT, load_ckpt, loader_settings, run_train
+
+PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
+
+
+def pack_cli(src: Path, dst: Path, per_shard: int = PER_SHARD, expect: int = 0) -> subprocess.CompletedProcess:
+    """The user's command, for real: `python -m <package>.shards pack SRC DST --per-shard N`."""
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.shards", "pack", str(src), str(dst),
+           "--per-shard", str(per_shard)]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == expect, f"exit {proc.returncode} != {expect}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shard_images") / "shapes"
+    make_shapes(root, per_class=20, image_size=32, data_seed=2026)  # 80 train, 16 val PNG files
+    return root
+
+
+@pytest.fixture(scope="module")
+def packed(images, tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("packed") / "shards"
+    pack_cli(images, dst)
+    return dst
+
+
+def source_files(split_dir: Path) -> dict[str, int]:
+    """Relative path -> label, as an image folder defines them (sorted class folders)."""
+    classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+    files = sorted(split_dir.glob("*/*.png"))
+    return {p.relative_to(split_dir).as_posix(): classes.index(p.parent.name) for p in files}
+
+
+def test_pack_round_trip_is_byte_identical(images, packed):
+    for split in ("train", "val"):
+        index = json.loads((packed / split / INDEX).read_text())
+        expected = source_files(images / split)
+        seen = {}
+        assert index["classes"] == ["circle", "cross", "square", "triangle"]
+        for entry in index["shards"]:
+            path = packed / split / entry["name"]
+            assert path.stat().st_size == entry["bytes"]
+            with tarfile.open(path) as tar:
+                members = tar.getmembers()
+                assert [m.name for m in members] == [f"{k}.{e}" for k in entry["keys"] for e in ("png", "cls")]
+                headers = {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in members}
+                assert headers == {(0, 0, 0, "", "", 0o644)}
+                for i, key in enumerate(entry["keys"]):
+                    image, cls = members[2 * i], members[2 * i + 1]
+                    assert (image.offset_data, image.size) == (entry["offsets"][i], entry["sizes"][i])
+                    assert cls.offset_data == entry["cls_offsets"][i]
+                    rel = entry["paths"][i]
+                    assert tar.extractfile(image).read() == (images / split / rel).read_bytes()
+                    assert int(tar.extractfile(cls).read()) == entry["labels"][i] == expected[rel]
+                    seen[rel] = key
+        assert sorted(seen) == sorted(expected) and len(set(seen.values())) == len(expected)
+        assert all(len(e["keys"]) == PER_SHARD for e in index["shards"][:-1])
+
+
+def test_pack_is_deterministic(images, packed, tmp_path):
+    pack_cli(images, tmp_path / "again")
+    for split in ("train", "val"):
+        names = sorted(p.name for p in (packed / split).iterdir())
+        assert names == sorted(p.name for p in (tmp_path / "again" / split).iterdir())
+        match, mismatch, errors = filecmp.cmpfiles(packed / split, tmp_path / "again" / split, names, shallow=False)
+        assert not mismatch and not errors and len(match) == len(names)
+
+
+def test_webdataset_reads_the_shards(images, packed):
+    wds = pytest.importorskip("webdataset")
+    expected = source_files(images / "train")
+    index = json.loads((packed / "train" / INDEX).read_text())
+    by_key = {k: p for e in index["shards"] for k, p in zip(e["keys"], e["paths"], strict=True)}
+    urls = [str(packed / "train" / e["name"]) for e in index["shards"]]
+    samples = list(wds.WebDataset(urls, shardshuffle=False))
+    assert len(samples) == len(expected)
+    for sample in samples:
+        rel = by_key[sample["__key__"]]
+        assert sample["png"] == (images / "train" / rel).read_bytes() and int(sample["cls"]) == expected[rel]
+
+
+def test_pack_refuses_a_non_empty_destination(images, tmp_path, capsys):
+    dst = tmp_path / "busy"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    assert shards_main(["pack", str(images), str(dst)]) == 2  # the command's own entry point, in this process
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and str(dst) in err
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "mine"
+    assert shards_main(["pack", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert shards_main(["pack", str(images), str(tmp_path / "out"), "--per-shard", "0"]) == 2
+    assert "--per-shard" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_epoch_order_is_a_pure_function_and_keeps_locality(packed):
+    ds = ShardDataset(packed / "train", shuffle_window=1)
+    first = ds.epoch_order(3, 0)
+    assert np.array_equal(first, ShardDataset(packed / "train", shuffle_window=1).epoch_order(3, 0))
+    assert not np.array_equal(first, ds.epoch_order(3, 1)) and not np.array_equal(first, ds.epoch_order(4, 0))
+    assert sorted(first.tolist()) == list(range(len(ds)))
+    assert shard_changes(ds, first) == len(ds.paths) - 1  # window 1: one shard after the other
+    mixed = ShardDataset(packed / "train", shuffle_window=0).epoch_order(3, 0)
+    assert shard_changes(ds, mixed) > 3 * len(ds.paths)  # window 0: all shards shuffled together
+
+
+def shard_changes(ds: ShardDataset, order: np.ndarray) -> int:
+    return int(np.count_nonzero(np.diff(ds.shard[order])))
+
+
+def identify(ds: ShardDataset) -> dict[bytes, int]:
+    """Each sample's decoded pixels -> its number (the shapes images are noisy, so no two are alike)."""
+    table = {ds[i][0].numpy().tobytes(): i for i in range(len(ds))}
+    assert len(table) == len(ds)
+    return table
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3, 4])
+def test_each_sample_once_per_epoch_with_few_files_per_batch(packed, workers):
+    ds = ShardDataset(packed / "train", transform=v2.ToImage(), shuffle_window=2)
+    table = identify(ds)  # the main process now holds open shards: forked workers must not share them
+    loader = TrainLoader(ds, loader_settings(batch_size=8, workers=workers), seed=1)
+    for _ in range(2):
+        opened = ds.opens
+        batches = [[table[x.numpy().tobytes()] for x in images] for images, _ in loader]
+        assert sorted(i for b in batches for i in b) == list(range(len(ds)))
+        # few files per batch: the order came from the data set (a uniform shuffle touches ~6 of 12 shards per batch)
+        assert max(len(set(ds.shard[b].tolist())) for b in batches) <= 2 * ds.shuffle_window
+        if workers == 0:  # read in this process: each shard opened at most once per epoch, not once per sample
+            assert 0 < ds.opens - opened <= len(ds.paths)
+
+
+def read_in_child(ds: ShardDataset, index: int, results) -> None:
+    data = ds.read(index)
+    results.put((ds.opens, data))
+
+
+def test_forked_process_opens_its_own_files(packed):
+    ds = ShardDataset(packed / "train")
+    first = ds.read(1)  # the parent now holds shard 0 open, at some file position
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    child = fork.Process(target=read_in_child, args=(ds, 5, results))
+    child.start()
+    opens, data = results.get(timeout=60)
+    child.join(timeout=60)
+    assert opens == 2  # its own open of shard 0 (the parent's one is inherited in the count, not in the handle)
+    assert data == ShardDataset(packed / "train").read(5) and ds.read(1) == first and ds.opens == 1
+
+
+def test_two_ranks_split_every_epoch_exactly(packed):
+    ds = ShardDataset(packed / "train", transform=v2.ToImage(), shuffle_window=2)
+    table = identify(ds)
+    ranks = [TrainLoader(ds, loader_settings(batch_size=8, workers=2), seed=1, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(2):
+        got = [[table[x.numpy().tobytes()] for images, _ in loader for x in images] for loader in ranks]
+        assert not set(got[0]) & set(got[1]) and sorted(got[0] + got[1]) == list(range(len(ds)))
+
+
+def test_data_shards_config_builds_both_splits(packed):
+    config.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4",
+                                           "data.shuffle_window=3"])
+    train, val = instantiate(cfg.data.train), instantiate(cfg.data.val)
+    assert (len(train), len(val), train.shuffle_window, train.classes) == (80, 16, 3, val.classes)
+    image, label = train[0]
+    assert image.shape == (3, cfg.data.image_size, cfg.data.image_size) and label == 0
+
+
+def test_sampler_refuses_an_order_that_is_not_a_permutation():
+    sampler = EpochBatchSampler(10, 2, seed=0, order_fn=lambda seed, epoch: np.zeros(10, dtype=np.int64))
+    with pytest.raises(UserError, match="permutation"):
+        list(sampler)
+
+
+def test_missing_or_changed_shards_are_named(packed, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    ds = ShardDataset(copy / "train")
+    shard = copy / "train" / "shard-00003.tar"
+    with open(shard, "r+b") as f:  # truncated after the data set was opened (e.g. a copy still running)
+        f.truncate(shard.stat().st_size - 1000)
+    with pytest.raises(UserError, match=f"shard {shard} is truncated"):
+        ds[int(ds.starts[3])]
+    shard.unlink()
+    with pytest.raises(UserError, match=f"shard {shard} is missing"):
+        ds[int(ds.starts[3])]
+    with pytest.raises(UserError, match=f"shard {shard} is missing"):
+        ShardDataset(copy / "train")
+    with pytest.raises(UserError, match="num_classes=5 but .* hold 4 classes"):
+        ShardDataset(packed / "train", num_classes=5)
+    (copy / "val" / INDEX).unlink()
+    with pytest.raises(UserError, match="index.json' is missing"):
+        ShardDataset(copy / "val")
+
+
+@pytest.mark.slow
+def test_truncated_shard_is_one_line_from_train(packed, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    shard = copy / "train" / "shard-00005.tar"
+    with open(shard, "r+b") as f:
+        f.truncate(512)
+    proc = run_train(tmp_path / "run", *shard_run(copy), expect=2)
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: ")
+    assert f"shard {shard} is truncated" in proc.stderr
+
+
+class WorkerSplitShards(ShardDataset):
+    """Negative control: the order splits whole shards between workers, as an IterableDataset split does,
+    so it depends on the worker count."""
+
+    def __init__(self, *args, workers: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.workers = max(workers, 1)
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        order = super().epoch_order(seed, epoch)
+        return order[np.argsort(self.shard[order] % self.workers, kind="stable")]
+
+
+def shard_run(root: Path, *extra: str, batch_size: int = 16) -> list[str]:
+    return ["data=shards", f"data.root={root}", "data.num_classes=4", "data.image_size=32", "data.shuffle_window=2",
+            f"loader.batch_size={batch_size}", "epochs=2", "progress=false", *extra]
+
+
+def weights(run_dir: Path) -> dict:
+    return load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_and_worker_count_free(packed, tmp_path):
+    run_train(tmp_path / "straight", *shard_run(packed, "loader.num_workers=2"))
+    run_train(tmp_path / "none", *shard_run(packed, "loader=memory-tight", "loader.num_workers=0"))
+    run_train(tmp_path / "first", *shard_run(packed, "loader.num_workers=2", "max_steps=3"))  # mid-epoch 0 of 5 batches
+    assert load_ckpt(tmp_path / "first/checkpoints/last.pth")["step"] == 3
+    run_train(tmp_path / "second", *shard_run(packed, "loader=throughput", "loader.num_workers=3",
+                                              f"resume={tmp_path}/first/checkpoints/last.pth"))
+    straight = weights(tmp_path / "straight")
+    assert equal(straight, weights(tmp_path / "none"))
+    assert equal(straight, weights(tmp_path / "second"))
+
+
+def weights_of_negative_control(packed: Path, tmp_path: Path, workers: int) -> dict:
+    run_dir = tmp_path / f"split{workers}"
+    run_train(run_dir, *shard_run(packed, f"loader.num_workers={workers}", f"+data.train.workers={workers}",
+                                  "data.train._target_=tests.test_shards.WorkerSplitShards"))
+    return weights(run_dir)
+
+
+@pytest.mark.slow
+def test_negative_control_order_depending_on_workers_breaks_invariance(packed, tmp_path):
+    two, three = (weights_of_negative_control(packed, tmp_path, workers) for workers in (2, 3))
+    assert not equal(two, three)
+
+
+def torchrun(run_dir: Path, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_two_ranks_with_torchrun_resume_exactly(packed, tmp_path):
+    ddp = shard_run(packed, "loader.num_workers=1", batch_size=8)  # 40 samples and 5 steps per rank and epoch
+    torchrun(tmp_path / "straight", *ddp)
+    torchrun(tmp_path / "first", *ddp, "max_steps=3")
+    torchrun(tmp_path / "second", *ddp, f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert load_ckpt(tmp_path / "straight/checkpoints/last.pth")["step"] == 10
+    assert equal(weights(tmp_path / "straight"), weights(tmp_path / "second"))

@@ -1,0 +1,329 @@
+"""Tar shards (the WebDataset layout) with an index, served by TrainLoader like any map-style data set.
+
+    python -m {{ cookiecutter.package }}.shards pack data/images data/shards --per-shard 1000
+    python train.py data=shards data.root=data/shards data.num_classes=10
+
+A folder of many small files costs one open and one metadata lookup per sample per epoch: a local
+SSD forgives that, NFS and object storage do not. `pack` writes each split as tar files of
+`--per-shard` samples, `<key>.<ext>` (the image's bytes as they were) and `<key>.cls` (the label)
+per sample, so the `webdataset` library and `tar` read them too, plus `index.json`: per shard its
+name, size in bytes and, per sample, where each member's data starts and how long the image is.
+
+With the index the shards are a map-style data set, so everything TrainLoader does for an image
+folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile under
+rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
+
+- sample `i` lives at (shard, offset, size) in numpy arrays (one object each, so workers do not
+  copy the parent's memory page by page as they would reading a list of many Python objects);
+- a worker opens a shard once, keeps it open and reads each sample with one seek and one read;
+  open files are keyed by process id, so a forked worker never shares a file position with its
+  parent, and at most `max_open` stay open per process (least recently used closed first);
+- `epoch_order(seed, epoch)` gives EpochBatchSampler the epoch's order, a pure function of
+  (seed, epoch): the shards in a random order, then the samples of each window of
+  `shuffle_window` consecutive shards shuffled together. A batch then touches a few files
+  instead of one per sample; the price is a less thorough mix (samples from far-apart shards
+  never share a batch within an epoch).
+
+`stream.py`'s IterableDataset stays the fallback for data without an index (no exact resume, order
+depends on the worker count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from .errors import UserError
+
+INDEX = "index.json"
+FORMAT = 1  # bump when the layout of the shards or the index changes
+SPLITS = ("train", "val")
+BLOCK = tarfile.BLOCKSIZE
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
+    """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
+
+    Deterministic: files in sorted order (the order and labels of torchvision's ImageFolder), fixed
+    tar headers (mtime 0, uid/gid 0, no user names, mode 644), keys numbered per split. Everything
+    is checked before the first byte is written; `dst` must be new or empty. Returns samples per split.
+    """
+    src, dst = Path(src), Path(dst)
+    if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
+        raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
+    if not (src / "train").is_dir():
+        raise UserError(f"{str(src / 'train')!r} is not a folder: "
+                        "pack expects SRC/train/<class>/* (and SRC/val/<class>/*)")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"{str(dst)!r} is not empty: pack writes into a new or empty folder, and nothing was written")
+    try:
+        classes, class_to_idx = find_classes(str(src / "train"))
+    except FileNotFoundError:
+        raise UserError(f"no class folders in {str(src / 'train')!r}: "
+                        "put one subfolder of images per class there") from None
+    listing = {}
+    for split in SPLITS:
+        folder = src / split
+        if not folder.is_dir():
+            continue
+        unknown = sorted({p.name for p in folder.iterdir() if p.is_dir()} - set(classes))
+        if unknown:
+            raise UserError(f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
+                            "labels would not match")
+        listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+        if not listing[split]:
+            raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
+    dst.mkdir(parents=True, exist_ok=True)
+    for split, samples in listing.items():
+        folder = dst / split
+        folder.mkdir()
+        entries = []
+        for first in range(0, len(samples), per_shard):
+            name = f"shard-{first // per_shard:05d}.tar"
+            entries.append(write_shard(folder / name, samples[first : first + per_shard], first, src / split))
+        index = {"format": FORMAT, "classes": classes, "per_shard": per_shard, "samples": len(samples),
+                 "shards": entries}
+        write_atomic(folder / INDEX, json.dumps(index, separators=(",", ":")))
+        size = sum(e["bytes"] for e in entries)
+        report(f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(entries)} shards, "
+               f"{size / 2**20:.1f} MiB in {folder}")
+    return {split: len(samples) for split, samples in listing.items()}
+
+
+def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base: Path) -> dict:
+    """One tar file, written under a temporary name, flushed to disk and renamed into place; its index entry."""
+    entry = {"name": path.name, "bytes": 0, "keys": [], "paths": [], "offsets": [], "sizes": [], "labels": [],
+             "cls_offsets": []}
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for number, (source, label) in enumerate(samples, first_key):
+                key, data = f"{number:09d}", Path(source).read_bytes()
+                ext = Path(source).suffix.lower().lstrip(".")
+                entry["keys"].append(key)
+                entry["paths"].append(Path(source).relative_to(base).as_posix())
+                entry["offsets"].append(add_member(tar, f"{key}.{ext}", data))
+                entry["sizes"].append(len(data))
+                entry["labels"].append(label)
+                entry["cls_offsets"].append(add_member(tar, f"{key}.cls", str(label).encode()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    entry["bytes"] = path.stat().st_size
+    return entry
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Append one file with fixed header fields; returns where its data starts in the tar."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+    return tar.offset - -(-len(data) // BLOCK) * BLOCK  # header, then the data padded to whole blocks
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A reader sees the old file or the whole new one, never half of it, even after a crash."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class ShardDataset(Dataset):
+    """One split packed by `pack`: `(transform(image), label)` per sample, read from the shards via the index.
+
+    `num_classes`, when given, must match the index's class list. `shuffle_window`: how many shards
+    (in the epoch's random shard order) have their samples shuffled together; 0 shuffles everything
+    together like an image folder. `max_open`: files one process keeps open (default: enough for two
+    windows, so a batch straddling two windows reads without re-opening).
+    """
+
+    def __init__(self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4,
+                 max_open: int | None = None):
+        self.root, self.transform = Path(root), transform
+        index = read_index(self.root)
+        self.classes = list(index["classes"])
+        if num_classes is not None and num_classes != len(self.classes):
+            shown = ", ".join(self.classes[:5]) + (", ..." if len(self.classes) > 5 else "")
+            raise UserError(f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
+                            f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}")
+        if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
+            raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), "
+                            f"got {shuffle_window!r}")
+        shards = index["shards"]
+        counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
+        self.paths = np.array([str(self.root / s["name"]) for s in shards])
+        self.shard_bytes = np.array([s["bytes"] for s in shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # sample number of each shard's first sample
+        self.shard = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
+        self.offset = np.concatenate([np.asarray(s["offsets"], dtype=np.int64) for s in shards])
+        self.size = np.concatenate([np.asarray(s["sizes"], dtype=np.int64) for s in shards])
+        self.label = np.concatenate([np.asarray(s["labels"], dtype=np.int64) for s in shards])
+        del index, shards  # the per-sample Python lists go before any worker forks
+        self.shuffle_window = shuffle_window
+        window = shuffle_window or len(self.paths)
+        self.max_open = max_open or max(1, min(len(self.paths), 2 * window + 2, 256))
+        self.opens = 0  # files this process opened: a test and benchmark figure
+        self._files: OrderedDict | None = None
+        self._pid: int | None = None
+        for shard in range(len(self.paths)):  # now, not hours into the run
+            self._check_size(shard)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def __getitem__(self, index: int):
+        return self._sample(self.read(index), int(self.label[index]))
+
+    def __getitems__(self, indices):
+        """A batch: bytes read in file order (shard, then offset), decoded and transformed in the batch's order,
+        so the random draws meet the samples exactly as with `__getitem__` one by one."""
+        indices = np.asarray(indices, dtype=np.int64)
+        data = [b""] * len(indices)
+        for j in np.lexsort((self.offset[indices], self.shard[indices])):
+            data[j] = self.read(int(indices[j]))
+        return [self._sample(d, int(self.label[i])) for d, i in zip(data, indices, strict=True)]
+
+    def read(self, index: int) -> bytes:
+        """The image file's bytes as packed: one seek and one read in a shard this process keeps open."""
+        shard, size = int(self.shard[index]), int(self.size[index])
+        f = self._file(shard)
+        f.seek(int(self.offset[index]))
+        data = f.read(size)
+        if len(data) != size:
+            raise UserError(f"shard {self.paths[shard]} ended early (sample {index}): it changed after the run "
+                            "started; copy it again or pack again")
+        return data
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        """This epoch's order of all samples, from (seed, epoch) alone: shards shuffled, then samples within windows."""
+        gen = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
+        shards = gen.permutation(len(self.paths))
+        window = self.shuffle_window or len(shards)
+        parts = []
+        for first in range(0, len(shards), window):
+            group = shards[first : first + window]
+            members = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in group])
+            parts.append(gen.permutation(members))
+        return np.concatenate(parts)
+
+    def _sample(self, data: bytes, label: int):
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, label
+
+    def _file(self, shard: int):
+        pid = os.getpid()
+        if self._pid != pid:  # first use in this process (a forked worker starts here): never the parent's handles
+            self._files, self._pid = OrderedDict(), pid
+        f = self._files.get(shard)
+        if f is not None:
+            self._files.move_to_end(shard)
+            return f
+        f = self._open(shard)
+        self._files[shard] = f
+        if len(self._files) > self.max_open:
+            self._files.popitem(last=False)[1].close()
+        return f
+
+    def _open(self, shard: int):
+        try:
+            f = open(self.paths[shard], "rb")
+        except FileNotFoundError:
+            self._check_size(shard)  # names the missing shard
+            raise
+        self.opens += 1
+        try:
+            self._check_size(shard, os.fstat(f.fileno()).st_size)
+        except UserError:
+            f.close()
+            raise
+        return f
+
+    def _check_size(self, shard: int, size: int | None = None) -> None:
+        path, expected = self.paths[shard], int(self.shard_bytes[shard])
+        if size is None:
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): "
+                                "restore it or pack again") from None
+        if size != expected:
+            what = "truncated" if size < expected else "changed"
+            raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; "
+                            "copy it again or pack again")
+
+    def __getstate__(self) -> dict:
+        """Copies (pickling for spawned workers, copy.copy) start without open files."""
+        return {**self.__dict__, "_files": None, "_pid": None}
+
+
+def read_index(root: Path) -> dict:
+    path = root / INDEX
+    if not root.is_dir():
+        raise UserError(f"shard folder {str(root)!r} does not exist: pack an image folder first "
+                        f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST")
+    if not path.is_file():
+        raise UserError(f"{str(path)!r} is missing: data.root must be a folder written by "
+                        f"python -m {__package__}.shards pack (an interrupted pack writes no index: pack again)")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{str(path)!r} cannot be read ({e}): pack again into an empty folder") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise UserError(f"{str(path)!r} is not an index this version reads (format {FORMAT}): "
+                        "pack again into an empty folder")
+    return index
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.shards", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* "
+                                         "into tar shards + index.json in DST")
+    p.add_argument("src", help="image folder holding train/ and val/, one subfolder per class in each")
+    p.add_argument("dst", help="new or empty folder for the shards")
+    p.add_argument("--per-shard", type=int, default=1000,
+                   help="samples per tar file (default 1000); aim for files of a few hundred MB")
+    args = parser.parse_args(argv)
+    try:
+        pack(args.src, args.dst, args.per_shard)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
