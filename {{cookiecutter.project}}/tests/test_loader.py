@@ -106,3 +106,18 @@ def test_state_dict_mid_epoch_resumes_exactly():
         got += epoch_batches(resumed)
         assert len(got) == len(expected)
         assert all(torch.equal(x, y) for x, y in zip(got, expected)), (workers, persistent)
+
+
+def test_loop_that_breaks_and_goes_on_in_the_same_process_stays_exact():
+    """Persistent workers prefetch past a break: the rest of the epoch and the next start from the consumed streams."""
+    settings = loader_settings(8, 3, persistent=True)
+    straight = TrainLoader(RngDrawingDataset(80), settings, seed=1, rng_mode="per_worker")
+    expected = epoch_batches(straight) + epoch_batches(straight)
+    loader = TrainLoader(RngDrawingDataset(80), settings, seed=1, rng_mode="per_worker")
+    got = []
+    for i, (x, _) in enumerate(loader):
+        got.append(x.clone())
+        if i == 4:
+            break
+    got += epoch_batches(loader) + epoch_batches(loader)
+    assert len(got) == len(expected) and all(torch.equal(x, y) for x, y in zip(got, expected))

@@ -1,6 +1,9 @@
 """Persistent workers start the next epoch while validation runs (TrainLoader.start_next_epoch), and nothing changes:
 the same batches, and a checkpoint taken meanwhile resumes exactly."""
 
+import multiprocessing
+import time
+
 import pytest
 import torch
 
@@ -44,8 +47,27 @@ def test_next_epoch_started_early_changes_nothing(rng_mode):
     assert same(epoch(second), expected[1]) and same(epoch(second), expected[2])
 
 
-def test_only_persistent_workers_start_early():
-    loader = make("per_sample", persistent=False)
+class CountingFetches(RngDrawingDataset):
+    """Counts the items workers fetch, in memory shared with the test process."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.fetched = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, index: int):
+        with self.fetched.get_lock():
+            self.fetched.value += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_only_persistent_workers_start_early(persistent):
+    dataset = CountingFetches(64)
+    loader = TrainLoader(dataset, LoaderSettings(8, 2, 2, False, persistent, 0.0), seed=3)
     epoch(loader)
+    after_epoch = dataset.fetched.value
     loader.start_next_epoch()  # non-persistent workers exit between epochs to free memory: not restarted early
-    assert loader._pending is None
+    deadline = time.monotonic() + 3
+    while dataset.fetched.value == after_epoch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (dataset.fetched.value > after_epoch) == persistent, (dataset.fetched.value, after_epoch)
