@@ -109,11 +109,12 @@ def test_state_dict_mid_epoch_resumes_exactly():
 
 
 def test_loop_that_breaks_and_goes_on_in_the_same_process_stays_exact():
-    """Persistent workers prefetch past a break: the rest of the epoch and the next start from the consumed streams."""
+    """Persistent workers prefetch past a break (here 6 of 30 batches): the rest of the epoch and the next one must
+    start from the streams as consumed, not from the workers' RNG, which ran ahead."""
     settings = loader_settings(8, 3, persistent=True)
-    straight = TrainLoader(RngDrawingDataset(80), settings, seed=1, rng_mode="per_worker")
+    straight = TrainLoader(RngDrawingDataset(240), settings, seed=1, rng_mode="per_worker")
     expected = epoch_batches(straight) + epoch_batches(straight)
-    loader = TrainLoader(RngDrawingDataset(80), settings, seed=1, rng_mode="per_worker")
+    loader = TrainLoader(RngDrawingDataset(240), settings, seed=1, rng_mode="per_worker")
     got = []
     for i, (x, _) in enumerate(loader):
         got.append(x.clone())
