@@ -35,9 +35,13 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
 
 
 def wait_for_steps(run_dir: Path, count: int, timeout: float = 120) -> None:
-    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl), or `timeout` passed."""
+    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl); fail the test, saying what
+    was logged, if `timeout` seconds pass first."""
     steps, deadline = run_dir / "steps.jsonl", time.time() + timeout
-    while not (steps.exists() and steps.read_text().count("\n") >= count) and time.time() < deadline:
+    while not (steps.exists() and steps.read_text().count("\n") >= count):
+        if time.time() >= deadline:
+            seen = f"{steps.read_text().count(chr(10))} lines in {steps}" if steps.exists() else f"no {steps}"
+            raise AssertionError(f"wait_for_steps: {count} steps not logged within {timeout} s ({seen})")
         time.sleep(0.01)
 
 

@@ -36,9 +36,15 @@ def test_profiles_say_what_they_trade():
     assert fast.num_workers == usable_cpus() and fast.prefetch_factor == 4 and fast.pin_memory and fast.persistent_workers
 
 
-def test_groups_compose():
-    for override in ("optim=adamw", "optim=sgd", "model=resnet18", "data=cifar10", "data=imagefolder"):
-        compose_cfg(override)
+@pytest.mark.parametrize("override, node, target", [
+    ("optim=adamw", "optim", "torch.optim.AdamW"),
+    ("optim=sgd", "optim", "torch.optim.SGD"),
+    ("model=resnet18", "model", "{{ cookiecutter.package }}.model.resnet18"),
+    ("data=cifar10", "data.train", "{{ cookiecutter.package }}.data.cifar10"),
+    ("data=imagefolder", "data.train", "{{ cookiecutter.package }}.data.ImageFiles"),
+])
+def test_groups_compose(override, node, target):
+    assert OmegaConf.select(compose_cfg(override), node)._target_ == target
 
 
 @pytest.mark.parametrize("override", ["loader.num_worker=3", "epochs=ten", "device=gpu", "seed=1.5"])

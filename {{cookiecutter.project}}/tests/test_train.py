@@ -38,3 +38,7 @@ def test_max_steps_stops_and_saves(tmp_path, shapes):
 
 def test_resnet18_and_adamw(tmp_path, shapes):
     run_train(tmp_path, "model=resnet18", "optim=adamw", "max_steps=2", *shapes)
+    ckpt = load_ckpt(tmp_path / "checkpoints" / "last.pth")
+    assert "layer4.1.conv2.weight" in ckpt["model"] and ckpt["model"]["fc.weight"].shape == (4, 512)
+    assert all({"exp_avg", "exp_avg_sq"} <= s.keys() for s in ckpt["optimizer"]["state"].values())  # AdamW's moments
+    assert ckpt["config"]["optim"]["_target_"] == "torch.optim.AdamW" and ckpt["step"] == 2

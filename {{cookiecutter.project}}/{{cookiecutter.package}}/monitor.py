@@ -24,6 +24,8 @@ import time
 
 import psutil
 
+from .errors import causes
+
 log = logging.getLogger(__name__)
 
 MiB = 2**20
@@ -71,16 +73,20 @@ def exit_status(pid: int) -> str | None:
     return f"exited with code {info.si_status}"
 
 
+def _read_children(main: psutil.Process, read):
+    """`(child, read(child))` for each live child process, all generations; one that exits meanwhile is skipped."""
+    for child in main.children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                yield child, read(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
+            continue
+
+
 def pss_mib() -> float:
     """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
     main = psutil.Process()
-    total = _memory(main)[1]
-    for child in main.children(recursive=True):
-        try:
-            total += _memory(child)[1]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
-            continue
-    return total / MiB
+    return sum(pss for _, (_, pss) in _read_children(main, _memory), _memory(main)[1]) / MiB
 
 
 class WorkerDied(RuntimeError):
@@ -112,7 +118,7 @@ def worker_death(exc: BaseException) -> str | None:
     The traceback of such an error shows only where the main process noticed, never why the worker
     died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
     """
-    while exc is not None:
+    for exc in causes(exc):
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         found = TORCH_WORKER_DEATH.match(text) if isinstance(exc, RuntimeError) else None
         if isinstance(exc, WorkerDied) or found:
@@ -125,7 +131,6 @@ def worker_death(exc: BaseException) -> str | None:
                 return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
                         "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
             return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -141,14 +146,8 @@ def sample(worker_pids: set[int]) -> dict:
     fds = _fds(main)
     workers_rss = workers_pss = 0
     live, train_workers = [main.pid], 0
-    for child in main.children(recursive=True):
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            rss, pss = _memory(child)
-            fds += _fds(child)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
-            continue
+    for child, ((rss, pss), child_fds) in _read_children(main, lambda c: (_memory(c), _fds(c))):
+        fds += child_fds
         workers_rss, workers_pss = workers_rss + rss, workers_pss + pss
         live.append(child.pid)
         train_workers += child.pid in worker_pids
