@@ -1,10 +1,10 @@
 """P2: samples/s of our TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
-TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: the
-exact-resume overhead, budget 2% against DataLoader) and per_sample (also reseeding the three
-generators before every batch: budget 3% against per_worker).
+TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: its
+ratio to DataLoader is the cost of exact resume) and per_sample (also reseeding the three
+generators before every batch: its ratio to per_worker is the cost of that seeding).
 
-    python benchmarks/p2_loaders.py            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
+    python -m benchmarks.p2_loaders            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
 
 Same data (the generated shapes, decoded and augmented in the workers), batch 64, 2 workers,
 prefetch 2, persistent workers. Each loader runs a warm-up epoch, then EPOCHS timed epochs; the
@@ -12,19 +12,15 @@ three take turns for ROUNDS rounds and the best round counts, so a busy moment o
 does not decide the result.
 """
 
-import sys
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
-from common import samples_per_s  # noqa: E402
-from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader  # noqa: E402
+from benchmarks.common import samples_per_s
+from {{ cookiecutter.package }}.data import shapes, train_transform
+from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader

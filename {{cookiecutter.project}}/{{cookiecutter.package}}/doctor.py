@@ -4,6 +4,9 @@
     python -m {{ cookiecutter.package }}.doctor data=imagefolder data.root=/images data.num_classes=10
     python -m {{ cookiecutter.package }}.doctor loader.batch_size=128    # loader.* overrides apply to every profile
 
+Run it from the project root, as train.py: it reads the Hydra config in `./conf` (or, from a source
+checkout, the conf/ beside this package), so it works from an installed package too.
+
 Each profile in conf/loader/ is built as train.py builds it (resolve_settings, the memory budget,
 TrainLoader) and run for two epochs over an evenly spaced part of the training set
 (`batches_per_epoch()` batches), because epoch 2 is where persistent workers pay off. Measured:
@@ -19,7 +22,7 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
 - model batches/s: forward + backward of the configured model on one batch, on the run's device;
   the rate the loader has to keep up with.
 
-The recommendation follows the decision table of the prefetch-memory notes: memory tight -> fewer
+The recommendation follows the decision table in the README ("Loader doctor"): memory tight -> fewer
 workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
 starts -> persistent workers. A table is printed and everything goes to doctor.json in the run folder.
 """
@@ -211,7 +214,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
 
 def recommend(results: list[dict], current: str, model_bps: float, available_mib: float, cores: int,
               full_batches: int) -> dict:
-    """The seed's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
+    """The README's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
     if not ran:
         return {"profile": current, "overrides": [], "reasons": ["no profile produced two batches in epoch 2: nothing to compare"]}
@@ -319,8 +322,17 @@ def diagnose(cfg) -> dict:
     return report
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg) -> None:
+def conf_dir() -> Path:
+    """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside
+    this package in a source checkout. An installed package holds no conf/ of its own."""
+    for folder in (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf"):
+        if (folder / "config.yaml").is_file():
+            return folder
+    raise UserError(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
+                    "the folder holding train.py and conf/")
+
+
+def run(cfg) -> None:
     try:
         diagnose(cfg)
     except Exception as e:
@@ -329,6 +341,15 @@ def main(cfg) -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    try:
+        folder = conf_dir()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 
 
 if __name__ == "__main__":

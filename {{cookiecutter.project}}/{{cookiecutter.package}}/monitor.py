@@ -86,7 +86,8 @@ def _read_children(main: psutil.Process, read):
 def pss_mib() -> float:
     """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
     main = psutil.Process()
-    return sum(pss for _, (_, pss) in _read_children(main, _memory), _memory(main)[1]) / MiB
+    children = sum(pss for _, (_, pss) in _read_children(main, _memory))
+    return (_memory(main)[1] + children) / MiB
 
 
 class WorkerDied(RuntimeError):
