@@ -52,7 +52,7 @@ def main() -> None:
     rebuilt, persistent = epoch_start_waits(False), epoch_start_waits(True)
     print(f"P1 epoch-start wait, {EPOCHS} epochs, 2 workers, first item per process costs {START_COST_S} s")
     print(f"{'epoch':>5}  {'rebuilt s':>10}  {'persistent s':>12}")
-    for epoch, (r, p) in enumerate(zip(rebuilt, persistent), 1):
+    for epoch, (r, p) in enumerate(zip(rebuilt, persistent, strict=True), 1):
         print(f"{epoch:>5}  {r:>10.3f}  {p:>12.3f}")
     later_r, later_p = sum(rebuilt[1:]) / (EPOCHS - 1), sum(persistent[1:]) / (EPOCHS - 1)
     ratio = later_p / later_r

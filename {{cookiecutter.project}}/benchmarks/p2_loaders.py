@@ -1,4 +1,4 @@
-"""P2: samples/s of our TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
+"""P2: samples/s of TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
 TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: its
 ratio to DataLoader is the cost of exact resume) and per_sample (also reseeding the three
@@ -60,7 +60,8 @@ def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tup
 def main() -> None:
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
     dataset = shapes("data/shapes", "train", transform=train_transform(32))
-    kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"] + (["StatefulDataLoader"] if StatefulDataLoader else [])
+    kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"]
+    kinds += ["StatefulDataLoader"] if StatefulDataLoader else []
     best = {k: 0.0 for k in kinds}
     for _ in range(ROUNDS):
         for kind in kinds:
@@ -70,7 +71,8 @@ def main() -> None:
     print(f"{'loader':<24} {'samples/s':>10} {'/ DataLoader':>13}")
     for kind in kinds:
         print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
-    print(f"rng_mode cost: per_sample / per_worker samples/s = {best['TrainLoader per_sample'] / best['TrainLoader per_worker']:.3f} (whole loader)")
+    ratio = best["TrainLoader per_sample"] / best["TrainLoader per_worker"]
+    print(f"rng_mode cost: per_sample / per_worker samples/s = {ratio:.3f} (whole loader; 1.0: seeding costs nothing)")
     plain, seeded = fetch_cost_of_per_sample(dataset)
     print(f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
           f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)")

@@ -20,11 +20,8 @@ A ratio plan / measured near 1.0 means the plan (and loader.max_prefetch_mib) ca
 
 import gc
 import os
-import sys
 import time
 import warnings
-from pathlib import Path
-
 
 import psutil
 import torch
@@ -73,7 +70,7 @@ def settle(plan_bytes: int, timeout_s: float = 20.0) -> None:
 def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool) -> tuple[float, float, float | None]:
     settings = LoaderSettings(batch_size, workers, prefetch, False, True, 0.0)
     loader = TrainLoader(dataset, settings, seed=0)
-    for batch in loader:  # epoch 1: workers start and reach their steady memory
+    for batch in loader:  # noqa: B007 (the last batch is measured below); epoch 1: workers reach steady memory
         pass
     plan = memory.plan(batch, settings)
     del batch
@@ -96,7 +93,7 @@ def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool)
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on a 2-CPU machine is the point of a row
+    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on 2 CPUs is the point of a row
     rows = [("big", 1, 1), ("big", 2, 2), ("big", 2, 4), ("big", 4, 2)]
     print(f"P5 prefetch memory: predicted (plan) vs measured, persistent workers, pid {os.getpid()}")
     print(f"{'data':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} {'plan/held':>9} "

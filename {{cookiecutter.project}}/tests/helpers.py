@@ -30,7 +30,8 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code."""
     cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == expect, f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == expect, (f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n"
+                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 

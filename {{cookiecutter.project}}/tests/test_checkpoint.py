@@ -35,7 +35,7 @@ def test_a_failed_save_leaves_the_previous_file(tmp_path):
     saver = Checkpointer(tmp_path, keep=0)
     saver.save(state(1))
     broken = {**state(2), "extra": threading.Lock()}  # cannot be pickled: torch.save fails part-way
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError, match="pickle"):
         saver.save(broken)
     assert load(tmp_path / "last.pth")["step"] == 1
     Checkpointer(tmp_path, keep=0)  # the next run clears what the failed save left
@@ -58,7 +58,8 @@ saver.save(state(2))
 
 
 def test_kill_9_mid_write_leaves_last_whole(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-c", SAVER, str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "saved"
         fifo = tmp_path / f".tmp-{proc.pid}.pth"

@@ -1,4 +1,4 @@
-"""The shapes data set (data.py): drawn once and the same for a given recipe, and a folder it did not draw is refused."""
+"""The shapes data set (data.py): the same files for a given recipe, and a folder it did not draw is refused."""
 
 import json
 

@@ -1,10 +1,12 @@
-"""The loader doctor: one run measures every profile, writes doctor.json and recommends; its rules on made-up figures."""
+"""The loader doctor: one run measures every profile, writes doctor.json and recommends; its rules on given figures."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from {{ cookiecutter.package }}.doctor import recommend
 from tests.helpers import PROJECT
@@ -48,6 +50,7 @@ def test_recommend_follows_the_decision_table():  # the README's table (Loader d
     assert "loader.persistent_workers=true" in start["overrides"] and "slow epoch start" in start["reasons"][-1]
 
 
+@pytest.mark.slow
 def test_doctor_reads_the_conf_of_the_folder_it_runs_in(tmp_path):
     """As from a non-editable install: the package without conf/ beside it, run from a project root holding conf/."""
     site, project, elsewhere = tmp_path / "site", tmp_path / "project", tmp_path / "elsewhere"

@@ -33,4 +33,4 @@ def test_one_step_moves_the_weights():
     loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 3]))
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -12,7 +12,8 @@ from tests.datasets import RngDrawingDataset
 
 
 def make(rng_mode, persistent=True):
-    return TrainLoader(RngDrawingDataset(64), LoaderSettings(8, 2, 2, False, persistent, 0.0), seed=3, rng_mode=rng_mode)
+    settings = LoaderSettings(8, 2, 2, False, persistent, 0.0)
+    return TrainLoader(RngDrawingDataset(64), settings, seed=3, rng_mode=rng_mode)
 
 
 def epoch(loader):
@@ -20,7 +21,7 @@ def epoch(loader):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("rng_mode", ["per_worker", "per_sample"])
@@ -33,7 +34,7 @@ def test_next_epoch_started_early_changes_nothing(rng_mode):
     early.start_next_epoch()  # train.py: before validation
     at_boundary = early.state_dict()  # train.py: the checkpoint written after validation
     got += [epoch(early), epoch(early)]
-    assert all(same(g, e) for g, e in zip(got, expected))
+    assert all(same(g, e) for g, e in zip(got, expected, strict=True))
 
     resumed = make(rng_mode)  # a resumed run starts its persistent workers early: their iterator draws a base seed
     resumed.load_state_dict(at_boundary)

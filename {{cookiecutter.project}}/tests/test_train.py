@@ -16,7 +16,8 @@ def test_short_training_per_profile(tmp_path, shapes, profile):
     assert records[-1]["step"] == 2 * (160 // 32)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     ckpt = load_ckpt(tmp_path / "checkpoints" / "last.pth")
-    assert {"model", "optimizer", "epoch", "step"} <= ckpt.keys() and ckpt["epoch"] == 2 and ckpt["step"] == records[-1]["step"]
+    assert {"model", "optimizer", "epoch", "step"} <= ckpt.keys()
+    assert ckpt["epoch"] == 2 and ckpt["step"] == records[-1]["step"]
     pids = [r["worker_pids"] for r in records]
     if profile == "memory-tight":
         assert len(pids[0]) == 1 and not set(pids[0]) & set(pids[1])  # workers restart each epoch

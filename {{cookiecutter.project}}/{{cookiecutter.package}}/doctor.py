@@ -217,16 +217,19 @@ def recommend(results: list[dict], current: str, model_bps: float, available_mib
     """The README's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
     if not ran:
-        return {"profile": current, "overrides": [], "reasons": ["no profile produced two batches in epoch 2: nothing to compare"]}
+        why = "no profile produced two batches in epoch 2: nothing to compare"
+        return {"profile": current, "overrides": [], "reasons": [why]}
     by_name = {r["profile"]: r for r in ran}
     now = by_name.get(current, ran[0])
-    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in-flight batches are in no PSS
+    # batches in flight are in no process's PSS: add them
+    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}
     fits = [r for r in ran if footprint[r["profile"]] <= MEMORY_SHARE * available_mib]
     reasons, overrides = [], []
     if footprint[now["profile"]] > MEMORY_SHARE * available_mib:
         leanest = min(ran, key=lambda r: footprint[r["profile"]])
         pick = leanest
-        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} "
+                       "of the "
                        f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
                        f"peak at {footprint[leanest['profile']]:.0f} MiB")
         if leanest["num_workers"] > 1 or (leanest["prefetch_factor"] or 0) > 1:
@@ -252,7 +255,8 @@ def recommend(results: list[dict], current: str, model_bps: float, available_mib
     restart = pick["first_batch_e2_s"]
     if not pick["persistent_workers"] and pick["num_workers"] and restart > START_SHARE * epoch_s:
         overrides.append("loader.persistent_workers=true")
-        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} of an "
+        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} "
+                       "of an "
                        "epoch); persistent workers skip it, at the price of keeping their memory")
     return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
 
@@ -274,11 +278,15 @@ def table(results: list[dict]) -> str:
             rows.append([r["profile"], "refused: " + r["refused"]])
             continue
         rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in COLUMNS])
-    widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    full = [row for row in rows if len(row) == len(COLUMNS)]
+    widths = [max(len(row[i]) for row in full) for i in range(len(COLUMNS))]
     lines = []
     for row in rows:
-        lines.append(row[0].ljust(widths[0]) + "  " + ("  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:]))
-                                                       if len(row) == len(COLUMNS) else row[1]))
+        if len(row) == len(COLUMNS):
+            cells = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        else:  # a refused profile: why
+            cells = row[1]
+        lines.append(row[0].ljust(widths[0]) + "  " + cells)
     return "\n".join(lines)
 
 

@@ -73,7 +73,8 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
         pin = False
     persistent, timeout = cfg.persistent_workers, cfg.timeout
     if workers == 0:
-        ignored = [k for k, v in (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout)) if v]
+        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout))
+        ignored = [k for k, v in given if v]
         if ignored:
             log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
         persistent, prefetch, timeout = False, None, 0.0

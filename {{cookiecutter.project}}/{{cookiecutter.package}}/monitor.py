@@ -1,4 +1,5 @@
-"""Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits on data.
+"""Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits
+on data.
 
 - PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages,
   and RSS counts a shared page once in every process that maps it. PSS splits each shared page
@@ -97,7 +98,8 @@ class WorkerDied(RuntimeError):
 # PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
 # signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
 # unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
-TORCH_WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
+TORCH_WORKER_DEATH = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
 
 
 def _ended(pid: int) -> str | None:
@@ -109,7 +111,9 @@ def _ended(pid: int) -> str | None:
     for obj in gc.get_objects():  # type(), not isinstance(): some objects answer __class__ with a deprecation warning
         if issubclass(type(obj), multiprocessing.process.BaseProcess) and obj.pid == pid and obj.exitcode is not None:
             code = obj.exitcode
-            return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+            if code < 0:
+                return f"killed by signal {-code} ({signal.Signals(-code).name})"
+            return f"exited with code {code}"
     return None
 
 
@@ -119,17 +123,18 @@ def worker_death(exc: BaseException) -> str | None:
     The traceback of such an error shows only where the main process noticed, never why the worker
     died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
     """
-    for exc in causes(exc):
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        found = TORCH_WORKER_DEATH.match(text) if isinstance(exc, RuntimeError) else None
-        if isinstance(exc, WorkerDied) or found:
+    for link in causes(exc):
+        text = str(link).strip().splitlines()[0] if str(link).strip() else ""
+        found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
+        if isinstance(link, WorkerDied) or found:
             if found:
                 pids = [int(p) for p in found.group(1).split(",")]
                 ends = [(pid, _ended(pid)) for pid in pids]
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Killed" in text or "SIGKILL" in text:
-                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
+                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer "
+                        "(dmesg shows it): "
                         "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
             return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
     return None
@@ -243,8 +248,9 @@ class Monitor:
             if not self.runlog.enabled:
                 continue
             if what == "measured":
-                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those in "
-                         "flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB (RSS %.0f MiB)",
+                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those "
+                         "in flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB "
+                         "(RSS %.0f MiB)",
                          self.plan.mib, step, figures["shm_mib"], figures["main_pss_mib"], figures["workers_pss_mib"],
                          figures["pss_mib"], figures["rss_mib"])
             else:
