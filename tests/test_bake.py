@@ -2,6 +2,7 @@
 import ast
 import subprocess
 import sys
+from datetime import datetime, timezone
 
 import pytest
 import yaml
@@ -29,7 +30,13 @@ def test_defaults(bake, tmp_path):
     for rel in ["train.py", "conf/config.yaml", "my_trainer/__init__.py",
                 "pyproject.toml", "README.md", "LICENSE"]:
         assert (project / rel).is_file(), f"missing {rel}"
-    assert "MIT License" in (project / "LICENSE").read_text()
+    text = (project / "LICENSE").read_text()
+    assert "MIT License" in text and f"Copyright (c) {bake_year()} Your Name" in text
+
+
+def bake_year() -> int:
+    """The year the bake ran in (UTC), as the LICENSE states it; a bake across New Year's Eve may show either."""
+    return datetime.now(timezone.utc).year
 
 
 def test_non_default_answers(bake, tmp_path):
@@ -43,9 +50,11 @@ def test_non_default_answers(bake, tmp_path):
 
 @pytest.mark.parametrize("license_", ["Apache-2.0", "BSD-3-Clause"])
 def test_other_licenses(bake, tmp_path, license_):
+    before = bake_year()
     text = (bake(tmp_path, license=license_, author="Ada") / "LICENSE").read_text()
-    assert "2026" in text and "Ada" in text
-    assert text.startswith(("Copyright 2026 Ada", "BSD 3-Clause License"))
+    years = {before, bake_year()}
+    assert any(f"Copyright {y} Ada" in text or f"Copyright (c) {y}, Ada" in text for y in years), text[:300]
+    assert text.startswith(tuple(f"Copyright {y} Ada" for y in years) + ("BSD 3-Clause License",))
 
 
 @pytest.mark.parametrize("answers", [{}, NON_DEFAULT], ids=["defaults", "non-default"])

@@ -52,8 +52,8 @@ def train(cfg) -> tuple[int, float]:
                                              cfg.loader.max_prefetch_mib, cfg.loader.on_budget)
         if change and world.is_main:
             log.warning("loader: %s", change)
-    train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value,
-                               rank=world.rank, world_size=world.world_size)  # built once, iterated every epoch
+    train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value, rank=world.rank,
+                               world_size=world.world_size, worker_init=StopRequest.shield_worker)  # built once
     model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = warmup_cosine(optimizer, cfg.epochs * train_loader.batches_per_epoch, **cfg.schedule)
@@ -62,7 +62,7 @@ def train(cfg) -> tuple[int, float]:
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
     if ckpt and world.is_main:
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
-    val_loader = eval_loader(val_set, settings, world.rank, world.world_size)  # built once too
+    val_loader = eval_loader(val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker)
     checkpoints = checkpoint.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep) if world.is_main else None
     runlog = RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main)
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait

@@ -1,4 +1,4 @@
-"""What the loader benchmarks share. Run them from the project root: `python benchmarks/pN_*.py`."""
+"""What the loader benchmarks share. Run them from the project root: `python -m benchmarks.pN_...`."""
 
 import time
 

@@ -1,10 +1,10 @@
-"""P2: samples/s of our TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
+"""P2: samples/s of TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
-TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: the
-exact-resume overhead, budget 2% against DataLoader) and per_sample (also reseeding the three
-generators before every batch: budget 3% against per_worker).
+TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: its
+ratio to DataLoader is the cost of exact resume) and per_sample (also reseeding the three
+generators before every batch: its ratio to per_worker is the cost of that seeding).
 
-    python benchmarks/p2_loaders.py            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
+    python -m benchmarks.p2_loaders            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
 
 Same data (the generated shapes, decoded and augmented in the workers), batch 64, 2 workers,
 prefetch 2, persistent workers. Each loader runs a warm-up epoch, then EPOCHS timed epochs; the
@@ -12,19 +12,15 @@ three take turns for ROUNDS rounds and the best round counts, so a busy moment o
 does not decide the result.
 """
 
-import sys
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from {{ cookiecutter.package }}.data import shapes, train_transform  # noqa: E402
-from common import samples_per_s  # noqa: E402
-from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader  # noqa: E402
+from benchmarks.common import samples_per_s
+from {{ cookiecutter.package }}.data import shapes, train_transform
+from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -64,7 +60,8 @@ def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tup
 def main() -> None:
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
     dataset = shapes("data/shapes", "train", transform=train_transform(32))
-    kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"] + (["StatefulDataLoader"] if StatefulDataLoader else [])
+    kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"]
+    kinds += ["StatefulDataLoader"] if StatefulDataLoader else []
     best = {k: 0.0 for k in kinds}
     for _ in range(ROUNDS):
         for kind in kinds:
@@ -74,7 +71,8 @@ def main() -> None:
     print(f"{'loader':<24} {'samples/s':>10} {'/ DataLoader':>13}")
     for kind in kinds:
         print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
-    print(f"rng_mode cost: per_sample / per_worker samples/s = {best['TrainLoader per_sample'] / best['TrainLoader per_worker']:.3f} (whole loader)")
+    ratio = best["TrainLoader per_sample"] / best["TrainLoader per_worker"]
+    print(f"rng_mode cost: per_sample / per_worker samples/s = {ratio:.3f} (whole loader; 1.0: seeding costs nothing)")
     plain, seeded = fetch_cost_of_per_sample(dataset)
     print(f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
           f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)")

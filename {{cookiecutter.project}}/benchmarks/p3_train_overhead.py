@@ -1,13 +1,13 @@
 """P3: train.py's step rate vs a bare hand-written loop on the same model, data and loader.
 
-    python benchmarks/p3_train_overhead.py
+    python -m benchmarks.p3_train_overhead
 
 Both run EPOCHS epochs of the default config (SmallCNN on the shapes data, loader=balanced, SGD) in
 their own process, timed the same way: samples/s from asking for an epoch's first batch to the end
 of its last step, validation excluded. The bare loop has no scheduler, logging, health monitor,
 checkpoints or deterministic kernels. The pair runs ROUNDS times in turns; the best epoch after the
 first (which includes the workers' start) of each counts, so that a moment when another job takes a
-core does not decide the result. Goal: train.py / bare >= 0.97.
+core does not decide the result. The ratio train.py / bare is what the extras cost: 1.0 means nothing.
 """
 
 import json
@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 EPOCHS, ROUNDS = 3, 3
 
 
@@ -68,7 +67,8 @@ def main() -> None:
     best_train = best_bare = 0.0
     for _ in range(ROUNDS):
         best_train = max(best_train, train_py())
-        out = subprocess.run([sys.executable, __file__, "--bare"], cwd=ROOT, check=True, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "benchmarks.p3_train_overhead", "--bare"], cwd=ROOT, check=True,
+                             capture_output=True, text=True)
         best_bare = max(best_bare, json.loads(out.stdout.strip().splitlines()[-1]))
     ratio = best_train / best_bare
     print(f"P3 training step rate, default config (SmallCNN, shapes, loader=balanced), samples/s, best epoch of "
@@ -76,7 +76,8 @@ def main() -> None:
     print(f"{'loop':<10} {'samples/s':>10}")
     print(f"{'train.py':<10} {best_train:>10.1f}")
     print(f"{'bare':<10} {best_bare:>10.1f}")
-    print(f"ratio train.py / bare = {ratio:.3f}  (goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
+    print(f"ratio train.py / bare = {ratio:.3f}: the step rate left after train.py's scheduler, logging, monitor, "
+          "checkpoints and deterministic kernels (1.0: they cost nothing)")
 
 
 if __name__ == "__main__":

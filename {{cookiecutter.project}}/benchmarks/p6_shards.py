@@ -23,14 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from omegaconf import OmegaConf
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from {{ cookiecutter.package }} import memory  # noqa: E402
-from {{ cookiecutter.package }}.data import ImageFiles, make_shapes, train_transform  # noqa: E402
-from {{ cookiecutter.package }}.loader import TrainLoader, resolve_settings  # noqa: E402
-from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack  # noqa: E402
+from {{ cookiecutter.package }} import memory
+from {{ cookiecutter.package }}.data import ImageFiles, make_shapes, train_transform
+from {{ cookiecutter.package }}.loader import TrainLoader, resolve_settings
+from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
 
 PROJECT = Path(__file__).resolve().parents[1]
 PER_CLASS, IMAGE_SIZE, PER_SHARD = 600, 32, 100  # 2400 training images -> 24 shards

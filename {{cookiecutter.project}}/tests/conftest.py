@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def shapes_root(tmp_path_factory) -> Path:
     """A small shapes folder shared by the tests that train on real image files."""

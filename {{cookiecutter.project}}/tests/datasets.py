@@ -2,7 +2,6 @@
 
 import random
 import time
-
 from collections.abc import Iterator
 
 import numpy as np
@@ -33,7 +32,8 @@ class RngDrawingDataset(Dataset):
 
 
 class SlowItems(RngDrawingDataset):
-    """RngDrawingDataset whose items take `item_s` seconds each, like slow storage: keeps workers busy long enough to watch."""
+    """RngDrawingDataset whose items take `item_s` seconds each, like slow storage: workers stay busy long enough
+    to watch."""
 
     def __init__(self, size: int = 256, num_classes: int = 4, image_size: int = 16, item_s: float = 0.01):
         super().__init__(size, num_classes, image_size)

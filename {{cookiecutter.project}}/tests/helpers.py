@@ -30,14 +30,19 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code."""
     cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == expect, f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == expect, (f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n"
+                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
 def wait_for_steps(run_dir: Path, count: int, timeout: float = 120) -> None:
-    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl), or `timeout` passed."""
+    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl); fail the test, saying what
+    was logged, if `timeout` seconds pass first."""
     steps, deadline = run_dir / "steps.jsonl", time.time() + timeout
-    while not (steps.exists() and steps.read_text().count("\n") >= count) and time.time() < deadline:
+    while not (steps.exists() and steps.read_text().count("\n") >= count):
+        if time.time() >= deadline:
+            seen = f"{steps.read_text().count(chr(10))} lines in {steps}" if steps.exists() else f"no {steps}"
+            raise AssertionError(f"wait_for_steps: {count} steps not logged within {timeout} s ({seen})")
         time.sleep(0.01)
 
 

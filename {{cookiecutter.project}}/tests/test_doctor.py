@@ -1,6 +1,8 @@
-"""The loader doctor: one run measures every profile, writes doctor.json and recommends; its rules on made-up figures."""
+"""The loader doctor: one run measures every profile, writes doctor.json and recommends; its rules on given figures."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -37,7 +39,7 @@ PROFILE_SET = [profile("memory-tight", 1, 1, False, 10, 400), profile("balanced"
                profile("throughput", 8, 4, True, 60, 2000)]
 
 
-def test_recommend_follows_the_decision_table():
+def test_recommend_follows_the_decision_table():  # the README's table (Loader doctor)
     tight = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=1200, cores=8, full_batches=100)
     assert tight["profile"] == "memory-tight" and "memory is tight" in tight["reasons"][0]
     waiting = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=64000, cores=8, full_batches=100)
@@ -47,3 +49,25 @@ def test_recommend_follows_the_decision_table():
     slow_start = [profile("memory-tight", 1, 1, False, 10, 400, restart=2.0)]
     start = recommend(slow_start, "memory-tight", model_bps=5, available_mib=64000, cores=8, full_batches=100)
     assert "loader.persistent_workers=true" in start["overrides"] and "slow epoch start" in start["reasons"][-1]
+
+
+@pytest.mark.slow
+def test_doctor_reads_the_conf_of_the_folder_it_runs_in(tmp_path):
+    """As from a non-editable install: the package without conf/ beside it, run from a project root holding conf/."""
+    site, project, elsewhere = tmp_path / "site", tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(PROJECT / "{{ cookiecutter.package }}", site / "{{ cookiecutter.package }}",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PROJECT / "conf", project / "conf")
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor", "data=imagefolder", f"data.root={tmp_path}/none",
+           "data.num_classes=3", f"hydra.run.dir={tmp_path}/run"]
+    composed = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    # the config composed from ./conf and reached the data set, whose folder is missing
+    lines = composed.stderr.strip().splitlines()
+    assert composed.returncode == 2 and len(lines) == 1, composed.stderr
+    assert lines[0].startswith(f"error: data folder '{tmp_path}/none/train' does not exist"), composed.stderr
+    lost = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert lost.returncode == 2 and lost.stderr.strip().splitlines() == [
+        f"error: no conf/config.yaml in '{elsewhere}': run the doctor from your project's root, the folder holding "
+        "train.py and conf/"], lost.stderr

@@ -64,14 +64,16 @@ def test_exit_status_names_signal_and_code():
     sleeper.join(), quitter.join()
     assert monitor.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
     # PyTorch's "exited unexpectedly" comes after it reaped the worker; its Process object still knows how
-    line = monitor.worker_death(RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"))
+    torch_says = f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"
+    line = monitor.worker_death(RuntimeError(torch_says))
     assert line.startswith(f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
                            f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"), line
 
 
 @pytest.mark.slow
 def test_killed_worker_stops_train_py_with_one_line(tmp_path):
-    data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o for o in RNG_DATA]
+    data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o
+            for o in RNG_DATA]
     cmd = [sys.executable, "train.py", *data, "+data.train.item_s=0.01", "data.train.size=2000", "epochs=50",
            f"hydra.run.dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -89,7 +91,8 @@ def test_killed_worker_stops_train_py_with_one_line(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: DataLoader worker (pid {victim}) killed by signal 9 (SIGKILL)"), err[-2000:]
+    expected = f"error: DataLoader worker (pid {victim}) killed by signal 9 (SIGKILL)"
+    assert len(lines) == 1 and lines[0].startswith(expected), err[-2000:]
 
 
 def test_worker_death_finds_the_message_in_a_chain():
@@ -97,9 +100,10 @@ def test_worker_death_finds_the_message_in_a_chain():
         try:
             raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
         except RuntimeError:
-            raise KeyError("cleanup failed on the way out")
+            raise KeyError("cleanup failed on the way out")  # noqa: B904 (the implicit __context__ is the point)
     except KeyError as e:
         line = monitor.worker_death(e)
     assert line.startswith("DataLoader worker (pid 4242) is killed by signal: Killed. A SIGKILL")
-    assert monitor.worker_death(monitor.WorkerDied("DataLoader worker (pid 7) exited with code 1")).endswith("num_workers=0 to see the error in the main process")
+    ours = monitor.worker_death(monitor.WorkerDied("DataLoader worker (pid 7) exited with code 1"))
+    assert ours.endswith("num_workers=0 to see the error in the main process")
     assert monitor.worker_death(RuntimeError("something else")) is None

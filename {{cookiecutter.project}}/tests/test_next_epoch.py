@@ -1,6 +1,9 @@
 """Persistent workers start the next epoch while validation runs (TrainLoader.start_next_epoch), and nothing changes:
 the same batches, and a checkpoint taken meanwhile resumes exactly."""
 
+import multiprocessing
+import time
+
 import pytest
 import torch
 
@@ -9,7 +12,8 @@ from tests.datasets import RngDrawingDataset
 
 
 def make(rng_mode, persistent=True):
-    return TrainLoader(RngDrawingDataset(64), LoaderSettings(8, 2, 2, False, persistent, 0.0), seed=3, rng_mode=rng_mode)
+    settings = LoaderSettings(8, 2, 2, False, persistent, 0.0)
+    return TrainLoader(RngDrawingDataset(64), settings, seed=3, rng_mode=rng_mode)
 
 
 def epoch(loader):
@@ -17,7 +21,7 @@ def epoch(loader):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("rng_mode", ["per_worker", "per_sample"])
@@ -30,7 +34,7 @@ def test_next_epoch_started_early_changes_nothing(rng_mode):
     early.start_next_epoch()  # train.py: before validation
     at_boundary = early.state_dict()  # train.py: the checkpoint written after validation
     got += [epoch(early), epoch(early)]
-    assert all(same(g, e) for g, e in zip(got, expected))
+    assert all(same(g, e) for g, e in zip(got, expected, strict=True))
 
     resumed = make(rng_mode)  # a resumed run starts its persistent workers early: their iterator draws a base seed
     resumed.load_state_dict(at_boundary)
@@ -44,8 +48,27 @@ def test_next_epoch_started_early_changes_nothing(rng_mode):
     assert same(epoch(second), expected[1]) and same(epoch(second), expected[2])
 
 
-def test_only_persistent_workers_start_early():
-    loader = make("per_sample", persistent=False)
+class CountingFetches(RngDrawingDataset):
+    """Counts the items workers fetch, in memory shared with the test process."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.fetched = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, index: int):
+        with self.fetched.get_lock():
+            self.fetched.value += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_only_persistent_workers_start_early(persistent):
+    dataset = CountingFetches(64)
+    loader = TrainLoader(dataset, LoaderSettings(8, 2, 2, False, persistent, 0.0), seed=3)
     epoch(loader)
+    after_epoch = dataset.fetched.value
     loader.start_next_epoch()  # non-persistent workers exit between epochs to free memory: not restarted early
-    assert loader._pending is None
+    deadline = time.monotonic() + 3
+    while dataset.fetched.value == after_epoch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (dataset.fetched.value > after_epoch) == persistent, (dataset.fetched.value, after_epoch)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  #
 
 def keys(dataset, workers):
     loader = DataLoader(dataset, batch_size=5, num_workers=workers)
-    return [(int(s), int(i)) for shard, index, _ in loader for s, i in zip(shard, index)]
+    return [(int(s), int(i)) for shard, index, _ in loader for s, i in zip(shard, index, strict=True)]
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2, 3, 4])

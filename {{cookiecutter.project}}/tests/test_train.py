@@ -21,7 +21,8 @@ def test_short_training_per_profile(tmp_path, shapes, profile):
     assert records[-1]["step"] == 2 * (160 // 32)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     ckpt = load_ckpt(tmp_path / "checkpoints" / "last.pth")
-    assert {"model", "optimizer", "epoch", "step"} <= ckpt.keys() and ckpt["epoch"] == 2 and ckpt["step"] == records[-1]["step"]
+    assert {"model", "optimizer", "epoch", "step"} <= ckpt.keys()
+    assert ckpt["epoch"] == 2 and ckpt["step"] == records[-1]["step"]
     pids = [r["worker_pids"] for r in records]
     if profile == "memory-tight":
         assert len(pids[0]) == 1 and not set(pids[0]) & set(pids[1])  # workers restart each epoch
@@ -46,3 +47,7 @@ def test_max_steps_stops_and_saves(tmp_path, shapes):
 @pytest.mark.slow
 def test_resnet18_and_adamw(tmp_path, shapes):
     run_train(tmp_path, "model=resnet18", "optim=adamw", "max_steps=2", *shapes)
+    ckpt = load_ckpt(tmp_path / "checkpoints" / "last.pth")
+    assert "layer4.1.conv2.weight" in ckpt["model"] and ckpt["model"]["fc.weight"].shape == (4, 512)
+    assert all({"exp_avg", "exp_avg_sq"} <= s.keys() for s in ckpt["optimizer"]["state"].values())  # AdamW's moments
+    assert ckpt["config"]["optim"]["_target_"] == "torch.optim.AdamW" and ckpt["step"] == 2

@@ -142,7 +142,8 @@ class Best:
 
 def load(path: Path) -> dict:
     if not path.is_file():
-        raise UserError(f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest")
+        raise UserError(f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, "
+                        "or resume=latest")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way

@@ -4,6 +4,9 @@
     python -m {{ cookiecutter.package }}.doctor data=imagefolder data.root=/images data.num_classes=10
     python -m {{ cookiecutter.package }}.doctor loader.batch_size=128    # loader.* overrides apply to every profile
 
+Run it from the project root, as train.py: it reads the Hydra config in `./conf` (or, from a source
+checkout, the conf/ beside this package), so it works from an installed package too.
+
 Each profile in conf/loader/ is built as train.py builds it (resolve_settings, the memory budget,
 TrainLoader) and run for two epochs over an evenly spaced part of the training set
 (`batches_per_epoch()` batches), because epoch 2 is where persistent workers pay off. Measured:
@@ -19,7 +22,7 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
 - model batches/s: forward + backward of the configured model on one batch, on the run's device;
   the rate the loader has to keep up with.
 
-The recommendation follows the decision table of the prefetch-memory notes: memory tight -> fewer
+The recommendation follows the decision table in the README ("Loader doctor"): memory tight -> fewer
 workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
 starts -> persistent workers. A table is printed and everything goes to doctor.json in the run folder.
 """
@@ -211,19 +214,22 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
 
 def recommend(results: list[dict], current: str, model_bps: float, available_mib: float, cores: int,
               full_batches: int) -> dict:
-    """The seed's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
+    """The README's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
     if not ran:
-        return {"profile": current, "overrides": [], "reasons": ["no profile produced two batches in epoch 2: nothing to compare"]}
+        why = "no profile produced two batches in epoch 2: nothing to compare"
+        return {"profile": current, "overrides": [], "reasons": [why]}
     by_name = {r["profile"]: r for r in ran}
     now = by_name.get(current, ran[0])
-    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in-flight batches are in no PSS
+    # batches in flight are in no process's PSS: add them
+    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}
     fits = [r for r in ran if footprint[r["profile"]] <= MEMORY_SHARE * available_mib]
     reasons, overrides = [], []
     if footprint[now["profile"]] > MEMORY_SHARE * available_mib:
         leanest = min(ran, key=lambda r: footprint[r["profile"]])
         pick = leanest
-        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} "
+                       "of the "
                        f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
                        f"peak at {footprint[leanest['profile']]:.0f} MiB")
         if leanest["num_workers"] > 1 or (leanest["prefetch_factor"] or 0) > 1:
@@ -249,7 +255,8 @@ def recommend(results: list[dict], current: str, model_bps: float, available_mib
     restart = pick["first_batch_e2_s"]
     if not pick["persistent_workers"] and pick["num_workers"] and restart > START_SHARE * epoch_s:
         overrides.append("loader.persistent_workers=true")
-        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} of an "
+        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} "
+                       "of an "
                        "epoch); persistent workers skip it, at the price of keeping their memory")
     return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
 
@@ -271,11 +278,15 @@ def table(results: list[dict]) -> str:
             rows.append([r["profile"], "refused: " + r["refused"]])
             continue
         rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in COLUMNS])
-    widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    full = [row for row in rows if len(row) == len(COLUMNS)]
+    widths = [max(len(row[i]) for row in full) for i in range(len(COLUMNS))]
     lines = []
     for row in rows:
-        lines.append(row[0].ljust(widths[0]) + "  " + ("  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:]))
-                                                       if len(row) == len(COLUMNS) else row[1]))
+        if len(row) == len(COLUMNS):
+            cells = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        else:  # a refused profile: why
+            cells = row[1]
+        lines.append(row[0].ljust(widths[0]) + "  " + cells)
     return "\n".join(lines)
 
 
@@ -319,8 +330,17 @@ def diagnose(cfg) -> dict:
     return report
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg) -> None:
+def conf_dir() -> Path:
+    """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside
+    this package in a source checkout. An installed package holds no conf/ of its own."""
+    for folder in (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf"):
+        if (folder / "config.yaml").is_file():
+            return folder
+    raise UserError(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
+                    "the folder holding train.py and conf/")
+
+
+def run(cfg) -> None:
     try:
         diagnose(cfg)
     except Exception as e:
@@ -329,6 +349,15 @@ def main(cfg) -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    try:
+        folder = conf_dir()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 
 
 if __name__ == "__main__":

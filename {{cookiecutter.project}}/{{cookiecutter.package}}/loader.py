@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_in
 
 from . import rng
 from .errors import UserError
-from .preempt import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,8 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
         pin = False
     persistent, timeout = cfg.persistent_workers, cfg.timeout
     if workers == 0:
-        ignored = [k for k, v in (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout)) if v]
+        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout))
+        ignored = [k for k, v in given if v]
         if ignored:
             log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
         persistent, prefetch, timeout = False, None, 0.0
@@ -209,45 +209,95 @@ class CollateWithSnapshot:
 
 
 class SeedWorker:
-    """worker_init_fn: a fresh worker seeds torch, numpy and python `random` from `get_worker_info().seed`;
-    a restored one takes stream `(worker_id + rotation) % W` of the saved streams."""
+    """worker_init_fn: runs the caller's `worker_init` first (train.py's keeps stop signals away from workers), then
+    a fresh worker seeds torch, numpy and python `random` from `get_worker_info().seed`; a restored one takes
+    stream `(worker_id + rotation) % W` of the given streams."""
 
-    def __init__(self, streams=None, rotation: int = 0):
-        self.streams, self.rotation = streams, rotation
+    def __init__(self, streams=None, rotation: int = 0, worker_init=None):
+        self.streams, self.rotation, self.worker_init = streams, rotation, worker_init
 
     def __call__(self, worker_id: int) -> None:
-        StopRequest.shield_worker()
+        if self.worker_init is not None:
+            self.worker_init(worker_id)
         if self.streams is None:
             rng.seed_cpu(get_worker_info().seed)  # the state rng.from_seed(seed) describes, as the main process assumes
         else:
             rng.apply(self.streams[(worker_id + self.rotation) % len(self.streams)])
 
 
+@dataclass
+class Generation:
+    """One set of worker processes and the RNG streams they carry.
+
+    Worker `w` carries stream `(w + rotation) % workers`, so batch `i` of an epoch meets stream `i % workers` in
+    every generation. A generation starts from given streams, or fresh: worker `w` seeds itself from
+    `base_seed + w` (the DataLoader draws `base_seed`; we learn it from the first batch).
+    """
+
+    workers: int
+    started_from: list | None = None  # the streams its workers were given; None: fresh
+    rotation: int = 0  # start % workers for a generation that begins mid-epoch
+    persistent: bool = False  # its workers outlive the epoch (the persistent DataLoader's)
+    base_seed: int | None = None  # a fresh generation's seed base, known once a batch is consumed
+    consumed: dict = field(default_factory=dict)  # stream -> its RNG right after the last batch the loop consumed
+
+    def consume(self, index: int, snapshot: WorkerSnapshot) -> None:
+        self.consumed[index % self.workers] = snapshot.rng
+        if self.base_seed is None:
+            self.base_seed = snapshot.base_seed
+
+    def streams(self) -> list | None:
+        """Every stream's RNG as far as the loop has consumed, or None while a fresh generation has served nothing."""
+        if self.started_from is None and self.base_seed is None:
+            return None
+        out = []
+        for stream in range(self.workers):
+            if stream in self.consumed:
+                out.append(self.consumed[stream])
+            elif self.started_from is not None:
+                out.append(self.started_from[stream])
+            else:  # not served yet: still as its worker seeded it
+                out.append(rng.from_seed(self.base_seed + (stream - self.rotation) % self.workers))
+        return out
+
+
 class TrainLoader:
-    """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step."""
+    """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
+
+    State: `epoch`, `position` (batches of this epoch consumed), `generator` (draws worker base seeds) and
+    `generation`, the workers that serve (or last served) the loop. Invariants, with W workers:
+    - `generation.streams()` are the workers' RNGs as the loop has consumed them: what a checkpoint saves and
+      what the next generation starts from. Batches still prefetched never count.
+    - Batch `i` of an epoch is made by stream `i % W`, whichever generation makes it.
+    - An epoch that starts at batch 0 reuses the workers only when `generation.persistent`: after a whole epoch a
+      persistent worker has made exactly the batches the loop consumed, so its RNG is its stream. Otherwise a new
+      generation starts: fresh when workers are not persistent (a new base seed every epoch, as PyTorch does),
+      else from `generation.streams()` (after a resume, or after a one-off generation).
+    - An epoch that starts mid-way (`position > 0`, after a resume) gets a one-off generation from
+      `generation.streams()`, rotated by `position % W`, with a throwaway generator so `generator` stays in step.
+    - `start_next_epoch` only makes the next epoch's iterator early: `_early` keeps it with the generator as it
+      was before it drew a base seed, which is what `state_dict()` saves until the loop takes it.
+    With num_workers=0 there is no generation: the main process RNG is saved with the main state.
+    """
 
     def __init__(self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, worker_init=None):
         if rng_mode not in ("per_sample", "per_worker"):
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
-        self.rng_mode, self.settings = rng_mode, settings
+        self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
         self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample")
         self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size,
                                          order_fn=getattr(dataset, "epoch_order", None))
-        # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed, so mix, don't shift.)
+        # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
         self.collate = CollateWithSnapshot(collate_fn or default_collate)
-        self.seeding = SeedWorker()
-        self.loader: DataLoader | None = None  # the DataLoader reused every epoch, made on first use
+        self.loader: DataLoader | None = None  # the DataLoader reused every epoch (one-off ones are not kept)
         self.epoch = 0  # epochs completed
         self.position = 0  # batches of the current epoch consumed by the loop
         self.worker_pids: set[int] = set()  # workers that served this epoch
-        self._streams: list = [None] * settings.num_workers  # RNG per stream after its last consumed batch; None: fresh
-        self._base_seed: int | None = None  # seed base of the fresh generation, to rebuild streams still None
-        self._workers_alive = False  # persistent workers started
-        self._pending = None  # the next epoch's batches, already asked of the workers (start_next_epoch)
-        self._generator_before_pending = None  # the generator as it was before that iterator drew a base seed
+        self.generation = Generation(settings.num_workers) if settings.num_workers else None
+        self._early: tuple | None = None  # (the next epoch's batches, the generator before they drew a base seed)
 
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
         s = self.settings
@@ -269,62 +319,53 @@ class TrainLoader:
 
         Only with persistent workers: they are alive during validation anyway, and what they queue is
         within the prefetch plan (non-persistent profiles keep their promise to free memory between
-        epochs). Nothing is consumed, so position and streams stay as they are; the generator is saved
-        as it was before this iterator drew its base seed, so a checkpoint taken meanwhile resumes exactly.
+        epochs). Nothing is consumed, so position and streams stay as they are.
         """
-        if self._pending is not None or self.position or not (self.settings.persistent_workers and self.settings.num_workers):
+        s = self.settings
+        if self._early is not None or self.position or not (s.persistent_workers and s.num_workers):
             return
-        self._generator_before_pending = self.generator.get_state()
+        before = self.generator.get_state()
         self.sampler.set_epoch(self.epoch, 0)
-        self._pending = iter(self._loader_for(0))
+        self._early = (iter(self._loader_for(0)), before)
 
     def __iter__(self):
-        workers, start = self.settings.num_workers, self.position
+        start = self.position
         self.worker_pids = set()
-        if self._pending is not None:
-            batches, self._pending, self._generator_before_pending = self._pending, None, None
+        if self._early is not None:
+            (batches, _), self._early = self._early, None
         else:
             self.sampler.set_epoch(self.epoch, start)
             batches = self._loader_for(start)
         for index, (batch, snapshot) in enumerate(batches, start):
             if snapshot is not None:
-                self._streams[index % workers] = snapshot.rng
-                if self._base_seed is None:
-                    self._base_seed = snapshot.base_seed
+                self.generation.consume(index, snapshot)
                 self.worker_pids.add(snapshot.pid)
             self.position = index + 1
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
 
     def _loader_for(self, start: int) -> DataLoader:
-        workers = self.settings.num_workers
-        if self.loader is None:
-            self.loader = self._dataloader(self.seeding, self.generator, self.settings.persistent_workers)
+        """The DataLoader for this epoch from batch `start`, starting a new generation where the invariants say so."""
+        workers, persistent = self.settings.num_workers, self.settings.persistent_workers
         if workers == 0:
+            if self.loader is None:
+                self.loader = self._dataloader(SeedWorker(), self.generator, persistent=False)
             return self.loader
         if start > 0:
-            # Resumed mid-epoch: a one-off set of workers, with a throwaway generator so the saved one stays in step.
-            streams = self._known_streams()
-            self._streams = list(streams) if streams is not None else [None] * workers
-            return self._dataloader(SeedWorker(streams, start % workers), torch.Generator(), persistent=False)
-        if not (self.settings.persistent_workers and self._workers_alive):
-            streams = self._known_streams() if self.settings.persistent_workers else None
-            self.seeding.streams = streams
-            if streams is None:
-                self._streams, self._base_seed = [None] * workers, None
-            self._workers_alive = self.settings.persistent_workers
+            streams = self.generation.streams()
+            self.generation = Generation(workers, streams, rotation=start % workers)
+            seeding = SeedWorker(streams, start % workers, self.worker_init)
+            return self._dataloader(seeding, torch.Generator(), persistent=False)
+        if self.generation.persistent:
+            return self.loader
+        streams = self.generation.streams() if persistent else None
+        self.generation = Generation(workers, streams, persistent=persistent)
+        if persistent or self.loader is None:  # a non-persistent DataLoader seeds fresh workers on every iter
+            self.loader = self._dataloader(SeedWorker(streams, 0, self.worker_init), self.generator, persistent)
         return self.loader
 
-    def _known_streams(self) -> list | None:
-        """Every stream's RNG now, or None when a fresh generation has not served a batch yet."""
-        if all(s is not None for s in self._streams):
-            return list(self._streams)
-        if self._base_seed is None:
-            return None
-        return [s if s is not None else rng.from_seed(self._base_seed + i) for i, s in enumerate(self._streams)]
-
     def state_dict(self) -> dict:
-        streams = self._known_streams() if self.settings.num_workers else []
+        streams = self.generation.streams() if self.generation else []
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -334,7 +375,7 @@ class TrainLoader:
             "persistent_workers": self.settings.persistent_workers,
             "world_size": self.sampler.world_size,
             "rng_mode": self.rng_mode,
-            "generator": self.generator.get_state() if self._pending is None else self._generator_before_pending,
+            "generator": self.generator.get_state() if self._early is None else self._early[1],
             "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
         }
 
@@ -351,23 +392,26 @@ class TrainLoader:
             if strict:
                 raise UserError(
                     f"resume: the checkpoint's loader differs from this run's ({what}): resume with the same loader "
-                    "settings and world size to stay exact, or set resume_strict=false to go on with freshly seeded workers"
+                    "settings and world size to stay exact, or set resume_strict=false to go on with freshly "
+                    "seeded workers"
                 )
             log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
             streams = None
         self.epoch, self.position = state["epoch"], min(state["position"], self.batches_per_epoch)
         self.generator.set_state(state["generator"])
-        workers = self.settings.num_workers
-        self._streams = [rng.from_saved(s) for s in streams] if streams else [None] * workers
-        self._base_seed = None
+        if self.settings.num_workers:  # no workers yet: the next epoch starts a generation from these streams
+            restored = [rng.from_saved(s) for s in streams] if streams else None
+            self.generation = Generation(self.settings.num_workers, restored)
 
 
-def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1) -> DataLoader:
-    """The validation loader, also built once. Its own generator keeps the main RNG untouched."""
+def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1, worker_init=None) -> DataLoader:
+    """The validation loader, also built once. Its own generator keeps the main RNG untouched.
+
+    `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers)."""
     sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed=0, shuffle=False, drop_last=False,
                                 rank=rank, world_size=world_size, pad=False)
     return DataLoader(
         dataset, batch_sampler=sampler, num_workers=settings.num_workers, pin_memory=settings.pin_memory,
         timeout=settings.timeout, prefetch_factor=settings.prefetch_factor,
-        persistent_workers=settings.persistent_workers, generator=torch.Generator(), worker_init_fn=StopRequest.shield_worker,
+        persistent_workers=settings.persistent_workers, generator=torch.Generator(), worker_init_fn=worker_init,
     )

@@ -1,4 +1,5 @@
-"""Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits on data.
+"""Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits
+on data.
 
 - PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages,
   and RSS counts a shared page once in every process that maps it. PSS splits each shared page
@@ -23,6 +24,8 @@ import threading
 import time
 
 import psutil
+
+from .errors import causes
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +74,21 @@ def exit_status(pid: int) -> str | None:
     return f"exited with code {info.si_status}"
 
 
+def _read_children(main: psutil.Process, read):
+    """`(child, read(child))` for each live child process, all generations; one that exits meanwhile is skipped."""
+    for child in main.children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                yield child, read(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
+            continue
+
+
 def pss_mib() -> float:
     """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
     main = psutil.Process()
-    total = _memory(main)[1]
-    for child in main.children(recursive=True):
-        try:
-            total += _memory(child)[1]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
-            continue
-    return total / MiB
+    children = sum(pss for _, (_, pss) in _read_children(main, _memory))
+    return (_memory(main)[1] + children) / MiB
 
 
 class WorkerDied(RuntimeError):
@@ -90,7 +98,8 @@ class WorkerDied(RuntimeError):
 # PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
 # signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
 # unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
-TORCH_WORKER_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
+TORCH_WORKER_DEATH = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
 
 
 def _ended(pid: int) -> str | None:
@@ -102,7 +111,9 @@ def _ended(pid: int) -> str | None:
     for obj in gc.get_objects():  # type(), not isinstance(): some objects answer __class__ with a deprecation warning
         if issubclass(type(obj), multiprocessing.process.BaseProcess) and obj.pid == pid and obj.exitcode is not None:
             code = obj.exitcode
-            return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+            if code < 0:
+                return f"killed by signal {-code} ({signal.Signals(-code).name})"
+            return f"exited with code {code}"
     return None
 
 
@@ -112,20 +123,20 @@ def worker_death(exc: BaseException) -> str | None:
     The traceback of such an error shows only where the main process noticed, never why the worker
     died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
     """
-    while exc is not None:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        found = TORCH_WORKER_DEATH.match(text) if isinstance(exc, RuntimeError) else None
-        if isinstance(exc, WorkerDied) or found:
+    for link in causes(exc):
+        text = str(link).strip().splitlines()[0] if str(link).strip() else ""
+        found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
+        if isinstance(link, WorkerDied) or found:
             if found:
                 pids = [int(p) for p in found.group(1).split(",")]
                 ends = [(pid, _ended(pid)) for pid in pids]
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Killed" in text or "SIGKILL" in text:
-                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
+                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer "
+                        "(dmesg shows it): "
                         "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
             return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -141,14 +152,8 @@ def sample(worker_pids: set[int]) -> dict:
     fds = _fds(main)
     workers_rss = workers_pss = 0
     live, train_workers = [main.pid], 0
-    for child in main.children(recursive=True):
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            rss, pss = _memory(child)
-            fds += _fds(child)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
-            continue
+    for child, ((rss, pss), child_fds) in _read_children(main, lambda c: (_memory(c), _fds(c))):
+        fds += child_fds
         workers_rss, workers_pss = workers_rss + rss, workers_pss + pss
         live.append(child.pid)
         train_workers += child.pid in worker_pids
@@ -243,8 +248,9 @@ class Monitor:
             if not self.runlog.enabled:
                 continue
             if what == "measured":
-                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those in "
-                         "flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB (RSS %.0f MiB)",
+                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those "
+                         "in flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB "
+                         "(RSS %.0f MiB)",
                          self.plan.mib, step, figures["shm_mib"], figures["main_pss_mib"], figures["workers_pss_mib"],
                          figures["pss_mib"], figures["rss_mib"])
             else:

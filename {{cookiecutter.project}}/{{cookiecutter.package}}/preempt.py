@@ -52,7 +52,7 @@ class StopRequest:
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
 
     def hand_over(self) -> None:
-        """After saving: pass the signal to the handler we replaced, if it was a Python one (e.g. submitit's requeue)."""
+        """After saving: pass the signal to the handler we replaced, if it was a Python one (submitit's requeue)."""
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)

@@ -21,5 +21,5 @@ class WarmupCosine:
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> LambdaLR:
-    # The schedule spans the planned run (epochs), never max_steps: a run stopped early and resumed must see the same lr.
+    # The schedule spans the planned run (epochs), never max_steps: a run stopped early and resumed sees the same lr.
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))

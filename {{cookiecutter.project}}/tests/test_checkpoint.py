@@ -1,0 +1,111 @@
+"""Checkpoint files (checkpoint.py): a save is atomic, even when killed mid-write, and loading refuses anything else."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.checkpoint import Checkpointer, load
+from {{ cookiecutter.package }}.errors import UserError
+from tests.helpers import PROJECT
+
+BLOB = 4_000_000  # floats: 16 MB, far more than a pipe holds
+
+
+def state(step: int) -> dict:
+    return {"format": 1, "model": {"w": torch.full((BLOB,), float(step))}, "optimizer": {}, "scheduler": {},
+            "epoch": 0, "step": step, "ranks": [], "config": {}}
+
+
+def test_save_keeps_the_newest_and_loads(tmp_path):
+    saver = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        saver.save(state(step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth", "step-00000002.pth", "step-00000003.pth"]
+    assert load(tmp_path / "last.pth")["step"] == 3 and load(tmp_path / "step-00000002.pth")["step"] == 2
+
+
+def test_a_failed_save_leaves_the_previous_file(tmp_path):
+    saver = Checkpointer(tmp_path, keep=0)
+    saver.save(state(1))
+    broken = {**state(2), "extra": threading.Lock()}  # cannot be pickled: torch.save fails part-way
+    with pytest.raises(TypeError, match="pickle"):
+        saver.save(broken)
+    assert load(tmp_path / "last.pth")["step"] == 1
+    Checkpointer(tmp_path, keep=0)  # the next run clears what the failed save left
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pth"]
+
+
+# Saves step 1, then saves step 2 into a FIFO planted where the temp file goes: the write blocks once the pipe is
+# full, so the test decides exactly when the kill lands: inside torch.save, with part of the file written.
+SAVER = """
+import os, sys, torch
+from pathlib import Path
+from tests.test_checkpoint import state
+from {{ cookiecutter.package }}.checkpoint import Checkpointer
+saver = Checkpointer(Path(sys.argv[1]), keep=1)
+saver.save(state(1))
+os.mkfifo(saver.folder / f".tmp-{os.getpid()}.pth")
+print("saved", flush=True)
+saver.save(state(2))
+"""
+
+
+def test_kill_9_mid_write_leaves_last_whole(tmp_path):
+    cmd = [sys.executable, "-c", SAVER, str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        fifo = tmp_path / f".tmp-{proc.pid}.pth"
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        with open(fifo, "rb") as reader:  # the saver's open() waits for this reader
+            head = reader.read(1 << 20)
+            time.sleep(0.2)
+            assert proc.poll() is None, "the save finished: the kill would not land mid-write"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    whole = (tmp_path / "last.pth").stat().st_size
+    assert head.startswith(b"PK") and len(head) == 1 << 20 < whole  # step 2 was partly written when it was killed
+    saved = load(tmp_path / "last.pth")
+    assert saved["step"] == 1 and torch.equal(saved["model"]["w"], torch.full((BLOB,), 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.pth", "step-00000001.pth"]
+    Checkpointer(tmp_path, keep=1)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_load_refuses_garbage_in_one_line(tmp_path):
+    Checkpointer(tmp_path, keep=0).save(state(1))
+    data = (tmp_path / "last.pth").read_bytes()
+    (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
+    (tmp_path / "random.pth").write_bytes(os.urandom(4096))
+    torch.save({"model": Exploit()}, tmp_path / "malicious.pth")
+    torch.save({"hello": 1}, tmp_path / "foreign.pth")
+    torch.save({**state(1), "format": 99}, tmp_path / "future.pth")
+    cases = {
+        "missing.pth": "no checkpoint at",
+        "truncated.pth": "not a readable checkpoint",
+        "random.pth": "not a readable checkpoint",
+        "malicious.pth": "not a readable checkpoint",
+        "foreign.pth": "not a checkpoint of this project (missing format, model",
+        "future.pth": "format 99, this code reads 1",
+    }
+    for name, message in cases.items():
+        with pytest.raises(UserError, match="resume: ") as refused:
+            load(tmp_path / name)
+        assert message in str(refused.value) and "\n" not in str(refused.value), name
+    assert not (tmp_path / "pwned").exists() and not (PROJECT / "pwned").exists()
