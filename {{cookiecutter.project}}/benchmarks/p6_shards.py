@@ -17,7 +17,6 @@ small reads on one machine; on NFS or object storage each open is a round trip a
 
 import multiprocessing
 import statistics
-import sys
 import time
 from pathlib import Path
 
