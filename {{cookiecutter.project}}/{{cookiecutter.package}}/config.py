@@ -22,6 +22,7 @@ from fnmatch import fnmatch
 from typing import Any, Callable, Optional
 
 import torch
+from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -213,6 +214,7 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
         if OmegaConf.select(cfg, name, default=None) is None:
             raise UserError(f"{name} is not set: the {name.split('.')[0]} group needs it (see conf/{name.split('.')[0]}/)")
     added_data_keys(cfg, overrides or [])
+    targets(OmegaConf.to_container(cfg, resolve=False), "")
     builds(cfg)
 
 
@@ -281,6 +283,19 @@ def added_data_keys(cfg, overrides: list[str]) -> None:
             hint = f" (did you mean data.{close[0]}?)" if close else ""
             raise UserError(f"data.{found[1]} is not used by data.train or data.val{hint}: "
                             "remove it, or refer to it as ${data." + found[1] + "}")
+
+
+def targets(tree, prefix: str) -> None:
+    """Every `_target_` names something importable (a typo would otherwise fail only when that node is built)."""
+    if not isinstance(tree, dict):
+        return
+    if isinstance(tree.get("_target_"), str):
+        try:
+            _locate(tree["_target_"])
+        except Exception as e:
+            raise UserError(f"{prefix}_target_={tree['_target_']} cannot be imported: {_reason(e)}") from None
+    for name, value in tree.items():
+        targets(value, f"{prefix}{name}.")
 
 
 def builds(cfg) -> None:
