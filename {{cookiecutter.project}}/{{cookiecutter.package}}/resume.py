@@ -103,7 +103,7 @@ def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
     """
     changes = differences(ckpt["config"], cfg)
     run = [c for c in changes if config.changes_run(c[0], cfg.rng_mode.value)]
-    same = [c for c in changes if c not in run]
+    same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
     if run and cfg.resume_strict:
         raise UserError(
             f"resume: {path} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
@@ -155,10 +155,10 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     plan, base_lrs = [dict(vars(f)) for f in scheduler.lr_lambdas], list(scheduler.base_lrs)
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
-    for group, mine in zip(optimizer.param_groups, settings):
-        group.update(mine)
-    for factor, mine in zip(scheduler.lr_lambdas, plan):
-        vars(factor).update(mine)
+    for group, ours in zip(optimizer.param_groups, settings):
+        group.update(ours)
+    for factor, ours in zip(scheduler.lr_lambdas, plan):
+        vars(factor).update(ours)
     scheduler.base_lrs = base_lrs
     lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
@@ -173,7 +173,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:
     """The closing line of a run: its folder, its last.pth, and the command that continues it."""
-    kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict="))]
+    kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
     launch = ["python", "train.py"] if world_size == 1 else [
         "torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
     command = " ".join([*launch, *kept, f"resume={shlex.quote(str(last))}"])
