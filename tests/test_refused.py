@@ -1,12 +1,11 @@
-"""Answers that would generate a broken project are refused in one line, leaving nothing behind (local_extensions.py)."""
+"""Answers that would make a broken project are refused in one line, leaving nothing behind (local_extensions.py)."""
 import re
 import subprocess
 import sys
 
+import local_extensions
 import pytest
 from cookiecutter.exceptions import FailedHookException
-
-import local_extensions
 
 REFUSED = [
     {"project": "bad name!"},

@@ -24,7 +24,8 @@ def compose_cfg(*overrides):
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_profile_composes(profile):
     cfg = compose_cfg(f"loader={profile}")
-    assert set(cfg.loader) >= {"batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "timeout"}
+    wanted = {"batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "timeout"}
+    assert set(cfg.loader) >= wanted
     assert cfg.seed == 0 and cfg.resume is None and cfg.max_steps is None and cfg.device.value == "auto"
     OmegaConf.to_container(cfg, resolve=True)
 
@@ -35,7 +36,8 @@ def test_profiles_say_what_they_trade():
     balanced = resolve_settings(compose_cfg("loader=balanced").loader, "cpu")
     assert 2 <= balanced.num_workers <= 4 and balanced.prefetch_factor == 2 and balanced.persistent_workers
     fast = resolve_settings(compose_cfg("loader=throughput").loader, "cuda")
-    assert fast.num_workers == usable_cpus() and fast.prefetch_factor == 4 and fast.pin_memory and fast.persistent_workers
+    assert fast.num_workers == usable_cpus() and fast.prefetch_factor == 4
+    assert fast.pin_memory and fast.persistent_workers
 
 
 def test_groups_compose():
@@ -157,7 +159,7 @@ def test_check_passes_every_shipped_choice(tmp_path):
 
 
 def refused(tmp_path, *overrides):
-    """`python train.py` with bad values: exit 2, one `error:` line on stderr, no traceback, nothing of the run written."""
+    """`python train.py` with bad values: exit 2, one `error:` line on stderr, no traceback, nothing of ours written."""
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, *overrides, expect=2, timeout=120)
     lines = proc.stderr.strip().splitlines()

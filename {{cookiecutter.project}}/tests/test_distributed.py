@@ -24,7 +24,8 @@ def torchrun_cmd(run_dir, *overrides):
 
 
 def torchrun(run_dir, *overrides, expect=0, timeout=300):
-    proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -50,7 +51,8 @@ def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
     torchrun(tmp_path / "first", "max_steps=4")
     torchrun(tmp_path / "second", f"resume={tmp_path}/first/checkpoints/last.pth")
     assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
-    losses = [r["loss"] for r in read_jsonl(tmp_path / "first/steps.jsonl") + read_jsonl(tmp_path / "second/steps.jsonl")]
+    steps = read_jsonl(tmp_path / "first/steps.jsonl") + read_jsonl(tmp_path / "second/steps.jsonl")
+    losses = [r["loss"] for r in steps]
     assert losses == [r["loss"] for r in read_jsonl(straight / "steps.jsonl")]
 
 
@@ -61,7 +63,8 @@ def test_world_size_mismatch_is_refused(tmp_path, straight):
 
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     run_dir = tmp_path / "first"
-    proc = subprocess.Popen(torchrun_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(torchrun_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     wait_for_steps(run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)

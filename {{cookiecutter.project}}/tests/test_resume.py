@@ -196,7 +196,8 @@ while True:
 
 def test_kill_9_during_save_leaves_last_readable(tmp_path):
     for delay in (0.05, 0.2, 0.45, 0.7, 1.1):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE,
+                                text=True)
         proc.stdout.readline()  # at least one save finished
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)

@@ -16,10 +16,11 @@ import dataclasses
 import difflib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from fnmatch import fnmatch
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
@@ -107,11 +108,11 @@ class OnBudget(str, Enum):
 class LoaderConfig:
     batch_size: int = key(integer(1))
     num_workers: Any = key(integer_or("auto", 0))
-    prefetch_factor: Optional[int] = key(integer(1, null="PyTorch's default, 2"))
+    prefetch_factor: int | None = key(integer(1, null="PyTorch's default, 2"))
     pin_memory: Any = key(flag_or("auto"))
     persistent_workers: bool = key(typed())
     timeout: float = key(number(0))
-    max_prefetch_mib: Optional[float] = key(number(0, above=True, null="no budget"))
+    max_prefetch_mib: float | None = key(number(0, above=True, null="no budget"))
     on_budget: OnBudget = key(typed())
 
 
@@ -123,7 +124,7 @@ class ScheduleConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: Optional[int] = key(integer(1, null="epoch ends only"))
+    every_steps: int | None = key(integer(1, null="epoch ends only"))
     keep: int = key(integer(0))
     search_dir: str = key(text())
 
@@ -137,8 +138,8 @@ class MonitorConfig:
 class Config:
     seed: int = key(integer(0, SEED_MAX))
     epochs: int = key(integer(1))
-    max_steps: Optional[int] = key(integer(1, null="run all epochs"))
-    resume: Optional[str] = key(text(null="start fresh"))
+    max_steps: int | None = key(integer(1, null="run all epochs"))
+    resume: str | None = key(text(null="start fresh"))
     resume_strict: bool = key(typed())
     device: Device = key(typed())
     deterministic: bool = key(typed())
@@ -212,7 +213,8 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
             refuse_if(name, OmegaConf.select(cfg, name), rule)
     for name in REQUIRED_OPEN:
         if OmegaConf.select(cfg, name, default=None) is None:
-            raise UserError(f"{name} is not set: the {name.split('.')[0]} group needs it (see conf/{name.split('.')[0]}/)")
+            group = name.split(".")[0]
+            raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
     added_data_keys(cfg, overrides or [])
     targets(OmegaConf.to_container(cfg, resolve=False), "")
     builds(cfg)

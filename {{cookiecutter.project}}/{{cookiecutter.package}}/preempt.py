@@ -52,7 +52,7 @@ class StopRequest:
                         _exit_now("a second SIGTERM")
                     term_at = term_at or time.monotonic()
             waiting = self.waiting
-            if term_at is not None and waiting is not None and time.monotonic() - max(waiting[0], term_at) >= waiting[1]:
+            if term_at and waiting and time.monotonic() - max(waiting[0], term_at) >= waiting[1]:
                 _exit_now(f"SIGTERM while waiting on the other processes for over {waiting[1]:g} s")
 
     def _handle(self, signum, frame) -> None:
@@ -99,7 +99,7 @@ class StopRequest:
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
 
     def hand_over(self) -> None:
-        """After saving: pass the signal to the handler we replaced, if it was a Python one (e.g. submitit's requeue)."""
+        """After saving: pass the signal to the handler we replaced, if it is a Python one (e.g. submitit's requeue)."""
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)

@@ -125,16 +125,19 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
         if before != now:
-            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: resume with the same {group}")
+            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
+                            f"resume with the same {group}")
     saved, current = ckpt["model"], model.state_dict()
     if saved.keys() != current.keys():
         odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, e.g. {odd[0]}): resume with the same model config")
+        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
+                        f"e.g. {odd[0]}): resume with the same model config")
     for name, tensor in current.items():
         if saved[name].shape != tensor.shape:
             raise UserError(
                 f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): resume with the same model and data"
+                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): "
+                "resume with the same model and data"
             )
     if len(ckpt["ranks"]) != world_size and cfg.resume_strict:
         raise UserError(
@@ -155,13 +158,13 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     plan, base_lrs = [dict(vars(f)) for f in scheduler.lr_lambdas], list(scheduler.base_lrs)
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
-    for group, ours in zip(optimizer.param_groups, settings):
+    for group, ours in zip(optimizer.param_groups, settings, strict=True):
         group.update(ours)
-    for factor, ours in zip(scheduler.lr_lambdas, plan):
+    for factor, ours in zip(scheduler.lr_lambdas, plan, strict=True):
         vars(factor).update(ours)
     scheduler.base_lrs = base_lrs
-    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = lrs
     if scaler.is_enabled() and ckpt["scaler"] is not None:
