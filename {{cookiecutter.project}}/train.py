@@ -30,22 +30,26 @@ from {{ cookiecutter.package }}.schedule import warmup_cosine
 from {{ cookiecutter.package }}.preempt import StopRequest
 
 log = logging.getLogger("train")
-config.register()
 submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value, torch.backends.cudnn too: see submit.py
 
 
 def train(cfg) -> tuple[int, float]:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    config.check(cfg, hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))  # every key, before any work
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     device = pick_device(cfg.device, cfg.deterministic)
     world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
     device = distributed.rank_device(device, world)
     rng.seed_everything(cfg.seed)
-    found = resume.locate(cfg.resume, run_dir, cfg.checkpoint.search_dir) if cfg.resume else None
+    found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
+    if ckpt:
+        resume.compare(ckpt, cfg, found, world.is_main)  # a change of the run is refused unless resume_strict=false
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far, kept on resume
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
+    config.check_data(train_set, val_set, cfg.data.num_classes)
     settings = resolve_settings(cfg.loader, device.type)
     if cfg.loader.max_prefetch_mib is not None:  # before any worker starts: fit the batches in flight to the budget
         settings, change = memory.fit_budget(settings, memory.sample_batch_bytes(train_set, settings.batch_size),
@@ -79,6 +83,9 @@ def train(cfg) -> tuple[int, float]:
         distributed.barrier(world)
 
     def finish(code: int) -> tuple[int, float]:
+        if world.is_main and checkpoints.last.is_file():
+            log.info(resume.where(run_dir, checkpoints.last, step, train_loader.epoch >= cfg.epochs,
+                                  list(hydra_cfg.overrides.task), world.world_size))
         runlog.close()
         distributed.leave(world)
         if stop.requested:
@@ -166,4 +173,5 @@ def main(cfg) -> float:
 
 
 if __name__ == "__main__":
+    config.register()  # the schema Hydra checks conf/config.yaml against
     main()

@@ -1,9 +1,11 @@
 """The Hydra config: every profile composes, the schema refuses typos and wrong types, bad values get one line."""
 
+import dataclasses
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.errors import UserError
@@ -22,8 +24,8 @@ def compose_cfg(*overrides):
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_profile_composes(profile):
     cfg = compose_cfg(f"loader={profile}")
-    keys = {"batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "timeout"}
-    assert set(cfg.loader) >= keys
+    wanted = {"batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "timeout"}
+    assert set(cfg.loader) >= wanted
     assert cfg.seed == 0 and cfg.resume is None and cfg.max_steps is None and cfg.device.value == "auto"
     OmegaConf.to_container(cfg, resolve=True)
 
@@ -77,6 +79,115 @@ def test_zero_workers_adjusts_instead_of_raising():
     cfg = compose_cfg("loader=throughput", "loader.num_workers=0")
     settings = resolve_settings(cfg.loader, "cpu")
     assert (settings.num_workers, settings.persistent_workers, settings.prefetch_factor) == (0, False, None)
+
+
+def schema_fields(schema=config.Config, prefix=""):
+    for f in dataclasses.fields(schema):
+        sub = config._schema_of(f)
+        yield from schema_fields(sub, f"{prefix}{f.name}.") if sub else [(prefix + f.name, f)]
+
+
+def test_the_yaml_is_the_one_place_a_default_lives():
+    """The schema holds types and checks, no values: a value edited in conf/ is the value the run gets."""
+    cfg = compose_cfg()
+    for name, f in schema_fields():
+        assert f.default == MISSING, f"{name} has a default in config.py; put it in the YAML instead"
+        if name not in ("data", "model", "optim"):
+            assert "check" in f.metadata, f"{name} has no range check"
+            assert OmegaConf.select(cfg, name, default=MISSING) is not MISSING, f"{name} is set by no YAML file"
+
+
+# Each value is refused by config.check before any work, in one line naming the key. (override, words in it)
+BAD = [
+    ("epochs=-1", "epochs must be an integer >= 1"),
+    ("epochs=0", "epochs must be"),
+    ("max_steps=0", "max_steps must be"),
+    ("max_steps=-3", "max_steps must be"),
+    ("seed=-1", "seed must be an integer between 0 and 4294967295"),
+    ("seed=4294967296", "seed must be"),
+    ("resume=''", "resume must be a non-empty string"),
+    ("loader.batch_size=0", "loader.batch_size must be"),
+    ("loader.num_workers=-1", "loader.num_workers must be an integer >= 0 or 'auto'"),
+    ("loader.num_workers=many", "loader.num_workers must be"),
+    ("loader.prefetch_factor=0", "loader.prefetch_factor must be"),
+    ("loader.pin_memory=yes", "loader.pin_memory must be true, false or 'auto'"),
+    ("loader.timeout=-2", "loader.timeout must be"),
+    ("loader.max_prefetch_mib=0", "loader.max_prefetch_mib must be a number > 0"),
+    ("loader.max_prefetch_mib=-5", "loader.max_prefetch_mib must be"),
+    ("schedule.warmup_steps=-1", "schedule.warmup_steps must be"),
+    ("schedule.min_lr_ratio=1.5", "schedule.min_lr_ratio must be a number in [0, 1]"),
+    ("schedule.min_lr_ratio=-0.1", "schedule.min_lr_ratio must be"),
+    ("checkpoint.every_steps=0", "checkpoint.every_steps must be"),
+    ("checkpoint.every_steps=-5", "checkpoint.every_steps must be"),
+    ("checkpoint.keep=-1", "checkpoint.keep must be"),
+    ("checkpoint.search_dir=''", "checkpoint.search_dir must be"),
+    ("monitor.every_steps=-1", "monitor.every_steps must be"),
+    ("optim.lr=-1", "optim.lr must be a number > 0"),
+    ("optim.lr=0", "optim.lr must be"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be"),
+    ("optim.momentum=1.5", "optim.momentum must be"),
+    ("optim.momentum=0", "Nesterov momentum requires a momentum"),  # torch's own check, reached by building it
+    ("+optim.momentun=0.9", "unexpected keyword argument 'momentun'"),
+    ("model.width=0", "model.width must be an integer >= 1"),
+    ("model.width=-3", "model.width must be"),
+    ("+model.depth=3", "unexpected keyword argument 'depth'"),
+    ("model._target_=torch.nn.Nope", "model._target_=torch.nn.Nope cannot be imported"),
+    ("data.num_classes=0", "data.num_classes must be an integer >= 2"),
+    ("data.num_classes=1", "data.num_classes must be"),
+    ("data.image_size=0", "data.image_size must be"),
+    ("data.per_class=0", "data.per_class must be"),
+    ("data.root=''", "data.root must be"),
+    ("data.train._target_=no.such.Data", "data.train._target_=no.such.Data cannot be imported"),
+    ("+loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
+    ("+schedule.warmup=5", "unknown config key schedule.warmup"),
+    ("+foo=1", "unknown config key foo"),
+    ("+data.per_clas=3", "data.per_clas is not used by data.train or data.val (did you mean data.per_class?)"),
+    ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),
+    ("data=imagefolder data.num_classes=3", "data.root has no value"),
+]
+FAST = {"epochs=-1", "seed=4294967296", "+loader.num_worker=3", "data=imagefolder", "model.width=0", "optim.lr=-1"}
+
+
+@pytest.mark.parametrize("override, message", BAD, ids=[b[0] for b in BAD])
+def test_check_refuses_each_bad_value(override, message):
+    """In process (fast): the composed config with one bad value fails config.check, naming the key."""
+    overrides = override.split()
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(UserError) as refused:
+        config.check(cfg, {"data": "imagefolder" if "data=imagefolder" in overrides else "shapes"}, overrides)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_check_passes_every_shipped_choice(tmp_path):
+    for overrides in ([], ["loader=memory-tight"], ["loader=throughput"], ["optim=adamw"], ["model=resnet18"],
+                      ["data=cifar10"], ["data=imagefolder", f"data.root={tmp_path}", "data.num_classes=3"]):
+        config.check(compose_cfg(*overrides), {}, overrides)
+
+
+def refused(tmp_path, *overrides):
+    """`python train.py` with bad values: exit 2, one `error:` line on stderr, no traceback, nothing of ours written."""
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *overrides, expect=2, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    written = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    assert set(written) <= {".hydra", "train.log"}, written  # Hydra's own record of the command, nothing of the run
+    return lines[0]
+
+
+@pytest.mark.parametrize("override, message", [b for b in BAD if b[0] in FAST] + [
+    pytest.param(*b, marks=pytest.mark.slow) for b in BAD if b[0] not in FAST], ids=lambda v: str(v)[:40])
+def test_train_py_refuses_bad_values_in_one_line(tmp_path, override, message):
+    assert message in refused(tmp_path, *override.split())
+
+
+def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
+    run_train(tmp_path / "made", *shapes, "max_steps=1")  # draws the shapes folder (4 classes)
+    line = refused(tmp_path, "data=imagefolder", f"data.root={shapes_root}", "data.num_classes=5")
+    assert "data.num_classes=5 but the train data holds 4 classes" in line and "set data.num_classes=4" in line
+    line = refused(tmp_path, "+data.train.sizes=3", *shapes)
+    assert "unexpected keyword argument 'sizes'" in line
 
 
 def test_train_py_refuses_in_one_line(tmp_path):

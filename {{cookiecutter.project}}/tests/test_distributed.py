@@ -1,9 +1,13 @@
 """Data-parallel training with torchrun (2 ranks, gloo on CPU) and the SLURM launcher config."""
 
+import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -20,8 +24,8 @@ def torchrun_cmd(run_dir, *overrides):
 
 
 def torchrun(run_dir, *overrides, expect=0, timeout=300):
-    cmd = torchrun_cmd(run_dir, *overrides)
-    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -63,8 +67,8 @@ def test_world_size_mismatch_is_refused(tmp_path, straight):
 @pytest.mark.slow
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     run_dir = tmp_path / "first"
-    cmd = torchrun_cmd(run_dir)
-    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(torchrun_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     wait_for_steps(run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -116,3 +120,83 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
     assert read_jsonl(job_dir / "steps.jsonl")[stopped]["step"] == stopped + 1
     assert [r["step"] for r in read_jsonl(job_dir / "steps.jsonl")] == list(range(1, 25))
     assert same_weights(reference / "checkpoints/last.pth", job_dir / "checkpoints/last.pth")
+
+
+def elastic_cmd(run_dir, *overrides):
+    """The command of the README: torchrun restarts failed attempts; each resumes from the folder's own last.pth."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+            "train.py", *DATA, "checkpoint.every_steps=2", "resume=latest", f"hydra.run.dir={run_dir}",
+            f"checkpoint.search_dir={run_dir}", *overrides]
+
+
+def rank_pids(agent: subprocess.Popen) -> dict[int, int]:
+    """RANK -> PID of the training processes torchrun's agent started (its direct children)."""
+    found = {}
+    for child in psutil.Process(agent.pid).children():
+        try:
+            env = child.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = child.pid
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, after_steps", [(1, 3), (0, 5), (1, 8)])
+def test_elastic_restart_after_kill_9_ends_exactly(tmp_path, straight, victim, after_steps):
+    """kill -9 of one rank mid-run: torchrun restarts both, they resume from the last checkpoint, and the job ends on
+    the uninterrupted run's weights. The survivor answers the agent's SIGTERM without the 30 s SIGKILL fallback."""
+    run_dir = tmp_path / "job"
+    agent = subprocess.Popen(elastic_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    wait_for_steps(run_dir, after_steps)
+    assert len(read_jsonl(run_dir / "steps.jsonl")) >= after_steps
+    pids = rank_pids(agent)
+    assert sorted(pids) == [0, 1], pids
+    os.kill(pids[victim], signal.SIGKILL)
+    out, _ = agent.communicate(timeout=300)
+    assert agent.returncode == 0, out[-4000:]
+    assert "attempt 1" in out  # there was a restart
+    assert "forcefully exiting" not in out, out[-4000:]  # the agent never had to fall back to SIGKILL
+    assert same_weights(straight / "checkpoints/last.pth", run_dir / "checkpoints/last.pth")
+    assert [r["step"] for r in read_jsonl(run_dir / "steps.jsonl")] == list(range(1, 13))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("workarounds", ["on", "off"])
+def test_sigterm_while_joining_exits_at_once(tmp_path, workarounds):
+    """A rank waiting for a peer that never comes (here: rank 1 of 2, no rank 0) exits on SIGTERM at once;
+    the negative control (ELASTIC_WORKAROUNDS=off) shows the flag-only handler leaving it blocked."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "ELASTIC_WORKAROUNDS": workarounds}
+    run_dir = tmp_path / "rank1"
+    proc = subprocess.Popen([sys.executable, "train.py", *DATA, f"hydra.run.dir={run_dir}"], cwd=PROJECT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "joining the process group" not in _text(run_dir / "train.log"):
+            time.sleep(0.1)
+        assert "joining the process group" in _text(run_dir / "train.log")
+        time.sleep(1.0)  # inside the rendezvous now
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        if workarounds == "on":
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - sent < 5, err
+            assert "SIGTERM while waiting on the other processes" in err
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.communicate(timeout=8)  # still blocked: only the agent's SIGKILL would end it
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def _text(path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -6,6 +6,7 @@ workers' torch, numpy and python RNGs, so a slip in any stream changes the weigh
 """
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from {{ cookiecutter.package }}.schedule import WarmupCosine
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 # Each worker's own RNG streams, captured and restored: the mode whose exactness needs the most care.
@@ -124,12 +126,68 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_latest_finds_the_newest(tmp_path):
+def test_resume_latest_takes_the_newest_that_fits(tmp_path):
+    """resume=latest skips newer checkpoints of another run (here epochs differs), saying so, and names its pick."""
     outputs = tmp_path / "outputs"
     run_train(outputs / "old", *DATA, "epochs=1", "max_steps=2")
     run_train(outputs / "new", *DATA, "epochs=1", "max_steps=4")
-    run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}")
+    run_train(outputs / "other", *DATA, "epochs=2", "max_steps=3")  # the newest file, but another run
+    proc = run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}")
+    out = proc.stdout + proc.stderr
     assert read_jsonl(tmp_path / "resumed/steps.jsonl")[0]["step"] == 5
+    assert f"skipping {outputs / 'other/checkpoints/last.pth'}: its run differs: epochs 2 -> 1" in out, out
+    assert f"resuming from {outputs / 'new/checkpoints/last.pth'} (step 4)" in out
+    # none fits (another seed): start fresh and say why, never continue another run
+    proc = run_train(tmp_path / "fresh", *DATA, "epochs=1", "max_steps=1", "seed=7", "resume=latest",
+                     f"checkpoint.search_dir={outputs}")
+    assert read_jsonl(tmp_path / "fresh/steps.jsonl")[0]["step"] == 1
+    assert "fits this run (3 skipped); starting fresh" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_closing_line_says_where_and_how_to_continue(tmp_path):
+    proc = run_train(tmp_path / "first", *DATA, "epochs=1", "max_steps=3")
+    last = tmp_path / "first/checkpoints/last.pth"
+    line = next(x for x in proc.stdout.splitlines() if "stopped at step 3; run folder" in x)
+    assert f"run folder {tmp_path / 'first'}; checkpoint {last}; to continue: python train.py " in line
+    command = shlex.split(line.split("to continue: ", 1)[1])  # the command as printed, run as is
+    done = subprocess.run([sys.executable, *command[1:], f"hydra.run.dir={tmp_path / 'second'}"], cwd=PROJECT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(tmp_path / "second/steps.jsonl")] == list(range(4, 13))
+    assert "finished at step 12;" in done.stdout and "to train longer: python train.py" in done.stdout
+
+
+@pytest.mark.slow
+def test_more_epochs_replan_the_schedule_when_not_strict(tmp_path):
+    """epochs=2 run, then epochs=4: the lr from step 25 on is the 4-epoch schedule's, ending at its floor, never the
+    2-epoch schedule's floor carried on (what a restored LambdaLR would do)."""
+    lr, warmup, floor = 0.05, 4, 0.01
+    run_train(tmp_path / "first", *DATA, "epochs=2", f"schedule.warmup_steps={warmup}")
+    proc = run_train(tmp_path / "second", *DATA, "epochs=4", f"schedule.warmup_steps={warmup}", "resume_strict=false",
+                     f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert "going on with changed settings: epochs 2 -> 4" in proc.stdout + proc.stderr
+    before, after = read_jsonl(tmp_path / "first/steps.jsonl"), read_jsonl(tmp_path / "second/steps.jsonl")
+    assert before[-1]["lr"] == pytest.approx(lr * floor)  # the old plan had reached its floor: the failure mode
+    plan = WarmupCosine(warmup, 4 * 12, floor)  # steps.jsonl holds the lr set after step s, i.e. factor(s)
+    assert [r["step"] for r in after] == list(range(25, 49))
+    assert [r["lr"] for r in after] == pytest.approx([lr * plan(r["step"]) for r in after], rel=1e-12)
+    assert after[0]["lr"] > 10 * lr * floor and after[-1]["lr"] == pytest.approx(lr * floor)
+    assert read_jsonl(tmp_path / "second/metrics.jsonl")[-1]["lr"] == pytest.approx(lr * floor)
+
+
+@pytest.mark.slow
+def test_speed_and_logging_changes_keep_the_run_exact(tmp_path):
+    """Under rng_mode=per_sample the loader's performance keys, monitor and checkpoint cadence do not change the run:
+    a resume may change them (an info line lists them) and still ends bit for bit on the straight run."""
+    per_sample = [*RNG_DATA, "epochs=2"]
+    run_train(tmp_path / "straight", *per_sample)
+    run_train(tmp_path / "first", *per_sample, "max_steps=7")
+    proc = run_train(tmp_path / "second", *per_sample, "loader.num_workers=1", "loader.prefetch_factor=1",
+                     "monitor.every_steps=3", "checkpoint.keep=1", f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert ("changed settings that keep the run the same: checkpoint.keep 3 -> 1, loader.num_workers 2 -> 1, "
+            "loader.prefetch_factor 2 -> 1, monitor.every_steps 50 -> 3") in proc.stdout + proc.stderr
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
 
 
 class Exploit:
@@ -165,17 +223,22 @@ def test_bad_checkpoints_are_refused_in_one_line(tmp_path, straight):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("model=resnet18",), "model"),
-        (("data.num_classes=5",), "num_classes 4 there, 5 here"),
-        (("optim=adamw",), "optim"),
-        (("loader.num_workers=3",), "num_workers 2 -> 3"),
+        (("model=resnet18",), "model._target_ my_trainer.model.SmallCNN -> my_trainer.model.resnet18"),
+        (("data.num_classes=5",), "data.num_classes 4 -> 5"),
+        (("optim=adamw",), "optim._target_ torch.optim.SGD -> torch.optim.AdamW"),
+        (("loader.num_workers=3",), "loader.num_workers 2 -> 3"),  # per_worker: the workers' streams feed the data
+        (("epochs=8", "optim.lr=0.1"), "epochs 3 -> 8, optim.lr 0.05 -> 0.1"),
+        (("seed=1", "loader.batch_size=20"), "loader.batch_size 16 -> 20, seed 0 -> 1"),
+        (("schedule.min_lr_ratio=0.1",), "schedule.min_lr_ratio 0.01 -> 0.1"),
     ],
 )
 @pytest.mark.slow
 def test_mismatched_resume_is_refused(tmp_path, straight, overrides, message):
     good = straight("loader=balanced") / "checkpoints/last.pth"
     proc = run_train(tmp_path, *DATA, "loader=balanced", f"resume={good}", *overrides, expect=2)
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert message.replace("my_trainer", "{{ cookiecutter.package }}") in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "resume_strict=false" in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.slow

@@ -1,17 +1,91 @@
-"""The typed config schema, registered in Hydra's ConfigStore as `schema`.
+"""The config schema and the checks every run passes before it does any work.
 
-`conf/config.yaml` lists `schema` first in its defaults, so every YAML value and command-line
-override is checked against these dataclasses before any work starts: a misspelled key
-(`loader.num_worker=3`) or a wrong type (`epochs=ten`) fails with Hydra's own message.
-Groups whose keys depend on the chosen `_target_` (data, model, optim) stay open (`Any`).
+Defaults live in one place, the YAML files under `conf/`: the schema below holds no values (every
+field is MISSING), only each key's type (Hydra refuses `epochs=ten` or `device=gpu`) and its range
+(`check()` refuses `epochs=-1`). Adding a key takes one line here (type and check) and one
+commented line in the YAML that sets it; a YAML that forgets it fails with "... has no value".
+
+`check(cfg)` (called first thing by train.py) refuses, in one line each: a value out of range, a
+key the schema does not know (also one added with `+`, which Hydra lets through), a required value
+left at `???`, and a model or optimizer that cannot be built. The groups whose keys depend on the
+chosen `_target_` (data, model, optim) are open: their known keys are range-checked and the model
+and optimizer are built once on a dummy batch, so a wrong argument fails here, not mid-run.
 """
 
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from fnmatch import fnmatch
+from typing import Any
 
+import torch
+from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from hydra.utils import instantiate
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .errors import UserError
+
+SEED_MAX = 2**32 - 1  # numpy's np.random.seed takes 0 .. 2**32 - 1; torch and python take at least that
+
+
+# Checks: each returns None when the value is fine, else what it should be.
+def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+            span = f"between {low} and {high}" if high is not None else f">= {low}"
+            return f"an integer {span}" + (f", or null ({null})" if null else "")
+    return check
+
+
+def number(low: float, high: float | None = None, above: bool = False, null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        if bad or (v <= low if above else v < low) or (high is not None and v > high):
+            span = f"> {low}" if above else f">= {low}"
+            span = f"in [{low}, {high}]" if high is not None else span
+            return f"a number {span}" + (f", or null ({null})" if null else "")
+    return check
+
+
+def integer_or(word: str, low: int) -> Callable:
+    def check(v):
+        if v != word and integer(low)(v):
+            return f"an integer >= {low} or '{word}'"
+    return check
+
+
+def flag_or(word: str) -> Callable:
+    def check(v):
+        return None if isinstance(v, bool) or v == word else f"true, false or '{word}'"
+    return check
+
+
+def text(null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        if not isinstance(v, str) or not v.strip():
+            return "a non-empty string" + (f", or null ({null})" if null else "")
+    return check
+
+
+def typed() -> Callable:
+    """Hydra's schema already refuses anything but the field's type (bool, an Enum)."""
+    return lambda v: None
+
+
+def key(check: Callable) -> Any:
+    """A schema field: no default (the YAML holds it), and the range check `check()` applies."""
+    return field(default=MISSING, metadata={"check": check})
 
 
 class Device(str, Enum):
@@ -37,63 +111,253 @@ class BestMode(str, Enum):
 
 @dataclass
 class LoaderConfig:
-    batch_size: int = 64
-    num_workers: Any = 2  # int, or "auto" for the CPUs this process may use
-    prefetch_factor: Optional[int] = 2
-    pin_memory: Any = "auto"  # true, false, or "auto" (on when training on CUDA)
-    persistent_workers: bool = True
-    timeout: float = 0.0
-    max_prefetch_mib: Optional[float] = None  # budget for batches in flight (see memory.py); None = no budget
-    on_budget: OnBudget = OnBudget.adjust
+    batch_size: int = key(integer(1))
+    num_workers: Any = key(integer_or("auto", 0))
+    prefetch_factor: int | None = key(integer(1, null="PyTorch's default, 2"))
+    pin_memory: Any = key(flag_or("auto"))
+    persistent_workers: bool = key(typed())
+    timeout: float = key(number(0))
+    max_prefetch_mib: float | None = key(number(0, above=True, null="no budget"))
+    on_budget: OnBudget = key(typed())
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.01
+    warmup_steps: int = key(integer(0))
+    min_lr_ratio: float = key(number(0, 1))
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: Optional[int] = None
-    keep: int = 3
-    search_dir: str = "outputs"
-    monitor: str = "val_acc"  # best.pth keeps the epoch with the best value of this metrics.jsonl key
-    mode: BestMode = BestMode.max
+    every_steps: int | None = key(integer(1, null="epoch ends only"))
+    keep: int = key(integer(0))
+    search_dir: str = key(text())
+    monitor: str = key(text())  # best.pth keeps the epoch with the best value of this metrics.jsonl key
+    mode: BestMode = key(typed())
 
 
 @dataclass
 class MonitorConfig:
-    every_steps: int = 50  # worker/memory/fd health sample every N steps (and at each epoch end); 0 = epoch ends only
+    every_steps: int = key(integer(0))
 
 
 @dataclass
 class Config:
-    seed: int = 0
-    epochs: int = 8
-    max_steps: Optional[int] = None
-    resume: Optional[str] = None
-    resume_strict: bool = True
-    device: Device = Device.auto
-    deterministic: bool = True
-    amp: bool = False
-    progress: bool = True
-    rng_mode: RngMode = RngMode.per_sample
+    seed: int = key(integer(0, SEED_MAX))
+    epochs: int = key(integer(1))
+    max_steps: int | None = key(integer(1, null="run all epochs"))
+    resume: str | None = key(text(null="start fresh"))
+    resume_strict: bool = key(typed())
+    device: Device = key(typed())
+    deterministic: bool = key(typed())
+    amp: bool = key(typed())
+    progress: bool = key(typed())
+    rng_mode: RngMode = key(typed())
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    data: Any = MISSING
+    data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim)
     model: Any = MISSING
     optim: Any = MISSING
 
 
+# Keys of the open groups that train.py or the shipped targets give a meaning; checked when present.
+OPEN_KEYS = {
+    "data.num_classes": integer(2),
+    "data.image_size": integer(1),
+    "data.per_class": integer(1),
+    "data.root": text(),
+    "model.width": integer(1),
+    "optim.lr": number(0, above=True),
+    "optim.weight_decay": number(0),
+    "optim.momentum": number(0, 1),
+}
+REQUIRED_OPEN = ("data.num_classes", "data.train._target_", "data.val._target_", "model._target_", "optim._target_")
+
+# Resume: which keys, when changed, make a resumed run a different run (resume.compare). The rule: every key
+# does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
+# loader.num_workers and loader.persistent_workers do too (each worker's own RNG stream feeds the data).
+SAME_RUN = {
+    "resume": "where to start from",
+    "resume_strict": "how to treat changes",
+    "max_steps": "a stop point, not a change of the run",
+    "progress": "display only",
+    "device": "the same run on other hardware (bits may differ)",
+    "monitor.*": "health sampling",
+    "checkpoint.*": "when and where checkpoints are written",
+    "*every_steps": "how often something is logged or saved",
+    "loader.*": "speed and memory of loading, except batch_size",
+}
+RUN_KEYS_UNDER_SAME = {"loader.batch_size": None, "loader.num_workers": "per_worker",
+                       "loader.persistent_workers": "per_worker"}
+
+
+def changes_run(name: str, rng_mode: str) -> bool:
+    """True when a different value of `name` makes a different run (so a resume must not change it silently)."""
+    if name in RUN_KEYS_UNDER_SAME:
+        only = RUN_KEYS_UNDER_SAME[name]
+        return only is None or only == rng_mode
+    return not any(fnmatch(name, pattern) for pattern in SAME_RUN)
+
+
 def register() -> None:
+    """The schema, for Hydra to check conf/config.yaml against: called by the entry points before they compose."""
     ConfigStore.instance().store(name="schema", node=Config)
-    OmegaConf.register_new_resolver("run_name", run_name, replace=True)  # hydra.run.dir / hydra.sweep.subdir
 
 
 def run_name(*parts) -> str:
     """`${run_name:a,b,...}`: the parts that are set, joined by `_`, safe as one folder name (no `/`, <= 150 chars)."""
     name = "_".join(str(p) for p in parts if p not in (None, "", "null"))
     return name.replace("/", "-")[:150]
+
+
+# hydra.run.dir / hydra.sweep.subdir use ${run_name:...}. Registered on import rather than in register(): a submitit
+# job unpickles main() and resolves its folder there without running train.py's `__main__` block, but it does import
+# this module (main's code refers to it by name).
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
+def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
+    """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
+    message for a missing value name the file and the command."""
+    missing(cfg, choices or {}, overrides or [])
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:  # an interpolation to a key that is not there, a bad resolver
+        raise UserError(f"config: {str(e).splitlines()[0]}") from None
+    unknown(cfg, Config, "")
+    ranges(cfg, Config, "")
+    for name, rule in OPEN_KEYS.items():
+        if OmegaConf.select(cfg, name, default=MISSING) is not MISSING:
+            refuse_if(name, OmegaConf.select(cfg, name), rule)
+    for name in REQUIRED_OPEN:
+        if OmegaConf.select(cfg, name, default=None) is None:
+            group = name.split(".")[0]
+            raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
+    added_data_keys(cfg, overrides or [])
+    targets(OmegaConf.to_container(cfg, resolve=False), "")
+    builds(cfg)
+
+
+def missing(cfg, choices: dict, overrides: list[str]) -> None:
+    keys = sorted(_missing(OmegaConf.to_container(cfg, resolve=False)))  # unresolved: `${data.root}` is not `???`
+    if not keys:
+        return
+    group = keys[0].split(".")[0]
+    where = f"conf/{group}/{choices[group]}.yaml" if group in choices else "conf/config.yaml"
+    command = " ".join(["python train.py", *overrides, *(f"{k}=<value>" for k in keys)])
+    have, it = ("has", "it") if len(keys) == 1 else ("have", "them")
+    raise UserError(f"{', '.join(keys)} {have} no value ('???' in {where}): set {it} on the command line: {command}")
+
+
+def _missing(tree, prefix: str = "") -> list[str]:
+    if isinstance(tree, dict):
+        return [k for name, value in tree.items() for k in _missing(value, f"{prefix}{name}.")]
+    if isinstance(tree, list):
+        return [k for i, value in enumerate(tree) for k in _missing(value, f"{prefix}{i}.")]
+    return [prefix[:-1]] if tree == MISSING else []
+
+
+def refuse_if(name: str, value, rule: Callable) -> None:
+    wanted = rule(value)
+    if wanted:
+        raise UserError(f"{name} must be {wanted}, got {value!r}")
+
+
+def ranges(cfg, schema, prefix: str) -> None:
+    for f in dataclasses.fields(schema):
+        sub = _schema_of(f)
+        if sub is not None:
+            ranges(cfg[f.name], sub, f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            value = cfg[f.name]
+            refuse_if(prefix + f.name, value.value if isinstance(value, Enum) else value, f.metadata["check"])
+
+
+def unknown(cfg, schema, prefix: str) -> None:
+    """Keys the schema does not have: Hydra refuses `loader.num_worker=3` but lets `+loader.num_worker=3` in."""
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for name in cfg:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise UserError(f"unknown config key {prefix}{name}{hint}: the schema in config.py has no such key")
+        sub = _schema_of(known[name])
+        if sub is not None:
+            unknown(cfg[name], sub, f"{prefix}{name}.")
+
+
+def _schema_of(f: dataclasses.Field):
+    """The dataclass of a nested group field (loader, schedule, ...), else None."""
+    factory = f.default_factory
+    return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
+
+
+def added_data_keys(cfg, overrides: list[str]) -> None:
+    """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
+    (`+data.per_clas=10`) that no node refers to would be silently ignored, so it is refused."""
+    raw = str(OmegaConf.to_container(cfg.data, resolve=False))
+    for override in overrides:
+        found = re.match(r"\+{1,2}data\.(\w+)=", override)
+        if found and found[1] != "num_classes" and "${data." + found[1] + "}" not in raw:
+            close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
+            hint = f" (did you mean data.{close[0]}?)" if close else ""
+            raise UserError(f"data.{found[1]} is not used by data.train or data.val{hint}: "
+                            "remove it, or refer to it as ${data." + found[1] + "}")
+
+
+def targets(tree, prefix: str) -> None:
+    """Every `_target_` names something importable (a typo would otherwise fail only when that node is built)."""
+    if not isinstance(tree, dict):
+        return
+    if isinstance(tree.get("_target_"), str):
+        try:
+            _locate(tree["_target_"])
+        except Exception as e:
+            raise UserError(f"{prefix}_target_={tree['_target_']} cannot be imported: {_reason(e)}") from None
+    for name, value in tree.items():
+        targets(value, f"{prefix}{name}.")
+
+
+def builds(cfg) -> None:
+    """Build the model and optimizer once and run the model on a dummy batch: a bad `model.*` or `optim.*` value
+    fails here in one line, not inside torch after the data is prepared. The RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model = instantiate(cfg.model, num_classes=cfg.data.num_classes)
+        except Exception as e:
+            raise UserError(f"model: cannot build {cfg.model._target_}: {_reason(e)}") from None
+        try:
+            instantiate(cfg.optim)(model.parameters())
+        except Exception as e:
+            raise UserError(f"optim: cannot build {cfg.optim._target_}: {_reason(e)}") from None
+        size = cfg.data.get("image_size")  # checked only when the training data uses it
+        if isinstance(size, int) and "${data.image_size}" in str(OmegaConf.to_container(cfg.data.train)):
+            try:
+                with torch.no_grad():
+                    model.eval()(torch.zeros(2, 3, size, size))
+            except Exception as e:
+                raise UserError(f"model: {cfg.model._target_} fails on a {size}x{size} batch: {_reason(e)}") from None
+
+
+def _reason(e: BaseException) -> str:
+    """The error a `_target_` raised, without Hydra's wrapping: one line."""
+    inner = e.__cause__ or e
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def check_data(train_set, val_set, num_classes: int) -> None:
+    """Before training: data.num_classes against the classes a folder data set found (its `classes`), so a wrong
+    count is one line here rather than `IndexError: Target 6 is out of bounds` mid-run."""
+    found = {name: list(getattr(ds, "classes", None) or []) for name, ds in (("train", train_set), ("val", val_set))}
+    for name, classes in found.items():
+        if classes and len(classes) != num_classes:
+            shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
+            raise UserError(f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
+                            f"({shown}): set data.num_classes={len(classes)}")
+    if found["train"] and found["val"] and found["train"] != found["val"]:
+        odd = sorted(set(found["train"]) ^ set(found["val"]))
+        raise UserError(f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
+                        "give both the same class folders")

@@ -4,13 +4,24 @@ no-op, so `python train.py` stays one plain process."""
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .errors import UserError
+from .preempt import StopRequest
+
+log = logging.getLogger(__name__)
+
+# Seconds a rank asked to stop (SIGTERM) still waits in a collective for its peers before it exits:
+# live peers come within a step, a dead one never does (preempt.py).
+COLLECTIVE_GRACE_S = 10.0
+# Off only to show, in the tests, what the elastic-restart fixes below prevent.
+WORKAROUNDS = os.environ.get("ELASTIC_WORKAROUNDS", "on") != "off"
 
 
 @dataclass(frozen=True)
@@ -40,9 +51,20 @@ def join(device: torch.device) -> World:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: lower --nproc_per_node")
+            raise UserError(f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: "
+                            "lower --nproc_per_node")
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # torchrun's env:// rendezvous hands every restart attempt the agent's same store, and the new process group
+    # reads keys the failed attempt left there: gloo's connectFullMesh then dials a killed rank's old port and the
+    # restart fails (pytorch/pytorch#167288 reports the NCCL form). Each attempt gets its own namespace.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log.info("rank %d of %d: joining the process group (attempt %s)", rank, world_size, attempt)
+    with StopRequest.waiting_on_peers(0.0) if WORKAROUNDS else nullcontext():  # a SIGTERM while joining: exit at once
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        if WORKAROUNDS:
+            store = dist.PrefixStore(f"attempt{attempt}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size)
     return World(rank, world_size, local_rank)
 
 
@@ -62,8 +84,9 @@ def sum_all(values: list[float], device: torch.device, world: World) -> list[flo
     if not world.distributed:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+        dist.all_reduce(tensor)
+        return tensor.tolist()
 
 
 def gather_to_main(obj, world: World) -> list | None:
@@ -71,13 +94,15 @@ def gather_to_main(obj, world: World) -> list | None:
     if not world.distributed:
         return [obj]
     out = [None] * world.world_size if world.is_main else None
-    dist.gather_object(obj, out, dst=0)
+    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+        dist.gather_object(obj, out, dst=0)
     return out
 
 
 def barrier(world: World) -> None:
     if world.distributed:
-        dist.barrier()
+        with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+            dist.barrier()
 
 
 def leave(world: World) -> None:

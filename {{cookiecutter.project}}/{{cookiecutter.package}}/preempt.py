@@ -4,24 +4,56 @@ Handlers are installed before the DataLoader forks its workers, so workers inher
 only sets a flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill them
 while the main process is still saving. A handler that was there before ours (submitit's, which
 requeues a SLURM job on USR2) is called once the checkpoint is written: see `hand_over`.
+
+A Python signal handler only runs when the main thread is back in Python, never while it waits
+inside a distributed call (joining the process group, a collective). If a peer died, that wait does
+not end, and torchrun's SIGTERM would only be answered by its SIGKILL 30 s later. So a watcher thread
+hears signals through `signal.set_wakeup_fd` and ends the process itself when a SIGTERM meets such a
+wait: at once while joining (nothing to save yet), after `grace` seconds in a collective (live peers
+arrive by then and the stop goes on normally), at once on a second SIGTERM. See `waiting_on_peers`.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import sys
 import threading
+import time
+from contextlib import contextmanager
 
 
 class StopRequest:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+    active: StopRequest | None = None  # the one installed in this process, for waiting_on_peers
 
     def __init__(self):
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
+        self.waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read,), name="sigterm-while-waiting", daemon=True).start()
+            StopRequest.active = self
+
+    def _watch(self, fd: int) -> None:
+        """Watcher thread: the signal numbers arrive as bytes on `fd` even while the main thread is stuck in C++."""
+        term_at = None
+        while True:
+            if select.select([fd], [], [], 0.1)[0]:
+                received = os.read(fd, 512)
+                if signal.SIGTERM in received:
+                    if term_at is not None and self.waiting is not None:
+                        _exit_now("a second SIGTERM")
+                    term_at = term_at or time.monotonic()
+            waiting = self.waiting
+            if term_at and waiting and time.monotonic() - max(waiting[0], term_at) >= waiting[1]:
+                _exit_now(f"SIGTERM while waiting on the other processes for over {waiting[1]:g} s")
 
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
@@ -37,6 +69,20 @@ class StopRequest:
         return 130 if self.signum == signal.SIGINT else 0
 
     @staticmethod
+    @contextmanager
+    def waiting_on_peers(grace: float):
+        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s."""
+        stop = StopRequest.active
+        if stop is None:
+            yield
+            return
+        stop.waiting = (time.monotonic(), grace)
+        try:
+            yield
+        finally:
+            stop.waiting = None
+
+    @staticmethod
     def shield_worker(worker_id: int = 0) -> None:
         """worker_init_fn part: a DataLoader worker leaves the stop signals to the main process.
 
@@ -46,6 +92,7 @@ class StopRequest:
         SIGTERM only from its parent (which is how the parent shuts it down at exit): SIGTERM is
         blocked and a thread waits for it, reading who sent it.
         """
+        signal.set_wakeup_fd(-1)  # the parent's watcher pipe, inherited through fork, is not ours to write to
         for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -56,6 +103,12 @@ class StopRequest:
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)
+
+
+def _exit_now(why: str) -> None:
+    sys.stderr.write(f"rank {os.environ.get('RANK', 0)}: {why}: exiting now\n")
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)  # what a SIGTERM left to its default would give
 
 
 def _exit_on_sigterm_from_parent() -> None:

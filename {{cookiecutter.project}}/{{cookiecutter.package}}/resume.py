@@ -6,11 +6,14 @@ The file format and its atomic writing are in checkpoint.py.
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 
+import torch
 from hydra.utils import to_absolute_path
+from omegaconf import OmegaConf
 
-from . import rng
+from . import config, rng
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -21,21 +24,99 @@ def rank_state(train_loader) -> dict:
     return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
 
 
-def locate(value: str, run_dir: Path, search_dir: str) -> Path | None:
-    """`resume=latest`: this run folder's own last.pth (a requeued job), else the newest under `search_dir`,
-    else None: a first job submitted with resume=latest starts fresh. Any other value is a path,
-    relative to where the command was run."""
+def locate(value: str, run_dir: Path, cfg, world_size: int, is_main: bool = True) -> Path | None:
+    """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
+
+    `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
+    newest last.pth under `checkpoint.search_dir` that *fits this run*: written by as many processes,
+    with the same values for every key that changes the run (`config.changes_run`). Newer ones that
+    do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
+    """
     if value != "latest":
         return Path(to_absolute_path(value))
     own = run_dir / "checkpoints" / "last.pth"
     if own.is_file():
         return own
-    root = Path(to_absolute_path(search_dir))
-    found = sorted(root.glob("**/checkpoints/last.pth"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        log.warning("resume=latest: no checkpoints/last.pth under %s yet; starting fresh", root)
-        return None
-    return found[-1]
+    root = Path(to_absolute_path(cfg.checkpoint.search_dir))
+    found = sorted(root.glob("**/checkpoints/last.pth"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in found:
+        why = misfit(path, cfg, world_size)
+        if why is None:
+            return path
+        if is_main:
+            log.info("resume=latest: skipping %s: %s", path, why)
+    if is_main:
+        hint = "; to continue one of them with this config: resume=<its path> resume_strict=false" if found else ""
+        log.warning("resume=latest: no checkpoints/last.pth under %s fits this run (%d skipped); starting fresh%s",
+                    root, len(found), hint)
+    return None
+
+
+def misfit(path: Path, cfg, world_size: int) -> str | None:
+    """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
+    tensors are not read, only the config and the per-rank list."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved, ranks = ckpt["config"], len(ckpt["ranks"])
+    except Exception as e:
+        return f"not a readable checkpoint ({type(e).__name__})"
+    changed = [c for c in differences(saved, cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
+    if changed:
+        return "its run differs: " + describe(changed)
+    if ranks != world_size:
+        return f"written by {ranks} processes, this run has {world_size}"
+    return None
+
+
+ABSENT = "(absent)"
+
+
+def differences(saved: dict, cfg) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, this run's value) for every leaf key that differs, dotted keys, sorted."""
+    old = _flatten(saved)
+    new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, ABSENT) != new.get(k, ABSENT)]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + name] = value
+    return flat
+
+
+def describe(changes) -> str:
+    def show(v):
+        text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
+
+
+def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
+    """Refuse (resume_strict) or log a resume whose config changes the run; log the changes that do not.
+
+    What counts as changing the run is decided by one rule, `config.changes_run`.
+    """
+    changes = differences(ckpt["config"], cfg)
+    run = [c for c in changes if config.changes_run(c[0], cfg.rng_mode.value)]
+    same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
+    if run and cfg.resume_strict:
+        raise UserError(
+            f"resume: {path} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
+            "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
+        )
+    if not is_main:
+        return
+    log.info("resuming from %s (step %d)", path, ckpt["step"])
+    if run:
+        log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
+                    "planned by this config, at step %d", describe(run), ckpt["step"])
+    if same:
+        log.info("resume: changed settings that keep the run the same: %s", describe(same))
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
@@ -44,16 +125,19 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
         if before != now:
-            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: resume with the same {group}")
+            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
+                            f"resume with the same {group}")
     saved, current = ckpt["model"], model.state_dict()
     if saved.keys() != current.keys():
         odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, e.g. {odd[0]}): resume with the same model config")
+        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
+                        f"e.g. {odd[0]}): resume with the same model config")
     for name, tensor in current.items():
         if saved[name].shape != tensor.shape:
             raise UserError(
                 f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): resume with the same model and data"
+                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): "
+                "resume with the same model and data"
             )
     if len(ckpt["ranks"]) != world_size and cfg.resume_strict:
         raise UserError(
@@ -67,10 +151,36 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     check_fits(ckpt, cfg, model, train_loader.sampler.world_size)
     mine = ckpt["ranks"][rank % len(ckpt["ranks"])]  # another world size only gets here with resume_strict=false
     model.load_state_dict(ckpt["model"])
+    # This run's config decides the optimizer's settings and the LR schedule from here on: loading the states
+    # would bring back the checkpoint's (a LambdaLR restores its schedule's total steps, so `epochs=8` on an
+    # `epochs=2` checkpoint would train on at the old schedule's floor). Unchanged, this gives the same bits.
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    plan, base_lrs = [dict(vars(f)) for f in scheduler.lr_lambdas], list(scheduler.base_lrs)
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
+    for group, ours in zip(optimizer.param_groups, settings, strict=True):
+        group.update(ours)
+    for factor, ours in zip(scheduler.lr_lambdas, plan, strict=True):
+        vars(factor).update(ours)
+    scheduler.base_lrs = base_lrs
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
     if scaler.is_enabled() and ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
     rng.restore_main(mine["rng"])
     return ckpt["step"]
+
+
+def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:
+    """The closing line of a run: its folder, its last.pth, and the command that continues it."""
+    kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
+    launch = ["python", "train.py"] if world_size == 1 else [
+        "torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
+    command = " ".join([*launch, *kept, f"resume={shlex.quote(str(last))}"])
+    if finished:
+        return (f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
+                f"to train longer: {command} epochs=<more> resume_strict=false")
+    return f"stopped at step {step}; run folder {run_dir}; checkpoint {last}; to continue: {command}"
