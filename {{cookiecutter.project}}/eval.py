@@ -51,7 +51,9 @@ def evaluate_checkpoint(cfg) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not cfg.ckpt:
         raise UserError("eval: give ckpt=PATH (a checkpoints/*.pth file) or ckpt=latest")
-    found = resume.locate(cfg.ckpt, run_dir, cfg.checkpoint.search_dir)
+    # the same rule as train.py's resume=latest, on the training keys (ckpt and split are eval.py's own)
+    training = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("ckpt", "split")])
+    found = resume.locate(cfg.ckpt, run_dir, training, world_size=1)
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
     try:
