@@ -69,7 +69,10 @@ class Config:
     resume_strict: bool = True
     device: Device = Device.auto
     deterministic: bool = True
-    amp: bool = False
+    amp: Any = "off"  # off | bf16 | fp16; true/false (older configs) mean fp16/off
+    channels_last: bool = False
+    compile: bool = False
+    log_every_steps: int = 10
     progress: bool = True
     rng_mode: RngMode = RngMode.per_sample
     loader: LoaderConfig = field(default_factory=LoaderConfig)
