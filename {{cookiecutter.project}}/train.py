@@ -4,7 +4,8 @@
     python train.py loader=throughput optim=adamw epochs=20
     python train.py resume=latest            # continue the newest run, bit for bit
 
-The machinery lives next to this file in {{ cookiecutter.package }}/: data, loader, checkpoint, resume, rng, runlog, monitor, schedule, model.
+The machinery lives next to this file in {{ cookiecutter.package }}/: data, loader, device, evaluate, checkpoint,
+resume, rng, runlog, monitor, schedule, model.
 """
 
 import contextlib
@@ -27,8 +28,8 @@ from {{ cookiecutter.package }}.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.evaluate import evaluate
 from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.monitor import Monitor, worker_death
-from {{ cookiecutter.package }}.runlog import RunLog
 from {{ cookiecutter.package }}.preempt import StopRequest
+from {{ cookiecutter.package }}.runlog import RunLog
 from {{ cookiecutter.package }}.schedule import warmup_cosine
 
 log = logging.getLogger("train")
@@ -42,7 +43,7 @@ def train(cfg) -> int:
     if cfg.log_every_steps < 1:
         raise UserError(f"log_every_steps must be at least 1, got {cfg.log_every_steps}")
     stopping = False  # a signal asked to stop, and every rank agreed to stop at the same step
-    with contextlib.ExitStack() as cleanup:  # whatever way train() leaves, exceptions included, this closes what it opened
+    with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened
         world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
         cleanup.callback(distributed.leave, world)
         if not world.is_main:
@@ -61,7 +62,7 @@ def train(cfg) -> int:
                 log.warning("loader: %s", change)
         train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value,
                                    rank=world.rank, world_size=world.world_size)  # built once, iterated every epoch
-        prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 batches -> normalized floats, on the device
+        prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 batches -> normalized floats, on device
         model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -78,7 +79,7 @@ def train(cfg) -> int:
         if ckpt:
             log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
         val_loader = eval_loader(val_set, settings, world.rank, world.world_size)  # built once too
-        checkpoints = checkpoint.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep) if world.is_main else None
+        checkpoints = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep) if world.is_main else None
         runlog = cleanup.enter_context(RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main))
         monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
         show_bar = cfg.progress and sys.stderr.isatty() and world.is_main
@@ -87,7 +88,8 @@ def train(cfg) -> int:
         def save() -> None:  # every rank hands its RNG and loader state to rank 0, which writes the file once
             ranks = distributed.gather_to_main(resume.rank_state(train_loader), world)
             if world.is_main:
-                checkpoints.save(checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks))
+                state = checkpoint.snapshot(cfg, step, model, optimizer, scheduler, scaler, train_loader, ranks)
+                checkpoints.save(state)
             distributed.barrier(world)
 
         while not stopping and train_loader.epoch < cfg.epochs and (cfg.max_steps is None or step < cfg.max_steps):
@@ -95,12 +97,14 @@ def train(cfg) -> int:
             model.train()
             # Sums stay on the device and are read at log points only: a read makes the host wait for the device.
             epoch_loss = torch.zeros((), dtype=torch.float64, device=device)  # sum of loss x batch size
-            window_loss, window_steps = torch.zeros((), dtype=torch.float64, device=device), 0  # since the last log line
+            window_loss = torch.zeros((), dtype=torch.float64, device=device)  # sum of losses since the last log line
+            window_steps = 0
             samples, data_wait, started = 0, 0.0, time.perf_counter()
             waiting_since = started
-            for x, y in tqdm(device_batches(train_loader, device), desc=f"epoch {epoch}", disable=not show_bar, leave=False):
+            batches = device_batches(train_loader, device)  # on CUDA: copied on a side stream, overlapping compute
+            for x, y in tqdm(batches, desc=f"epoch {epoch}", disable=not show_bar, leave=False):
                 data_wait += time.perf_counter() - waiting_since  # time the loop stood still waiting on the loader
-                if monitor.plan is None:  # the first batch: log what the loader holds in flight (shapes and dtypes only)
+                if monitor.plan is None:  # the first batch: log the bytes the loader holds in flight (shapes, dtypes)
                     monitor.set_plan(memory.plan((x, y), train_loader.settings))
                 with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                     loss = F.cross_entropy(net(prepare(x)), y)
@@ -123,7 +127,7 @@ def train(cfg) -> int:
                     runlog.step(step, window_sum / world.world_size / window_steps, scheduler.get_last_lr()[0])
                     window_loss.zero_()
                     window_steps, stopping = 0, signalled > 0
-                monitor.step(step, data_wait, started)  # a health sample every monitor.every_steps and at the epoch's last batch
+                monitor.step(step, data_wait, started)  # health every monitor.every_steps and at the epoch's last batch
                 if stopping or step == cfg.max_steps or (save_every and step % save_every == 0):
                     save()
                 if stopping or step == cfg.max_steps:

@@ -47,11 +47,11 @@ def interrupted_then_resumed(tmp_path, k, *overrides):
 @pytest.mark.parametrize(
     "k, overrides",
     [
-        (12, ("loader=memory-tight",)),  # an epoch boundary
-        (13, ("loader=balanced",)),  # mid-epoch, not a multiple of num_workers
-        (17, ("loader=throughput",)),
-        (7, ("loader=balanced", "loader.num_workers=3")),
-        (10, ("loader=memory-tight", "loader.num_workers=4")),
+        (12, ("loader=memory-tight", "log_every_steps=1")),  # an epoch boundary
+        (13, ("loader=balanced", "log_every_steps=1")),  # mid-epoch, not a multiple of num_workers
+        (17, ("loader=throughput", "log_every_steps=1")),
+        (7, ("loader=balanced", "loader.num_workers=3")),  # the default log interval: a stop inside an interval
+        (10, ("loader=memory-tight", "loader.num_workers=4", "log_every_steps=1")),
         (25, ("loader=balanced", "loader.num_workers=0")),
     ],
 )
@@ -59,10 +59,17 @@ def test_resume_is_exact(tmp_path, straight, k, overrides):
     reference = straight(*overrides)
     first, second = interrupted_then_resumed(tmp_path, k, *overrides)
     assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
-    losses = [r["loss"] for r in read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")]
-    assert losses == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    logged = read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")
+    if "log_every_steps=1" in overrides:  # one line per step: every loss is the straight run's
+        assert [r["loss"] for r in logged] == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    else:  # one line per interval; the stop at step k closes one early
+        assert read_jsonl(first / "steps.jsonl")[-1]["step"] == k
+        assert [r["step"] for r in read_jsonl(reference / "steps.jsonl")] == [10, 12, 20, 24, 30, 36]
     # max_steps stops before the epoch's validation, so the resumed run validates that epoch first
-    assert [r["epoch"] for r in read_jsonl(second / "metrics.jsonl")] == list(range((k - 1) // 12, 3))
+    metrics = read_jsonl(second / "metrics.jsonl")
+    assert [r["epoch"] for r in metrics] == list(range((k - 1) // 12, 3))
+    final = read_jsonl(reference / "metrics.jsonl")[-1]
+    assert (metrics[-1]["val_loss"], metrics[-1]["val_acc"]) == (final["val_loss"], final["val_acc"])
 
 
 @pytest.mark.parametrize("profile", ["memory-tight", "balanced"])
@@ -123,7 +130,8 @@ def test_resume_latest_finds_the_newest(tmp_path):
     outputs = tmp_path / "outputs"
     run_train(outputs / "old", *DATA, "epochs=1", "max_steps=2")
     run_train(outputs / "new", *DATA, "epochs=1", "max_steps=4")
-    run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}")
+    run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}",
+              "log_every_steps=1")
     assert read_jsonl(tmp_path / "resumed/steps.jsonl")[0]["step"] == 5
 
 

@@ -17,7 +17,7 @@ class RunLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        if purge_step is not None:  # resuming into a folder a crashed run also wrote: drop its lines past the checkpoint
+        if purge_step is not None:  # resuming into a folder a crashed run also wrote: drop lines past the checkpoint
             for name in ("metrics.jsonl", "steps.jsonl"):
                 drop_records_from(run_dir / name, purge_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
