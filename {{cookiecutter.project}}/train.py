@@ -101,7 +101,7 @@ def train(cfg) -> int:
             window_steps = 0
             samples, data_wait, started = 0, 0.0, time.perf_counter()
             waiting_since = started
-            batches = device_batches(train_loader, device)  # on CUDA: copied on a side stream, overlapping compute
+            batches = device_batches(train_loader, device, cfg.device_prefetch)  # CUDA: copies overlap compute
             for x, y in tqdm(batches, desc=f"epoch {epoch}", disable=not show_bar, leave=False):
                 data_wait += time.perf_counter() - waiting_since  # time the loop stood still waiting on the loader
                 if monitor.plan is None:  # the first batch: log the bytes the loader holds in flight (shapes, dtypes)

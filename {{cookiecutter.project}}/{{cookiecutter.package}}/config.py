@@ -72,6 +72,7 @@ class Config:
     amp: Any = "off"  # off | bf16 | fp16; true/false (older configs) mean fp16/off
     channels_last: bool = False
     compile: bool = False
+    device_prefetch: bool = True
     log_every_steps: int = 10
     progress: bool = True
     rng_mode: RngMode = RngMode.per_sample

@@ -32,7 +32,7 @@ def to_device(batch, device: torch.device, non_blocking: bool = True):
 
 
 def _record(batch, stream) -> None:
-    """Tell the caching allocator each tensor is used on `stream`: its memory is not reused before that stream is done."""
+    """Mark each tensor as used on `stream`: the allocator keeps its memory until that stream is done with it."""
     if isinstance(batch, torch.Tensor):
         batch.record_stream(stream)
     elif isinstance(batch, Mapping):
@@ -132,7 +132,7 @@ def amp_dtype(value, device: torch.device):
 
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False):
-    """The data config's `normalize` node (a Hydra `_target_`) built on `device`; without one, uint8 is scaled to [0, 1]."""
+    """`data.normalize` (a Hydra `_target_`) built on `device`; without one, uint8 is only scaled to [0, 1]."""
     node = data_cfg.get("normalize")
     if node is None:
         return Normalize(device=device, channels_last=channels_last)

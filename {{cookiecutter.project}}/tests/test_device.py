@@ -1,0 +1,74 @@
+"""The host/device boundary: batches handed through unchanged on the CPU, uint8 normalized on the device, amp values,
+and trainings with bf16 autocast and channels_last that still resume exactly."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from {{ cookiecutter.package }}.device import Normalize, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.errors import UserError
+from tests.datasets import RngDrawingDataset
+from tests.helpers import RNG_DATA, load_ckpt, run_train, same_weights
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_batches_pass_through_in_order():
+    loader = DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+    expected = [b for b in DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True,
+                                      generator=torch.Generator().manual_seed(1))]
+    torch.manual_seed(0)
+    first = list(device_batches(loader, CPU))
+    torch.manual_seed(0)
+    second = [b for b in loader]
+    assert len(device_batches(loader, CPU)) == 5 and len(first) == 5
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, second))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, expected))
+
+
+def test_normalize_uint8_on_the_device_and_float_passes():
+    x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    out = Normalize(mean, std)(x)
+    expected = (x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-6)
+    assert not torch.equal(out, x.float() / 255)  # negative control: the statistics are applied
+    floats = torch.randn(4, 3, 8, 8)
+    assert Normalize(mean, std)(floats) is floats  # a dataset's own float tensors are left alone
+    assert torch.equal(Normalize()(x), x.float().div(255))
+    nhwc = Normalize(mean, std, channels_last=True)(x)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, out)
+
+
+def test_sum_and_read_mixes_tensors_and_numbers():
+    assert sum_and_read([torch.tensor(1.5), 2, True, torch.tensor(0.25, dtype=torch.float64)], CPU) == [1.5, 2.0, 1.0, 0.25]
+
+
+def test_amp_values():
+    assert amp_dtype("off", CPU) is None and amp_dtype(False, CPU) is None
+    assert amp_dtype("bf16", CPU) is torch.bfloat16
+    assert amp_dtype("fp16", CPU) is None and amp_dtype(True, CPU) is None  # fp16 needs CUDA's GradScaler
+    assert amp_dtype("fp16", torch.device("cuda")) is torch.float16 and amp_dtype(True, torch.device("cuda")) is torch.float16
+    with pytest.raises(UserError, match="off, bf16 or fp16"):
+        amp_dtype("fp8", CPU)
+
+
+def test_bad_amp_and_log_interval_are_refused_in_one_line(tmp_path):
+    for override, message in (("amp=fp8", "amp must be off, bf16 or fp16"), ("log_every_steps=0", "log_every_steps")):
+        proc = run_train(tmp_path / override, *RNG_DATA, override, expect=2)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_bf16_and_channels_last_resume_exactly(tmp_path):
+    switches = ["amp=bf16", "channels_last=true", "epochs=2", "rng_mode=per_worker"]
+    run_train(tmp_path / "straight", *RNG_DATA, *switches)
+    run_train(tmp_path / "first", *RNG_DATA, *switches, "max_steps=7")
+    run_train(tmp_path / "second", *RNG_DATA, *switches, f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
+    conv = next(t for t in load_ckpt(tmp_path / "second/checkpoints/last.pth")["model"].values() if t.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    # negative control: the switches change the arithmetic, so the float32 run ends elsewhere
+    run_train(tmp_path / "fp32", *RNG_DATA, "epochs=2", "rng_mode=per_worker")
+    assert not same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "fp32/checkpoints/last.pth")
