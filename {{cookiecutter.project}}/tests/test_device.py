@@ -14,16 +14,17 @@ CPU = torch.device("cpu")
 
 
 def test_cpu_batches_pass_through_in_order():
-    loader = DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
-    expected = [b for b in DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True,
-                                      generator=torch.Generator().manual_seed(1))]
+    def loader():
+        return DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+
     torch.manual_seed(0)
-    first = list(device_batches(loader, CPU))
+    got = list(device_batches(loader(), CPU))
     torch.manual_seed(0)
-    second = [b for b in loader]
-    assert len(device_batches(loader, CPU)) == 5 and len(first) == 5
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, second))
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, expected))
+    expected = list(loader())
+    assert len(device_batches(loader(), CPU)) == 5 and len(got) == 5
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    batches = [(torch.zeros(2), torch.ones(2)) for _ in range(3)]
+    assert all(a is b for a, b in zip(device_batches(batches, CPU), batches))  # the very same objects, no copy
 
 
 def test_normalize_uint8_on_the_device_and_float_passes():
