@@ -1,21 +1,26 @@
 """The host/device boundary: batches handed through unchanged on the CPU, uint8 normalized on the device, amp values,
 and trainings with bf16 autocast and channels_last that still resume exactly."""
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from PIL import Image
+from torch.utils.data import DataLoader, TensorDataset
 
+from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.device import Normalize, amp_dtype, device_batches, sum_and_read
 from {{ cookiecutter.package }}.errors import UserError
-from tests.datasets import RngDrawingDataset
-from tests.helpers import RNG_DATA, load_ckpt, run_train, same_weights
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
 CPU = torch.device("cpu")
 
 
 def test_cpu_batches_pass_through_in_order():
     def loader():
-        return DataLoader(RngDrawingDataset(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+        data = TensorDataset(torch.randn(40, 3), torch.arange(40))
+        return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
 
     torch.manual_seed(0)
     got = list(device_batches(loader(), CPU))
@@ -56,7 +61,7 @@ def test_amp_values():
 
 def test_bad_amp_and_log_interval_are_refused_in_one_line(tmp_path):
     for override, message in (("amp=fp8", "amp must be off, bf16 or fp16"), ("log_every_steps=0", "log_every_steps")):
-        proc = run_train(tmp_path / override, *RNG_DATA, override, expect=2)
+        proc = run_train(tmp_path / override.split("=")[0], *RNG_DATA, override, expect=2)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
 
@@ -73,3 +78,29 @@ def test_bf16_and_channels_last_resume_exactly(tmp_path):
     # negative control: the switches change the arithmetic, so the float32 run ends elsewhere
     run_train(tmp_path / "fp32", *RNG_DATA, "epochs=2", "rng_mode=per_worker")
     assert not same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "fp32/checkpoints/last.pth")
+
+
+def compose_data(*overrides):
+    config.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides)).data
+
+
+@pytest.mark.parametrize("data", ["shapes", "imagefolder", "cifar10"])
+def test_builtin_transforms_ship_uint8(data):
+    cfg = compose_data(f"data={data}", "data.root=/nowhere", "data.num_classes=3")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+    for split in ("train", "val"):
+        x = instantiate(cfg[split].transform)(image)
+        assert x.dtype == torch.uint8 and tuple(x.shape) == (3, cfg.image_size, cfg.image_size)
+    assert isinstance(instantiate(cfg.normalize), Normalize)
+
+
+def test_augmentation_is_a_config_override():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    out = {}
+    for p in (0, 1):
+        transform = instantiate(compose_data(f"data.train.transform.transforms.2.p={p}").train.transform)
+        torch.manual_seed(0)  # the same crop both times
+        out[p] = transform(image)
+    assert torch.equal(out[1], out[0].flip(-1)) and not torch.equal(out[0], out[1])
