@@ -80,7 +80,7 @@ def settle(plan_bytes: int, timeout_s: float = 20.0) -> None:
 def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool) -> tuple[float, float, float | None]:
     settings = LoaderSettings(batch_size, workers, prefetch, False, True, 0.0)
     loader = TrainLoader(dataset, settings, seed=0)
-    for batch in loader:  # epoch 1: workers start and reach their steady memory
+    for batch in loader:  # noqa: B007 (the last is kept) epoch 1: workers start, memory settles
         pass
     plan = memory.plan(batch, settings)
     del batch
@@ -103,12 +103,12 @@ def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool)
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on a 2-CPU machine is the point of a row
+    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on 2 CPUs: the point of a row
     rows = [("big", torch.float32, 2, 2), ("big", torch.uint8, 2, 2), ("big", torch.float32, 4, 2),
             ("big", torch.uint8, 4, 2)]
     print(f"P5 prefetch memory: predicted (plan) vs measured, persistent workers, pid {os.getpid()}")
-    print(f"{'data':<8} {'dtype':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} {'plan/held':>9} "
-          f"{'system MiB':>10} {'plan/system':>11}")
+    print(f"{'data':<8} {'dtype':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} "
+          f"{'plan/held':>9} {'system MiB':>10} {'plan/system':>11}")
     ratios = []
     for name, dtype, workers, prefetch in rows + [("shapes", torch.uint8, 2, 2)]:
         dataset = Big(dtype) if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))

@@ -53,7 +53,8 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode(0)
         run_dir = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir=")), None)
         steps_file = Path(run_dir) / "steps.jsonl" if run_dir else None
-        steps = json.loads(steps_file.read_text().splitlines()[-1])["step"] if steps_file and steps_file.exists() else "?"
+        logged = steps_file.read_text().splitlines() if steps_file and steps_file.exists() else []
+        steps = json.loads(logged[-1])["step"] if logged else "?"
         print(f"synchronizing CUDA calls over {steps} optimizer steps, by the project line that made them:")
         for where, count in syncs.most_common():
             print(f"{count:>6}  {where}")

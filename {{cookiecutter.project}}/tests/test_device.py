@@ -27,9 +27,9 @@ def test_cpu_batches_pass_through_in_order():
     torch.manual_seed(0)
     expected = list(loader())
     assert len(device_batches(loader(), CPU)) == 5 and len(got) == 5
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True))
     batches = [(torch.zeros(2), torch.ones(2)) for _ in range(3)]
-    assert all(a is b for a, b in zip(device_batches(batches, CPU), batches))  # the very same objects, no copy
+    assert all(a is b for a, b in zip(device_batches(batches, CPU), batches, strict=True))  # the same objects
 
 
 def test_normalize_uint8_on_the_device_and_float_passes():
@@ -47,14 +47,16 @@ def test_normalize_uint8_on_the_device_and_float_passes():
 
 
 def test_sum_and_read_mixes_tensors_and_numbers():
-    assert sum_and_read([torch.tensor(1.5), 2, True, torch.tensor(0.25, dtype=torch.float64)], CPU) == [1.5, 2.0, 1.0, 0.25]
+    values = [torch.tensor(1.5), 2, True, torch.tensor(0.25, dtype=torch.float64)]
+    assert sum_and_read(values, CPU) == [1.5, 2.0, 1.0, 0.25]
 
 
 def test_amp_values():
     assert amp_dtype("off", CPU) is None and amp_dtype(False, CPU) is None
     assert amp_dtype("bf16", CPU) is torch.bfloat16
     assert amp_dtype("fp16", CPU) is None and amp_dtype(True, CPU) is None  # fp16 needs CUDA's GradScaler
-    assert amp_dtype("fp16", torch.device("cuda")) is torch.float16 and amp_dtype(True, torch.device("cuda")) is torch.float16
+    cuda = torch.device("cuda")
+    assert amp_dtype("fp16", cuda) is torch.float16 and amp_dtype(True, cuda) is torch.float16
     with pytest.raises(UserError, match="off, bf16 or fp16"):
         amp_dtype("fp8", CPU)
 

@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -57,7 +56,9 @@ class ImageFiles(datasets.ImageFolder):
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as e:
-            raise UserError(f"no images found under {str(root)!r} ({e}): put one subfolder of images per class there") from None
+            raise UserError(
+                f"no images found under {str(root)!r} ({e}): put one subfolder of images per class there"
+            ) from None
         self.paths = np.array([path for path, _ in self.samples])
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
@@ -94,12 +95,14 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> 
             )
         return
     if root.exists():
-        raise UserError(f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path")
+        raise UserError(
+            f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
+        )
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     rng = np.random.default_rng(data_seed)
     for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
-        for label, name in enumerate(SHAPES):
+        for name in SHAPES:
             folder = tmp / split / name
             folder.mkdir(parents=True)
             for i in range(count):
@@ -139,8 +142,8 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
     else:
         corners = 4 if name == "square" else 3
         pen.polygon(
-            [(cx + radius * math.cos(angle + 2 * math.pi * k / corners), cy + radius * math.sin(angle + 2 * math.pi * k / corners))
-             for k in range(corners)],
+            [(cx + radius * math.cos(angle + 2 * math.pi * k / corners),
+              cy + radius * math.sin(angle + 2 * math.pi * k / corners)) for k in range(corners)],
             fill=fill,
         )
     return image
@@ -152,5 +155,6 @@ def cifar10(root, train: bool, transform=None, download: bool = False):
         return datasets.CIFAR10(str(root), train=train, transform=transform, download=download)
     except RuntimeError as e:
         raise UserError(
-            f"no CIFAR-10 under {str(root)!r} ({e}): copy cifar-10-batches-py there, or set data.download=true on a machine with internet"
+            f"no CIFAR-10 under {str(root)!r} ({e}): copy cifar-10-batches-py there, "
+            "or set data.download=true on a machine with internet"
         ) from None

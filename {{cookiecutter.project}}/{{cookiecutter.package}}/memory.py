@@ -126,14 +126,17 @@ def fit_budget(settings: LoaderSettings, one_batch_bytes: int, max_mib: float | 
     if max_mib is None:
         return settings, None
     if max_mib <= 0:
-        raise UserError(f"loader.max_prefetch_mib must be a positive number of MiB (or null for no budget), got {max_mib}")
+        raise UserError(
+            f"loader.max_prefetch_mib must be a positive number of MiB (or null for no budget), got {max_mib}"
+        )
     before = plan_for(settings, one_batch_bytes)
     if before.mib <= max_mib:
         return settings, None
     if on_budget == "error":
         raise UserError(
             f"loader: the prefetch plan needs {before.mib:.1f} MiB ({before.num_workers} workers x prefetch_factor "
-            f"{before.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch{', x2 pinned' if before.pinned else ''}), "
+            f"{before.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
+            f"{', x2 pinned' if before.pinned else ''}), "
             f"over loader.max_prefetch_mib={max_mib:g}: lower loader.prefetch_factor, loader.num_workers or "
             "loader.batch_size, raise the budget, or set loader.on_budget=adjust"
         )
