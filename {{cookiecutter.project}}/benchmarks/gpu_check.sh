@@ -1,28 +1,48 @@
 #!/usr/bin/env bash
 # GPU check, run by hand on a CUDA machine from the project root:  bash benchmarks/gpu_check.sh
-# For every loader profile, ResNet-18 on the shapes data with pin_memory on and off (train.py always
-# copies with non_blocking=True, which only overlaps the copy when the batch is pinned), 2 epochs each.
-# Prints each run's epoch-2 data-wait share (time the GPU loop stood waiting for the loader / epoch time)
-# and samples/s. A few minutes on one GPU; the runs land in outputs/gpu_check/.
+# 1. For every loader profile, ResNet-18 on the shapes data (2 epochs each), with the device prefetch on and off
+#    (device_prefetch: the next batch copied on a side stream during the step, or on the compute stream) and with
+#    uint8 batches on and off (off: the workers convert to float32 and normalize, as a float pipeline would).
+#    Prints each run's epoch-2 samples/s and data-wait share (time the loop stood waiting for the loader / epoch time).
+# 2. A short training under torch.cuda.set_sync_debug_mode("warn"), listing every place the host waits for the GPU.
+# About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
+EPOCHS=${EPOCHS:-2}
+PROFILES=${PROFILES:-"memory-tight balanced throughput"}
 python_has_cuda=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 [ "$python_has_cuda" = 1 ] || { echo "no CUDA device visible: this check needs a GPU" >&2; exit 1; }
 out=outputs/gpu_check
 rm -rf "$out" && mkdir -p "$out"
-for profile in memory-tight balanced throughput; do
-  for pin in true false; do
-    $PY train.py device=cuda model=resnet18 loader="$profile" loader.pin_memory="$pin" epochs=2 progress=false \
-      hydra.run.dir="$out/$profile-pin_$pin" > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+
+# uint8 off: the same augmentation, then ToDtype + Normalize in the workers (data.normalize passes floats through)
+to_float='{_target_: torchvision.transforms.v2.ToDtype, dtype: {_target_: hydra.utils.get_object, path: torch.float32}, scale: true}, {_target_: torchvision.transforms.v2.Normalize, mean: [0.5, 0.5, 0.5], std: [0.25, 0.25, 0.25]}'
+float_train="data.train.transform.transforms=[{_target_: torchvision.transforms.v2.ToImage}, {_target_: torchvision.transforms.v2.RandomResizedCrop, size: 32, scale: [0.6, 1.0], ratio: [0.8, 1.25], antialias: true}, {_target_: torchvision.transforms.v2.RandomHorizontalFlip, p: 0.5}, $to_float]"
+float_val="data.val.transform.transforms=[{_target_: torchvision.transforms.v2.ToImage}, {_target_: torchvision.transforms.v2.Resize, size: 32, antialias: true}, {_target_: torchvision.transforms.v2.CenterCrop, size: 32}, $to_float]"
+
+for profile in $PROFILES; do
+  for prefetch in true false; do
+    for uint8 in true false; do
+      extra=()
+      [ "$uint8" = true ] || extra=("$float_train" "$float_val")
+      run="$out/$profile-prefetch_$prefetch-uint8_$uint8"
+      $PY train.py device=cuda model=resnet18 loader="$profile" device_prefetch="$prefetch" epochs="$EPOCHS" \
+        progress=false "${extra[@]}" hydra.run.dir="$run" > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+    done
   done
 done
 $PY - "$out" <<'PY'
 import json, sys
 from pathlib import Path
-print(f"{'profile':<14} {'pin':<6} {'data_wait_share':>15} {'samples/s':>10} {'pss_mib':>8}")
+print(f"{'profile':<14} {'prefetch':<9} {'uint8':<6} {'samples/s':>10} {'data_wait_share':>15} {'pss_mib':>8}")
 for run in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir()):
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    profile, pin = run.name.rsplit("-pin_", 1)
-    print(f"{profile:<14} {pin:<6} {last['data_wait_share']:>15.3f} {last['samples_per_s']:>10.0f} {last['pss_mib']:>8.0f}")
+    profile, rest = run.name.split("-prefetch_")
+    prefetch, uint8 = rest.split("-uint8_")
+    print(f"{profile:<14} {prefetch:<9} {uint8:<6} {last['samples_per_s']:>10.0f} {last['data_wait_share']:>15.3f} "
+          f"{last['pss_mib']:>8.0f}")
 PY
+echo
+$PY -m benchmarks.sync_report model=resnet18 epochs=1 hydra.run.dir="$out/sync_report" 2>"$out/sync_report.log" \
+  || { tail -20 "$out/sync_report.log" >&2; exit 1; }

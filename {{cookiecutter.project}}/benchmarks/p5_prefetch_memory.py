@@ -2,7 +2,8 @@
 
     python -m benchmarks.p5_prefetch_memory
 
-Batches of 32 x 3x224x224 float32 (18.4 MiB) through TrainLoader with persistent workers. Once
+Batches of 32 x 3x224x224 images through TrainLoader with persistent workers, as float32 (18.4 MiB)
+and as uint8 (4.6 MiB: what the built-in image data ships, normalized on the device by train.py). Once
 epoch 1 is over (queue empty, nothing held) the memory is read; then epoch 2 starts, the loop takes
 its first batch and stops until the workers have filled every prefetch slot, and it is read again.
 The difference is the memory the queue holds, measured two ways:
@@ -14,8 +15,9 @@ The difference is the memory the queue holds, measured two ways:
   mapped yet, so PSS alone misses them. Needs an otherwise quiet machine.
 
 The batch the loop holds (the loader's generator keeps a reference) is taken off both. The last row
-is the default config's data (0.75 MiB batches), measured the first way only: too small for the second.
-A ratio plan / measured near 1.0 means the plan (and loader.max_prefetch_mib) can be trusted for that data.
+is the default config's data (64 x 3x32x32 uint8, 0.19 MiB batches), measured the first way only: too
+small for the second. A ratio of 1 means the plan (and so `loader.max_prefetch_mib`) counts exactly the
+bytes the queue holds; the plan line names the dtype, so a float32 batch shows as 4x the uint8 one.
 """
 
 import gc
@@ -35,11 +37,14 @@ MiB = 2**20
 
 
 class Big(Dataset):
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
     def __len__(self) -> int:
         return 32 * 24
 
     def __getitem__(self, index: int):
-        return torch.full((3, 224, 224), float(index)), index % 4
+        return torch.full((3, 224, 224), index % 256, dtype=self.dtype), index % 4
 
 
 def system_mib() -> float:
@@ -93,20 +98,21 @@ def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool)
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on 2 CPUs is the point of a row
-    rows = [("big", 1, 1), ("big", 2, 2), ("big", 2, 4), ("big", 4, 2)]
+    warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on 2 CPUs: the point of a row
+    rows = [("big", torch.float32, 2, 2), ("big", torch.uint8, 2, 2), ("big", torch.float32, 4, 2),
+            ("big", torch.uint8, 4, 2)]
     print(f"P5 prefetch memory: predicted (plan) vs measured, persistent workers, pid {os.getpid()}")
-    print(f"{'data':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} {'plan/held':>9} "
-          f"{'system MiB':>10} {'plan/system':>11}")
+    print(f"{'data':<8} {'dtype':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} "
+          f"{'plan/held':>9} {'system MiB':>10} {'plan/system':>11}")
     ratios = []
-    for name, workers, prefetch in rows + [("shapes", 2, 2)]:
-        dataset = Big() if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))
+    for name, dtype, workers, prefetch in rows + [("shapes", torch.uint8, 2, 2)]:
+        dataset = Big(dtype) if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))
         plan, held, total = measure(dataset, 32 if name == "big" else 64, workers, prefetch, system=name == "big")
         ratios.append(plan / held)
         system = f"{total:>10.1f} {plan / total:>11.3f}" if total is not None else f"{'-':>10} {'-':>11}"
-        print(f"{name:<8} {workers:>7} {prefetch:>8} {plan:>9.1f} {held:>9.1f} {plan / held:>9.3f} {system}")
-    print(f"plan / held from {min(ratios):.3f} to {max(ratios):.3f}: near 1.0, the plan train.py logs (and the "
-          "loader.max_prefetch_mib budget) matches the memory the queued batches hold")
+        kind = str(dtype).removeprefix("torch.")
+        print(f"{name:<8} {kind:<8} {workers:>7} {prefetch:>8} {plan:>9.1f} {held:>9.1f} {plan / held:>9.3f} {system}")
+    print(f"plan / held from {min(ratios):.3f} to {max(ratios):.3f} (1 = the plan counts exactly the bytes queued)")
 
 
 if __name__ == "__main__":

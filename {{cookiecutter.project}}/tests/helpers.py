@@ -35,14 +35,20 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     return proc
 
 
+def last_logged_step(run_dir: Path) -> int:
+    """The `step` of the newest complete line of steps.jsonl (0 before the first): one line per log interval."""
+    path = run_dir / "steps.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last piece may be half written
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def wait_for_steps(run_dir: Path, count: int, timeout: float = 120) -> None:
-    """Block until a running train.py has logged `count` optimizer steps (steps.jsonl); fail the test, saying what
-    was logged, if `timeout` seconds pass first."""
-    steps, deadline = run_dir / "steps.jsonl", time.time() + timeout
-    while not (steps.exists() and steps.read_text().count("\n") >= count):
-        if time.time() >= deadline:
-            seen = f"{steps.read_text().count(chr(10))} lines in {steps}" if steps.exists() else f"no {steps}"
-            raise AssertionError(f"wait_for_steps: {count} steps not logged within {timeout} s ({seen})")
+    """Block until a running train.py has logged step `count` or later (steps.jsonl); fail after `timeout` seconds.
+
+    train.py logs every `log_every_steps` steps: pass `log_every_steps=1` where the test needs a precise point."""
+    deadline = time.time() + timeout
+    while last_logged_step(run_dir) < count:
+        assert time.time() < deadline, f"train.py in {run_dir} did not log step {count} within {timeout:.0f} s"
         time.sleep(0.01)
 
 

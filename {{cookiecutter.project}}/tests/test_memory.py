@@ -5,12 +5,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package }} import memory
+from {{ cookiecutter.package }} import config, memory
 from {{ cookiecutter.package }}.errors import UserError
 from tests.datasets import RngDrawingDataset
-from tests.helpers import RNG_DATA, loader_settings, run_train
+from tests.helpers import PROJECT, RNG_DATA, loader_settings, run_train
 
 MiB = 2**20
 
@@ -27,8 +29,8 @@ def test_plan_counts_every_tensor_of_a_real_batch():
     assert (pinned.in_flight, pinned.pinned_copies, pinned.bytes) == (6, 6, 12 * one)
     assert memory.plan(batch, loader_settings(16, 0)).bytes == 0
     line = plan.line()
-    assert "prefetch" in line and "MiB" in line
-    assert "16x3x16x16 float32" in line and "3 workers x prefetch_factor 2" in line
+    assert "prefetch" in line and "MiB" in line and "16x3x16x16 float32" in line
+    assert "3 workers x prefetch_factor 2" in line
 
 
 def test_batch_size_is_estimated_before_the_workers_without_touching_the_main_rng():
@@ -88,3 +90,15 @@ def test_train_py_adjusts_to_the_budget_and_logs_the_plan(tmp_path):
     out = proc.stdout + proc.stderr
     assert "loader: the prefetch plan (0.2 MiB) is over loader.max_prefetch_mib=0.1: prefetch_factor 2 -> 1" in out
     assert "x 2 batches in flight (2 workers x prefetch_factor 1) = 0.1 MiB" in out
+
+
+def test_builtin_image_data_is_planned_at_its_uint8_size(shapes_root):
+    config.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"data.root={shapes_root}", "data.per_class=40"])
+    train_set = instantiate(cfg.data.train)
+    one = 64 * (3 * 32 * 32 * 1 + 8)  # uint8 pixels + int64 labels: a quarter of the float32 bytes
+    assert memory.sample_batch_bytes(train_set, 64) == one
+    batch = default_collate([train_set[i] for i in range(64)])
+    line = memory.plan(batch, loader_settings(64, 2)).line()
+    assert "64x3x32x32 uint8" in line and f"{one / MiB:.2f} MiB" in line

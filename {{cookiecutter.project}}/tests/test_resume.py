@@ -48,11 +48,12 @@ def interrupted_then_resumed(tmp_path, k, *overrides):
 @pytest.mark.parametrize(
     "k, overrides",
     [
-        pytest.param(12, ("loader=memory-tight",), marks=pytest.mark.slow),  # an epoch boundary
-        (13, ("loader=balanced",)),  # mid-epoch, not a multiple of num_workers: the case in the fast tier
-        pytest.param(17, ("loader=throughput",), marks=pytest.mark.slow),
+        pytest.param(12, ("loader=memory-tight", "log_every_steps=1"), marks=pytest.mark.slow),  # an epoch boundary
+        (13, ("loader=balanced", "log_every_steps=1")),  # mid-epoch, not a multiple of num_workers: the fast tier's case
+        pytest.param(17, ("loader=throughput", "log_every_steps=1"), marks=pytest.mark.slow),
+        # the default log interval: a stop inside an interval
         pytest.param(7, ("loader=balanced", "loader.num_workers=3"), marks=pytest.mark.slow),
-        pytest.param(10, ("loader=memory-tight", "loader.num_workers=4"), marks=pytest.mark.slow),
+        pytest.param(10, ("loader=memory-tight", "loader.num_workers=4", "log_every_steps=1"), marks=pytest.mark.slow),
         pytest.param(25, ("loader=balanced", "loader.num_workers=0"), marks=pytest.mark.slow),
     ],
 )
@@ -60,8 +61,12 @@ def test_resume_is_exact(tmp_path, straight, k, overrides):
     reference = straight(*overrides)
     first, second = interrupted_then_resumed(tmp_path, k, *overrides)
     assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
-    losses = [r["loss"] for r in read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")]
-    assert losses == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    logged = read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")
+    if "log_every_steps=1" in overrides:  # one line per step: every loss is the straight run's
+        assert [r["loss"] for r in logged] == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    else:  # one line per interval; the stop at step k closes one early
+        assert read_jsonl(first / "steps.jsonl")[-1]["step"] == k
+        assert [r["step"] for r in read_jsonl(reference / "steps.jsonl")] == [10, 12, 20, 24, 30, 36]
     # max_steps stops before the epoch's validation, so the resumed run validates that epoch first
     assert [r["epoch"] for r in read_jsonl(second / "metrics.jsonl")] == list(range((k - 1) // 12, 3))
 
@@ -132,7 +137,8 @@ def test_resume_latest_takes_the_newest_that_fits(tmp_path):
     run_train(outputs / "old", *DATA, "epochs=1", "max_steps=2")
     run_train(outputs / "new", *DATA, "epochs=1", "max_steps=4")
     run_train(outputs / "other", *DATA, "epochs=2", "max_steps=3")  # the newest file, but another run
-    proc = run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}")
+    proc = run_train(tmp_path / "resumed", *DATA, "epochs=1", "resume=latest", f"checkpoint.search_dir={outputs}",
+                     "log_every_steps=1")
     out = proc.stdout + proc.stderr
     assert read_jsonl(tmp_path / "resumed/steps.jsonl")[0]["step"] == 5
     assert f"skipping {outputs / 'other/checkpoints/last.pth'}: its run differs: epochs 2 -> 1" in out, out
@@ -146,7 +152,7 @@ def test_resume_latest_takes_the_newest_that_fits(tmp_path):
 
 @pytest.mark.slow
 def test_the_closing_line_says_where_and_how_to_continue(tmp_path):
-    proc = run_train(tmp_path / "first", *DATA, "epochs=1", "max_steps=3")
+    proc = run_train(tmp_path / "first", *DATA, "epochs=1", "max_steps=3", "log_every_steps=1")
     last = tmp_path / "first/checkpoints/last.pth"
     line = next(x for x in proc.stdout.splitlines() if "stopped at step 3; run folder" in x)
     assert f"run folder {tmp_path / 'first'}; checkpoint {last}; to continue: python train.py " in line
@@ -165,7 +171,7 @@ def test_more_epochs_replan_the_schedule_when_not_strict(tmp_path):
     lr, warmup, floor = 0.05, 4, 0.01
     run_train(tmp_path / "first", *DATA, "epochs=2", f"schedule.warmup_steps={warmup}")
     proc = run_train(tmp_path / "second", *DATA, "epochs=4", f"schedule.warmup_steps={warmup}", "resume_strict=false",
-                     f"resume={tmp_path}/first/checkpoints/last.pth")
+                     f"resume={tmp_path}/first/checkpoints/last.pth", "log_every_steps=1")
     assert "going on with changed settings: epochs 2 -> 4" in proc.stdout + proc.stderr
     before, after = read_jsonl(tmp_path / "first/steps.jsonl"), read_jsonl(tmp_path / "second/steps.jsonl")
     assert before[-1]["lr"] == pytest.approx(lr * floor)  # the old plan had reached its floor: the failure mode

@@ -78,6 +78,13 @@ def text(null: str | None = None) -> Callable:
     return check
 
 
+def one_of(*allowed) -> Callable:
+    def check(v):
+        if not any(v is a if isinstance(a, bool) else (isinstance(v, str) and v == a) for a in allowed):
+            return "one of " + ", ".join(str(a).lower() for a in allowed)
+    return check
+
+
 def typed() -> Callable:
     """Hydra's schema already refuses anything but the field's type (bool, an Enum)."""
     return lambda v: None
@@ -150,7 +157,11 @@ class Config:
     resume_strict: bool = key(typed())
     device: Device = key(typed())
     deterministic: bool = key(typed())
-    amp: bool = key(typed())
+    amp: Any = key(one_of("off", "bf16", "fp16", True, False))  # true/false (older configs) mean fp16/off
+    channels_last: bool = key(typed())
+    compile: bool = key(typed())
+    device_prefetch: bool = key(typed())
+    log_every_steps: int = key(integer(1))
     progress: bool = key(typed())
     rng_mode: RngMode = key(typed())
     loader: LoaderConfig = field(default_factory=LoaderConfig)

@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -26,29 +25,21 @@ SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
 
 
-def train_transform(image_size: int, mean: float = 0.5, std: float = 0.25) -> v2.Compose:
-    """Random augmentation, run in the workers: it draws from the worker's torch RNG."""
+def train_transform(image_size: int) -> v2.Compose:
+    """The shapes config's training transform, for code outside Hydra (the benchmarks): conf/data/*.yaml lists the
+    same steps. It runs in the workers and draws from their torch RNG; its output stays uint8 (C, H, W), and
+    train.py turns it into normalized floats on the device (`data.normalize`, device.Normalize)."""
     return v2.Compose(
         [
             v2.ToImage(),
             v2.RandomResizedCrop(image_size, scale=(0.6, 1.0), ratio=(0.8, 1.25), antialias=True),
             v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize([mean] * 3, [std] * 3),
         ]
     )
 
 
-def eval_transform(image_size: int, mean: float = 0.5, std: float = 0.25) -> v2.Compose:
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.Resize(image_size, antialias=True),
-            v2.CenterCrop(image_size),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize([mean] * 3, [std] * 3),
-        ]
-    )
+def eval_transform(image_size: int) -> v2.Compose:
+    return v2.Compose([v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
 
 
 class ImageFiles(datasets.ImageFolder):

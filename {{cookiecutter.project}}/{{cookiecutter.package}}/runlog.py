@@ -1,5 +1,5 @@
 """What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
-per optimizer step) and TensorBoard event files under `tb/`."""
+per `log_every_steps` optimizer steps, with the mean loss over them) and TensorBoard event files under `tb/`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ class RunLog:
         # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
 
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def step(self, step: int, loss: float, lr: float) -> None:
+        """One log interval: `loss` is the mean over the steps since the previous line, `lr` the rate after `step`."""
         if not self.enabled:
             return
         self.steps.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
@@ -49,7 +56,7 @@ class RunLog:
             self.tb.add_scalar(f"{group}/{key}", value, step)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self.steps.closed:
             return
         self.tb.close()
         self.metrics.close()

@@ -1,0 +1,108 @@
+"""The host/device boundary: batches handed through unchanged on the CPU, uint8 normalized on the device, amp values,
+and trainings with bf16 autocast and channels_last that still resume exactly."""
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from PIL import Image
+from torch.utils.data import DataLoader, TensorDataset
+
+from {{ cookiecutter.package }} import config
+from {{ cookiecutter.package }}.device import Normalize, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.errors import UserError
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_batches_pass_through_in_order():
+    def loader():
+        data = TensorDataset(torch.randn(40, 3), torch.arange(40))
+        return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    torch.manual_seed(0)
+    got = list(device_batches(loader(), CPU))
+    torch.manual_seed(0)
+    expected = list(loader())
+    assert len(device_batches(loader(), CPU)) == 5 and len(got) == 5
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True))
+    batches = [(torch.zeros(2), torch.ones(2)) for _ in range(3)]
+    assert all(a is b for a, b in zip(device_batches(batches, CPU), batches, strict=True))  # the same objects
+
+
+def test_normalize_uint8_on_the_device_and_float_passes():
+    x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    out = Normalize(mean, std)(x)
+    expected = (x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-6)
+    assert not torch.equal(out, x.float() / 255)  # negative control: the statistics are applied
+    floats = torch.randn(4, 3, 8, 8)
+    assert Normalize(mean, std)(floats) is floats  # a dataset's own float tensors are left alone
+    assert torch.equal(Normalize()(x), x.float().div(255))
+    nhwc = Normalize(mean, std, channels_last=True)(x)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, out)
+
+
+def test_sum_and_read_mixes_tensors_and_numbers():
+    values = [torch.tensor(1.5), 2, True, torch.tensor(0.25, dtype=torch.float64)]
+    assert sum_and_read(values, CPU) == [1.5, 2.0, 1.0, 0.25]
+
+
+def test_amp_values():
+    assert amp_dtype("off", CPU) is None and amp_dtype(False, CPU) is None
+    assert amp_dtype("bf16", CPU) is torch.bfloat16
+    assert amp_dtype("fp16", CPU) is None and amp_dtype(True, CPU) is None  # fp16 needs CUDA's GradScaler
+    cuda = torch.device("cuda")
+    assert amp_dtype("fp16", cuda) is torch.float16 and amp_dtype(True, cuda) is torch.float16
+    with pytest.raises(UserError, match="off, bf16 or fp16"):
+        amp_dtype("fp8", CPU)
+
+
+def test_bad_amp_and_log_interval_are_refused_in_one_line(tmp_path):
+    for override, message in (("amp=fp8", "amp must be off, bf16 or fp16"), ("log_every_steps=0", "log_every_steps")):
+        proc = run_train(tmp_path / override.split("=")[0], *RNG_DATA, override, expect=2)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_bf16_and_channels_last_resume_exactly(tmp_path):
+    switches = ["amp=bf16", "channels_last=true", "epochs=2", "rng_mode=per_worker"]
+    run_train(tmp_path / "straight", *RNG_DATA, *switches)
+    run_train(tmp_path / "first", *RNG_DATA, *switches, "max_steps=7")
+    run_train(tmp_path / "second", *RNG_DATA, *switches, f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
+    conv = next(t for t in load_ckpt(tmp_path / "second/checkpoints/last.pth")["model"].values() if t.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    # negative control: the switches change the arithmetic, so the float32 run ends elsewhere
+    run_train(tmp_path / "fp32", *RNG_DATA, "epochs=2", "rng_mode=per_worker")
+    assert not same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "fp32/checkpoints/last.pth")
+
+
+def compose_data(*overrides):
+    config.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides)).data
+
+
+@pytest.mark.parametrize("data", ["shapes", "imagefolder", "cifar10"])
+def test_builtin_transforms_ship_uint8(data):
+    cfg = compose_data(f"data={data}", "data.root=/nowhere", "data.num_classes=3")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+    for split in ("train", "val"):
+        x = instantiate(cfg[split].transform)(image)
+        assert x.dtype == torch.uint8 and tuple(x.shape) == (3, cfg.image_size, cfg.image_size)
+    assert isinstance(instantiate(cfg.normalize), Normalize)
+
+
+def test_augmentation_is_a_config_override():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    out = {}
+    for p in (0, 1):
+        transform = instantiate(compose_data(f"data.train.transform.transforms.2.p={p}").train.transform)
+        torch.manual_seed(0)  # the same crop both times
+        out[p] = transform(image)
+    assert torch.equal(out[1], out[0].flip(-1)) and not torch.equal(out[0], out[1])

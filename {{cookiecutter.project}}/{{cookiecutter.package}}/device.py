@@ -1,0 +1,141 @@
+"""What moves between the host and the device, and when: batches in, a few numbers out.
+
+- `device_batches` copies each batch to the device. On CUDA with pinned memory, the copy runs on a side
+  stream, so it overlaps the previous step's kernels, which are still running because the loop never
+  waits for the device between steps. On the CPU it hands the batches through unchanged.
+- `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
+  workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
+- `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
+  to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
+  calls it once per `log_every_steps` steps, once per validation and once per epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+
+def to_device(batch, device: torch.device, non_blocking: bool = True):
+    """The batch with every tensor on `device`, however nested in tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+def _record(batch, stream) -> None:
+    """Mark each tensor as used on `stream`: the allocator keeps its memory until that stream is done with it."""
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            _record(v, stream)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            _record(v, stream)
+
+
+class device_batches:  # noqa: N801 (used like a function: `for x, y in device_batches(loader, device)`)
+    """Iterate `loader` with its batches on `device`.
+
+    Batch i+1 is taken from the loader only when the loop asks for it, after step i's work is queued:
+    which batch the loop consumes when, and so the loader state a checkpoint records, stay exactly what
+    they are without this class. On CUDA the copy of batch i+1 is issued on a side stream at that moment;
+    the GPU runs it while it still computes step i (the host is ahead of it), and the compute stream waits
+    for the copy only before step i+1's first kernel (`wait_stream`). The copies are allocated on the side
+    stream and used on the compute stream: `record_stream` keeps the allocator from handing that memory out
+    again before the compute stream is done with it. Only pinned host memory copies asynchronously, which
+    is why `loader.pin_memory` is on for CUDA by default.
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device, overlap: bool = True):
+        self.loader, self.device = loader, device
+        self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        if self.device.type == "cpu":
+            yield from self.loader  # already where the model is
+            return
+        for batch in self.loader:
+            if self.stream is None:
+                yield to_device(batch, self.device)
+                continue
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.stream):
+                moved = to_device(batch, self.device)
+            compute.wait_stream(self.stream)
+            _record(moved, compute)
+            yield moved
+
+
+class Normalize:
+    """uint8 images (N, C, H, W) in, float32 `(x / 255 - mean) / std` out, computed on the device.
+
+    Float input is taken as already prepared by its dataset and passes through: a data set of your own that
+    returns normalized float tensors keeps working unchanged. With `channels_last` the output is laid out
+    NHWC, the layout the model was converted to.
+    """
+
+    def __init__(self, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 device: torch.device | str = "cpu", channels_last: bool = False):
+        shape = (1, -1, 1, 1)
+        self.mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32, device=device).view(shape)
+        self.std = None if std is None else torch.tensor(list(std), dtype=torch.float32, device=device).view(shape)
+        self.channels_last = channels_last
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255)
+            if self.mean is not None:
+                x = x.sub_(self.mean)
+            if self.std is not None:
+                x = x.div_(self.std)
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+
+def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
+    """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read."""
+    parts = [v.detach().to(torch.float64).reshape(1) if isinstance(v, torch.Tensor)
+             else torch.tensor([float(v)], dtype=torch.float64) for v in values]
+    packed = torch.cat([p.to(device, non_blocking=True) for p in parts])
+    if world is not None and world.distributed:
+        dist.all_reduce(packed)
+    return packed.tolist()
+
+
+AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}
+
+
+def amp_dtype(value, device: torch.device):
+    """The autocast dtype for `amp` (off | bf16 | fp16; the older true/false mean fp16/off), or None for float32.
+
+    fp16 needs a GradScaler and is for CUDA only: on the CPU it is ignored (and said so by the caller).
+    """
+    key = str(value).lower()
+    if key not in AMP:
+        raise UserError(f"amp must be off, bf16 or fp16 (true/false also work), got {value!r}")
+    dtype = AMP[key]
+    return None if dtype is torch.float16 and device.type != "cuda" else dtype
+
+
+def input_transform(data_cfg, device: torch.device, channels_last: bool = False):
+    """`data.normalize` (a Hydra `_target_`) built on `device`; without one, uint8 is only scaled to [0, 1]."""
+    node = data_cfg.get("normalize")
+    if node is None:
+        return Normalize(device=device, channels_last=channels_last)
+    from hydra.utils import instantiate
+
+    return instantiate(node, device=device, channels_last=channels_last)
