@@ -26,10 +26,12 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from {{ cookiecutter.package }} import checkpoint, config, resume
+from {{ cookiecutter.package }}.device import input_transform
 from {{ cookiecutter.package }}.distributed import World
 from {{ cookiecutter.package }}.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.evaluate import evaluate
 from {{ cookiecutter.package }}.loader import eval_loader, resolve_settings
+from {{ cookiecutter.package }}.preempt import StopRequest
 
 log = logging.getLogger("eval")
 
@@ -88,8 +90,12 @@ def evaluate_checkpoint(cfg) -> dict:
     model.to(device)
 
     dataset = instantiate(cfg.data[cfg.split])
-    loader = eval_loader(dataset, resolve_settings(cfg.loader, device.type))
-    loss, acc = evaluate(model, loader, device, World())
+    loader = eval_loader(dataset, resolve_settings(cfg.loader, device.type), worker_init=StopRequest.shield_worker)
+    channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
+    prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    loss, acc = evaluate(model, loader, device, World(), prepare)
     return {
         f"{cfg.split}_loss": loss,
         f"{cfg.split}_acc": acc,

@@ -60,12 +60,23 @@ def train(cfg) -> tuple[int, float]:
         config.check_data(train_set, val_set, cfg.data.num_classes)
         settings = resolve_settings(cfg.loader, device.type)
         if cfg.loader.max_prefetch_mib is not None:  # before any worker starts: fit the batches in flight to the budget
-            settings, change = memory.fit_budget(settings, memory.sample_batch_bytes(train_set, settings.batch_size),
-                                                 cfg.loader.max_prefetch_mib, cfg.loader.on_budget)
+            settings, change = memory.fit_budget(
+                settings,
+                memory.sample_batch_bytes(train_set, settings.batch_size),
+                cfg.loader.max_prefetch_mib,
+                cfg.loader.on_budget,
+            )
             if change:
                 log.warning("loader: %s", change)
-        train_loader = TrainLoader(train_set, settings, seed=cfg.seed, rng_mode=cfg.rng_mode.value, rank=world.rank,
-                                   world_size=world.world_size, worker_init=StopRequest.shield_worker)  # built once
+        train_loader = TrainLoader(
+            train_set,
+            settings,
+            seed=cfg.seed,
+            rng_mode=cfg.rng_mode.value,
+            rank=world.rank,
+            world_size=world.world_size,
+            worker_init=StopRequest.shield_worker,
+        )  # built once
         prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 batches -> normalized floats, on device
         model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
         if cfg.channels_last:
@@ -147,21 +158,45 @@ def train(cfg) -> tuple[int, float]:
                 train_loader.start_next_epoch()
             val_loss, val_acc = evaluate(model, val_loader, device, world, prepare)
             loss_sum, samples, rate, signalled = sum_and_read(
-                [epoch_loss, samples, samples / train_time, stop.requested], device, world)
+                [epoch_loss, samples, samples / train_time, stop.requested], device, world
+            )
             record = {
-                "epoch": epoch, "step": step, "train_loss": loss_sum / max(samples, 1), "val_loss": val_loss,
-                "val_acc": val_acc, "lr": scheduler.get_last_lr()[0], "samples_per_s": rate,
-                "data_wait_s": data_wait, "epoch_time_s": train_time, "worker_pids": sorted(train_loader.worker_pids),
+                "epoch": epoch,
+                "step": step,
+                "train_loss": loss_sum / max(samples, 1),
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "lr": scheduler.get_last_lr()[0],
+                "samples_per_s": rate,
+                "data_wait_s": data_wait,
+                "epoch_time_s": train_time,
+                "worker_pids": sorted(train_loader.worker_pids),
                 **monitor.epoch(data_wait, train_time),  # worker_count, rss_mib, pss_mib, fds, data_wait_share
             }
             runlog.epoch(record)
-            log.info("epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
-                     epoch, step, record["train_loss"], val_loss, val_acc, rate, data_wait)
+            log.info(
+                "epoch %d step %d train_loss %.4f val_loss %.4f val_acc %.4f %.0f samples/s data_wait %.2fs",
+                epoch,
+                step,
+                record["train_loss"],
+                val_loss,
+                val_acc,
+                rate,
+                data_wait,
+            )
             save(record)
             stopping = signalled > 0
         if world.is_main and checkpoints.last.is_file():  # where the run is, and the command that continues it
-            log.info(resume.where(run_dir, checkpoints.last, step, train_loader.epoch >= cfg.epochs,
-                                  list(hydra_cfg.overrides.task), world.world_size))
+            log.info(
+                resume.where(
+                    run_dir,
+                    checkpoints.last,
+                    step,
+                    train_loader.epoch >= cfg.epochs,
+                    list(hydra_cfg.overrides.task),
+                    world.world_size,
+                )
+            )
     best_value = best.value if best.value is not None else float("nan")
     if stopping:
         stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk

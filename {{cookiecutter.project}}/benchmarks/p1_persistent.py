@@ -37,8 +37,9 @@ class SlowStart(Dataset):
 
 
 def epoch_start_waits(persistent: bool) -> list[float]:
-    settings = LoaderSettings(batch_size=32, num_workers=2, prefetch_factor=2, pin_memory=False,
-                              persistent_workers=persistent, timeout=0.0)
+    settings = LoaderSettings(
+        batch_size=32, num_workers=2, prefetch_factor=2, pin_memory=False, persistent_workers=persistent, timeout=0.0
+    )
     loader, waits = TrainLoader(SlowStart(), settings, seed=0), []
     for _ in range(EPOCHS):
         asked, first = time.perf_counter(), None
@@ -57,8 +58,10 @@ def main() -> None:
     later_r, later_p = sum(rebuilt[1:]) / (EPOCHS - 1), sum(persistent[1:]) / (EPOCHS - 1)
     ratio = later_p / later_r
     print(f"epochs 2-{EPOCHS} mean: rebuilt {later_r:.3f} s, persistent {later_p:.4f} s")
-    print(f"ratio persistent / rebuilt = {ratio:.3f}: the share of the per-process start-up cost still waited for "
-          "at each later epoch start with persistent workers (1.0: no gain; near 0: paid once per run)")
+    print(
+        f"ratio persistent / rebuilt = {ratio:.3f}: the share of the per-process start-up cost still waited for "
+        "at each later epoch start with persistent workers (1.0: no gain; near 0: paid once per run)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, Seed
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
+
     STATEFUL_WHY = None
 except Exception as e:  # not installed, or built for another torch
     StatefulDataLoader, STATEFUL_WHY = None, f"{type(e).__name__}: {e}"
@@ -36,8 +37,16 @@ def build(kind: str, dataset):
         settings = LoaderSettings(BATCH, WORKERS, PREFETCH, False, True, 0.0)
         return TrainLoader(dataset, settings, seed=0, rng_mode=kind.split()[1])
     cls = DataLoader if kind == "DataLoader" else StatefulDataLoader
-    return cls(dataset, batch_size=BATCH, shuffle=True, drop_last=True, num_workers=WORKERS, prefetch_factor=PREFETCH,
-               persistent_workers=True, generator=torch.Generator().manual_seed(0))
+    return cls(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        drop_last=True,
+        num_workers=WORKERS,
+        prefetch_factor=PREFETCH,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tuple[float, float]:
@@ -66,16 +75,20 @@ def main() -> None:
     for _ in range(ROUNDS):
         for kind in kinds:
             best[kind] = max(best[kind], samples_per_s(build(kind, dataset), EPOCHS))
-    print(f"P2 loader samples/s, {len(dataset)} shapes images, batch {BATCH}, {WORKERS} workers, prefetch {PREFETCH}, "
-          f"persistent; best of {ROUNDS} rounds x {EPOCHS} epochs")
+    print(
+        f"P2 loader samples/s, {len(dataset)} shapes images, batch {BATCH}, {WORKERS} workers, prefetch {PREFETCH}, "
+        f"persistent; best of {ROUNDS} rounds x {EPOCHS} epochs"
+    )
     print(f"{'loader':<24} {'samples/s':>10} {'/ DataLoader':>13}")
     for kind in kinds:
         print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
     ratio = best["TrainLoader per_sample"] / best["TrainLoader per_worker"]
     print(f"rng_mode cost: per_sample / per_worker samples/s = {ratio:.3f} (whole loader; 1.0: seeding costs nothing)")
     plain, seeded = fetch_cost_of_per_sample(dataset)
-    print(f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
-          f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)")
+    print(
+        f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
+        f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)"
+    )
     if StatefulDataLoader is None:
         print(f"{'StatefulDataLoader':<24} skipped: torchdata cannot be imported here ({STATEFUL_WHY})")
 

@@ -58,8 +58,12 @@ def bare() -> float:
 
 def train_py() -> float:
     with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, "train.py", f"epochs={EPOCHS}", "progress=false", f"hydra.run.dir={run_dir}"],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "train.py", f"epochs={EPOCHS}", "progress=false", f"hydra.run.dir={run_dir}"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
         return max(json.loads(line)["samples_per_s"] for line in lines[1:])
 
@@ -71,11 +75,18 @@ def main() -> None:
     trains, bares = [], []
     for _ in range(ROUNDS):
         trains.append(train_py())
-        out = subprocess.run([sys.executable, "-m", "benchmarks.p3_train_overhead", "--bare"], cwd=ROOT, check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.p3_train_overhead", "--bare"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         bares.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"P3 training step rate, default config (SmallCNN, shapes as uint8 batches, loader=balanced), samples/s, "
-          f"best epoch of 2-{EPOCHS} per round, {ROUNDS} rounds in turns")
+    print(
+        f"P3 training step rate, default config (SmallCNN, shapes as uint8 batches, loader=balanced), samples/s, "
+        f"best epoch of 2-{EPOCHS} per round, {ROUNDS} rounds in turns"
+    )
     print(f"{'loop':<10} {'best':>8} {'rounds':>24}")
     for name, rates in (("train.py", trains), ("bare", bares)):
         print(f"{name:<10} {max(rates):>8.1f} {' '.join(f'{r:.1f}' for r in rates):>24}")

@@ -36,15 +36,19 @@ def main() -> None:
         torch.set_num_threads(threads)
         many = max(many, samples_per_s(TrainLoader(dataset, throughput, seed=0), EPOCHS))
     ratio = many / (cores * single)
-    print(f"P4 loader scaling, {len(dataset)} shapes images, batch {throughput.batch_size}, {EPOCHS} epochs after a "
-          f"warm-up, best of {ROUNDS} rounds")
+    print(
+        f"P4 loader scaling, {len(dataset)} shapes images, batch {throughput.batch_size}, {EPOCHS} epochs after a "
+        f"warm-up, best of {ROUNDS} rounds"
+    )
     print(f"{'setting':<44} {'samples/s':>10}")
     print(f"{'one process (num_workers=0, 1 thread)':<44} {single:>10.0f}")
     print(f"{f'{cores} x that (usable CPUs)':<44} {cores * single:>10.0f}")
     profile = f"loader=throughput ({throughput.num_workers} workers, prefetch {throughput.prefetch_factor})"
     print(f"{profile:<44} {many:>10.0f}")
-    print(f"ratio throughput / (cores x single) = {ratio:.3f}: how much of the usable CPUs' loading capacity the "
-          "workers deliver to the loop (1.0: perfect scaling)")
+    print(
+        f"ratio throughput / (cores x single) = {ratio:.3f}: how much of the usable CPUs' loading capacity the "
+        "workers deliver to the loop (1.0: perfect scaling)"
+    )
 
 
 if __name__ == "__main__":

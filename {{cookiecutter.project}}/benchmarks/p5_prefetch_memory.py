@@ -99,11 +99,17 @@ def measure(dataset, batch_size: int, workers: int, prefetch: int, system: bool)
 
 def main() -> None:
     warnings.filterwarnings("ignore", "This DataLoader will create")  # 4 workers on 2 CPUs: the point of a row
-    rows = [("big", torch.float32, 2, 2), ("big", torch.uint8, 2, 2), ("big", torch.float32, 4, 2),
-            ("big", torch.uint8, 4, 2)]
+    rows = [
+        ("big", torch.float32, 2, 2),
+        ("big", torch.uint8, 2, 2),
+        ("big", torch.float32, 4, 2),
+        ("big", torch.uint8, 4, 2),
+    ]
     print(f"P5 prefetch memory: predicted (plan) vs measured, persistent workers, pid {os.getpid()}")
-    print(f"{'data':<8} {'dtype':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} "
-          f"{'plan/held':>9} {'system MiB':>10} {'plan/system':>11}")
+    print(
+        f"{'data':<8} {'dtype':<8} {'workers':>7} {'prefetch':>8} {'plan MiB':>9} {'held MiB':>9} "
+        f"{'plan/held':>9} {'system MiB':>10} {'plan/system':>11}"
+    )
     ratios = []
     for name, dtype, workers, prefetch in rows + [("shapes", torch.uint8, 2, 2)]:
         dataset = Big(dtype) if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import memory
@@ -75,8 +74,9 @@ def settings_for(profile: str, dataset):
     cfg = OmegaConf.load(PROJECT / f"conf/loader/{profile}.yaml")
     settings = resolve_settings(cfg, "cpu")
     if cfg.max_prefetch_mib is not None:
-        settings, _ = memory.fit_budget(settings, memory.sample_batch_bytes(dataset, settings.batch_size),
-                                        cfg.max_prefetch_mib, cfg.on_budget)
+        settings, _ = memory.fit_budget(
+            settings, memory.sample_batch_bytes(dataset, settings.batch_size), cfg.max_prefetch_mib, cfg.on_budget
+        )
     return settings
 
 
@@ -140,29 +140,39 @@ def main() -> None:
             rates[case].append(rate)
             opens[case].append(opened)
     n, shards = len(data["image folder"]), len(data[f"shards w={WINDOW}"].paths)
-    print(f"P6 image folder vs tar shards: {n} shapes images ({IMAGE_SIZE}px PNG), {shards} shards of {PER_SHARD}; "
-          f"rng_mode=per_sample; median of {ROUNDS} rounds x {EPOCHS} epochs (min-max)")
-    print(f"{'profile':<13} {'workers':>7} {'image folder samples/s':>24} {'shards samples/s':>20} {'ratio':>6} "
-          f"{'files opened/epoch: folder':>27} {'shards':>7}")
+    print(
+        f"P6 image folder vs tar shards: {n} shapes images ({IMAGE_SIZE}px PNG), {shards} shards of {PER_SHARD}; "
+        f"rng_mode=per_sample; median of {ROUNDS} rounds x {EPOCHS} epochs (min-max)"
+    )
+    print(
+        f"{'profile':<13} {'workers':>7} {'image folder samples/s':>24} {'shards samples/s':>20} {'ratio':>6} "
+        f"{'files opened/epoch: folder':>27} {'shards':>7}"
+    )
     for p in PROFILES:
         s = settings[p]
         folder_case, shard_case = (p, "image folder"), (p, f"shards w={WINDOW}")
         ratio = statistics.median(rates[shard_case]) / statistics.median(rates[folder_case])
-        print(f"{p:<13} {s.num_workers:>7} {spread(rates[folder_case]):>24} {spread(rates[shard_case]):>20} "
-              f"{ratio:>6.2f} "
-              f"{statistics.median(opens[folder_case]):>27.0f} {statistics.median(opens[shard_case]):>7.0f}")
+        print(
+            f"{p:<13} {s.num_workers:>7} {spread(rates[folder_case]):>24} {spread(rates[shard_case]):>20} "
+            f"{ratio:>6.2f} "
+            f"{statistics.median(opens[folder_case]):>27.0f} {statistics.median(opens[shard_case]):>7.0f}"
+        )
     folder_s, shards_s = read_bytes_s(data["image folder"], data[f"shards w={WINDOW}"])
-    print(f"\nreading the bytes of all {n} images once, one process, no decoding (best of 5): image folder "
-          f"{folder_s * 1e3:.0f} ms ({folder_s / n * 1e6:.1f} us per file), shards {shards_s * 1e3:.0f} ms "
-          f"({shards_s / n * 1e6:.1f} us per sample): {folder_s / shards_s:.1f}x")
+    print(
+        f"\nreading the bytes of all {n} images once, one process, no decoding (best of 5): image folder "
+        f"{folder_s * 1e3:.0f} ms ({folder_s / n * 1e6:.1f} us per file), shards {shards_s * 1e3:.0f} ms "
+        f"({shards_s / n * 1e6:.1f} us per sample): {folder_s / shards_s:.1f}x"
+    )
     batch = settings["balanced"].batch_size
     print(f"\nshuffle window (loader=balanced, batch {batch}): shards read together per epoch")
     print(f"{'shuffle_window':<15} {'samples/s':>20} {'files opened/epoch':>19} {'shards per batch':>17}")
     for w in (1, WINDOW, 0):
         case = ("balanced", f"shards w={w}")
         label = f"{w}" if w else f"0 (all {shards})"
-        print(f"{label:<15} {spread(rates[case]):>20} {statistics.median(opens[case]):>19.0f} "
-              f"{shards_per_batch(data[case[1]], batch):>17.1f}")
+        print(
+            f"{label:<15} {spread(rates[case]):>20} {statistics.median(opens[case]):>19.0f} "
+            f"{shards_per_batch(data[case[1]], batch):>17.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,18 @@ PROJECT = Path(__file__).resolve().parents[1]
 # A dataset drawing from the workers' torch, numpy and python RNGs, plugged in like a user's own.
 RNG_DATA = [
     "data.train._target_=tests.datasets.RngDrawingDataset",
-    "~data.train.root", "~data.train.split", "~data.train.per_class", "~data.train.image_size", "~data.train.transform",
+    "~data.train.root",
+    "~data.train.split",
+    "~data.train.per_class",
+    "~data.train.image_size",
+    "~data.train.transform",
     "+data.train.size=200",
     "data.val._target_=tests.datasets.RngDrawingDataset",
-    "~data.val.root", "~data.val.split", "~data.val.per_class", "~data.val.image_size", "~data.val.transform",
+    "~data.val.root",
+    "~data.val.split",
+    "~data.val.per_class",
+    "~data.val.image_size",
+    "~data.val.transform",
     "+data.val.size=64",
     "data.num_classes=4",
     "loader.batch_size=16",
@@ -30,8 +38,9 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code."""
     cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == expect, (f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n"
-                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    assert proc.returncode == expect, (
+        f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -66,7 +75,8 @@ def same_weights(a: Path, b: Path) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def loader_settings(batch_size: int = 16, workers: int = 2, persistent: bool = True, prefetch: int = 2,
-                    pin: bool = False) -> LoaderSettings:
+def loader_settings(
+    batch_size: int = 16, workers: int = 2, persistent: bool = True, prefetch: int = 2, pin: bool = False
+) -> LoaderSettings:
     """LoaderSettings as resolve_settings() would give them for `workers` (no prefetch nor persistence at 0)."""
     return LoaderSettings(batch_size, workers, prefetch if workers else None, pin, persistent and workers > 0, 0.0)

@@ -19,8 +19,16 @@ BLOB = 4_000_000  # floats: 16 MB, far more than a pipe holds
 
 
 def state(step: int) -> dict:
-    return {"format": 1, "model": {"w": torch.full((BLOB,), float(step))}, "optimizer": {}, "scheduler": {},
-            "epoch": 0, "step": step, "ranks": [], "config": {}}
+    return {
+        "format": 1,
+        "model": {"w": torch.full((BLOB,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "epoch": 0,
+        "step": step,
+        "ranks": [],
+        "config": {},
+    }
 
 
 def test_save_keeps_the_newest_and_loads(tmp_path):

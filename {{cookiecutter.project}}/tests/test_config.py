@@ -40,13 +40,16 @@ def test_profiles_say_what_they_trade():
     assert fast.pin_memory and fast.persistent_workers
 
 
-@pytest.mark.parametrize("override, node, target", [
-    ("optim=adamw", "optim", "torch.optim.AdamW"),
-    ("optim=sgd", "optim", "torch.optim.SGD"),
-    ("model=resnet18", "model", "{{ cookiecutter.package }}.model.resnet18"),
-    ("data=cifar10", "data.train", "{{ cookiecutter.package }}.data.cifar10"),
-    ("data=imagefolder", "data.train", "{{ cookiecutter.package }}.data.ImageFiles"),
-])
+@pytest.mark.parametrize(
+    "override, node, target",
+    [
+        ("optim=adamw", "optim", "torch.optim.AdamW"),
+        ("optim=sgd", "optim", "torch.optim.SGD"),
+        ("model=resnet18", "model", "{{ cookiecutter.package }}.model.resnet18"),
+        ("data=cifar10", "data.train", "{{ cookiecutter.package }}.data.cifar10"),
+        ("data=imagefolder", "data.train", "{{ cookiecutter.package }}.data.ImageFiles"),
+    ],
+)
 def test_groups_compose(override, node, target):
     assert OmegaConf.select(compose_cfg(override), node)._target_ == target
 
@@ -159,8 +162,15 @@ def test_check_refuses_each_bad_value(override, message):
 
 
 def test_check_passes_every_shipped_choice(tmp_path):
-    for overrides in ([], ["loader=memory-tight"], ["loader=throughput"], ["optim=adamw"], ["model=resnet18"],
-                      ["data=cifar10"], ["data=imagefolder", f"data.root={tmp_path}", "data.num_classes=3"]):
+    for overrides in (
+        [],
+        ["loader=memory-tight"],
+        ["loader=throughput"],
+        ["optim=adamw"],
+        ["model=resnet18"],
+        ["data=cifar10"],
+        ["data=imagefolder", f"data.root={tmp_path}", "data.num_classes=3"],
+    ):
         config.check(compose_cfg(*overrides), {}, overrides)
 
 
@@ -176,8 +186,11 @@ def refused(tmp_path, *overrides):
     return lines[0]
 
 
-@pytest.mark.parametrize("override, message", [b for b in BAD if b[0] in FAST] + [
-    pytest.param(*b, marks=pytest.mark.slow) for b in BAD if b[0] not in FAST], ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize(
+    "override, message",
+    [b for b in BAD if b[0] in FAST] + [pytest.param(*b, marks=pytest.mark.slow) for b in BAD if b[0] not in FAST],
+    ids=lambda v: str(v)[:40],
+)
 def test_train_py_refuses_bad_values_in_one_line(tmp_path, override, message):
     assert message in refused(tmp_path, *override.split())
 

@@ -19,13 +19,23 @@ DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=2"]  #
 
 
 def torchrun_cmd(run_dir, *overrides):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "train.py", *DATA, *overrides, f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *DATA,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def torchrun(run_dir, *overrides, expect=0, timeout=300):
-    proc = subprocess.run(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -68,8 +78,13 @@ def test_world_size_mismatch_is_refused(tmp_path, straight):
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     """Ranks agree on a stop where they read the loss: every 4 steps here, and at the epoch's end (step 6)."""
     run_dir = tmp_path / "first"
-    proc = subprocess.Popen(torchrun_cmd(run_dir, "log_every_steps=4"), cwd=PROJECT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(run_dir, "log_every_steps=4"),
+        cwd=PROJECT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_steps(run_dir, 4)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -108,8 +123,17 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
     reference = tmp_path / "straight"
     run_train(reference, *DATA)
     job_dir, marker = tmp_path / "job", tmp_path / "requeued"
-    cmd = [sys.executable, "-c", REQUEUE, str(marker), *DATA, "resume=latest", f"checkpoint.search_dir={job_dir}",
-           "log_every_steps=1", f"hydra.run.dir={job_dir}"]
+    cmd = [
+        sys.executable,
+        "-c",
+        REQUEUE,
+        str(marker),
+        *DATA,
+        "resume=latest",
+        f"checkpoint.search_dir={job_dir}",
+        "log_every_steps=1",
+        f"hydra.run.dir={job_dir}",
+    ]
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_steps(job_dir, 3)
     proc.send_signal(signal.SIGUSR2)
@@ -125,9 +149,21 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
 
 def elastic_cmd(run_dir, *overrides):
     """The command of the README: torchrun restarts failed attempts; each resumes from the folder's own last.pth."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
-            "train.py", *DATA, "checkpoint.every_steps=2", "resume=latest", f"hydra.run.dir={run_dir}",
-            f"checkpoint.search_dir={run_dir}", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=2",
+        "train.py",
+        *DATA,
+        "checkpoint.every_steps=2",
+        "resume=latest",
+        f"hydra.run.dir={run_dir}",
+        f"checkpoint.search_dir={run_dir}",
+        *overrides,
+    ]
 
 
 def rank_pids(agent: subprocess.Popen) -> dict[int, int]:
@@ -149,8 +185,9 @@ def test_elastic_restart_after_kill_9_ends_exactly(tmp_path, straight, victim, a
     """kill -9 of one rank mid-run: torchrun restarts both, they resume from the last checkpoint, and the job ends on
     the uninterrupted run's weights. The survivor answers the agent's SIGTERM without the 30 s SIGKILL fallback."""
     run_dir = tmp_path / "job"
-    agent = subprocess.Popen(elastic_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    agent = subprocess.Popen(
+        elastic_cmd(run_dir), cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wait_for_steps(run_dir, after_steps)
     assert len(read_jsonl(run_dir / "steps.jsonl")) >= after_steps
     pids = rank_pids(agent)
@@ -174,11 +211,24 @@ def free_port() -> int:
 def test_sigterm_while_joining_exits_at_once(tmp_path, workarounds):
     """A rank waiting for a peer that never comes (here: rank 1 of 2, no rank 0) exits on SIGTERM at once;
     the negative control (ELASTIC_WORKAROUNDS=off) shows the flag-only handler leaving it blocked."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "ELASTIC_WORKAROUNDS": workarounds}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "ELASTIC_WORKAROUNDS": workarounds,
+    }
     run_dir = tmp_path / "rank1"
-    proc = subprocess.Popen([sys.executable, "train.py", *DATA, f"hydra.run.dir={run_dir}"], cwd=PROJECT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *DATA, f"hydra.run.dir={run_dir}"],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and "joining the process group" not in _text(run_dir / "train.log"):

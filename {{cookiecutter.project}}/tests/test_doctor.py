@@ -16,8 +16,15 @@ PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
 
 @pytest.mark.slow
 def test_doctor_measures_every_profile(tmp_path, shapes_root):
-    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor", f"data.root={shapes_root}", "data.per_class=40",
-           "loader.batch_size=16", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "{{ cookiecutter.package }}.doctor",
+        f"data.root={shapes_root}",
+        "data.per_class=40",
+        "loader.batch_size=16",
+        f"hydra.run.dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "doctor.json").read_text())
@@ -31,12 +38,23 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
 
 
 def profile(name, workers, prefetch, persistent, rate, peak, restart=0.05):
-    return {"profile": name, "num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": persistent,
-            "batches_per_s": rate, "peak_pss_mib": peak, "in_flight_mib": 10.0, "first_batch_e2_s": restart}
+    return {
+        "profile": name,
+        "num_workers": workers,
+        "prefetch_factor": prefetch,
+        "persistent_workers": persistent,
+        "batches_per_s": rate,
+        "peak_pss_mib": peak,
+        "in_flight_mib": 10.0,
+        "first_batch_e2_s": restart,
+    }
 
 
-PROFILE_SET = [profile("memory-tight", 1, 1, False, 10, 400), profile("balanced", 2, 2, True, 20, 800),
-               profile("throughput", 8, 4, True, 60, 2000)]
+PROFILE_SET = [
+    profile("memory-tight", 1, 1, False, 10, 400),
+    profile("balanced", 2, 2, True, 20, 800),
+    profile("throughput", 8, 4, True, 60, 2000),
+]
 
 
 def test_recommend_follows_the_decision_table():  # the README's table (Loader doctor)
@@ -55,13 +73,19 @@ def test_recommend_follows_the_decision_table():  # the README's table (Loader d
 def test_doctor_reads_the_conf_of_the_folder_it_runs_in(tmp_path):
     """As from a non-editable install: the package without conf/ beside it, run from a project root holding conf/."""
     site, project, elsewhere = tmp_path / "site", tmp_path / "project", tmp_path / "elsewhere"
-    shutil.copytree(PROJECT / "{{ cookiecutter.package }}", site / "{{ cookiecutter.package }}",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PROJECT / "{{ cookiecutter.package }}", site / "{{ cookiecutter.package }}", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(PROJECT / "conf", project / "conf")
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor", "data=imagefolder", f"data.root={tmp_path}/none",
-           "data.num_classes=3", f"hydra.run.dir={tmp_path}/run"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "{{ cookiecutter.package }}.doctor",
+        "data=imagefolder",
+        f"data.root={tmp_path}/none",
+        "data.num_classes=3",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
     composed = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=120)
     # the config composed from ./conf and reached the data set, whose folder is missing
     lines = composed.stderr.strip().splitlines()
@@ -70,4 +94,5 @@ def test_doctor_reads_the_conf_of_the_folder_it_runs_in(tmp_path):
     lost = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert lost.returncode == 2 and lost.stderr.strip().splitlines() == [
         f"error: no conf/config.yaml in '{elsewhere}': run the doctor from your project's root, the folder holding "
-        "train.py and conf/"], lost.stderr
+        "train.py and conf/"
+    ], lost.stderr

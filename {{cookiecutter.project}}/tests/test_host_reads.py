@@ -16,16 +16,27 @@ from tests.helpers import PROJECT, RNG_DATA, read_jsonl
 # 256 samples in batches of 8: 32 steps per epoch, 64 in all
 DATA = [*RNG_DATA, "data.train.size=256", "loader.batch_size=8", "epochs=2"]
 STEPS, EPOCHS = 64, 2
-LOOP = ("train.py", "{{ cookiecutter.package }}/evaluate.py", "{{ cookiecutter.package }}/device.py",
-        "{{ cookiecutter.package }}/runlog.py", "{{ cookiecutter.package }}/distributed.py")
+LOOP = (
+    "train.py",
+    "{{ cookiecutter.package }}/evaluate.py",
+    "{{ cookiecutter.package }}/device.py",
+    "{{ cookiecutter.package }}/runlog.py",
+    "{{ cookiecutter.package }}/distributed.py",
+)
 
 
 def counted_runs(tmp_path, *variants) -> list[tuple[int, int]]:
     """(reads by the loop and validation, reads by everything else) per variant; the runs go side by side."""
     procs = []
     for i, overrides in enumerate(variants):
-        cmd = [sys.executable, "tests/count_reads.py", str(tmp_path / f"reads-{i}.json"), *DATA, *overrides,
-               f"hydra.run.dir={tmp_path / f'run-{i}'}"]
+        cmd = [
+            sys.executable,
+            "tests/count_reads.py",
+            str(tmp_path / f"reads-{i}.json"),
+            *DATA,
+            *overrides,
+            f"hydra.run.dir={tmp_path / f'run-{i}'}",
+        ]
         procs.append(subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     for i, proc in enumerate(procs):
@@ -40,8 +51,9 @@ def counted_runs(tmp_path, *variants) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_host_reads_per_log_interval_not_per_step(tmp_path):
-    (default_loop, default_other), (every_loop, every_other) = counted_runs(tmp_path, ["log_every_steps=10"],
-                                                                            ["log_every_steps=1"])
+    (default_loop, default_other), (every_loop, every_other) = counted_runs(
+        tmp_path, ["log_every_steps=10"], ["log_every_steps=1"]
+    )
     intervals = math.ceil(STEPS / 10) + EPOCHS  # log points, plus each epoch's end closing an interval early
     # one read per log point, one for validation and one for the epoch's figures, and one start-up read
     assert default_loop <= intervals + 2 * EPOCHS + 1, default_loop

@@ -66,16 +66,26 @@ def test_exit_status_names_signal_and_code():
     # PyTorch's "exited unexpectedly" comes after it reaped the worker; its Process object still knows how
     torch_says = f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"
     line = monitor.worker_death(RuntimeError(torch_says))
-    assert line.startswith(f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
-                           f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"), line
+    assert line.startswith(
+        f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
+        f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"
+    ), line
 
 
 @pytest.mark.slow
 def test_killed_worker_stops_train_py_with_one_line(tmp_path):
-    data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o
-            for o in RNG_DATA]
-    cmd = [sys.executable, "train.py", *data, "+data.train.item_s=0.01", "data.train.size=2000", "epochs=50",
-           f"hydra.run.dir={tmp_path}"]
+    data = [
+        o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o for o in RNG_DATA
+    ]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *data,
+        "+data.train.item_s=0.01",
+        "data.train.size=2000",
+        "epochs=50",
+        f"hydra.run.dir={tmp_path}",
+    ]
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         main = psutil.Process(proc.pid)

@@ -50,8 +50,14 @@ def test_same_weights_on_image_files(tmp_path, shapes):
 @pytest.mark.slow
 def test_resume_may_switch_profile(tmp_path, per_sample_runs):
     run_train(tmp_path / "first", *RNG_DATA, "epochs=2", "loader=memory-tight", "max_steps=7")
-    run_train(tmp_path / "second", *RNG_DATA, "epochs=2", "loader=throughput", "loader.num_workers=3",
-              f"resume={tmp_path}/first/checkpoints/last.pth")
+    run_train(
+        tmp_path / "second",
+        *RNG_DATA,
+        "epochs=2",
+        "loader=throughput",
+        "loader.num_workers=3",
+        f"resume={tmp_path}/first/checkpoints/last.pth",
+    )
     assert equal(per_sample_runs[SETUPS[0]], weights(tmp_path / "second"))
 
 

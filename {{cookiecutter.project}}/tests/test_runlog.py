@@ -25,8 +25,12 @@ def test_resumed_runlog_continues_after_the_checkpoint(tmp_path):
     resumed = RunLog(tmp_path, purge_step=4)  # the checkpoint was at step 3
     resumed.step(4, loss=40.0, lr=0.1)
     resumed.close()
-    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "steps.jsonl")] == [(1, 1.0), (2, 2.0), (3, 3.0),
-                                                                                     (4, 40.0)]
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "steps.jsonl")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+    ]
     assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 

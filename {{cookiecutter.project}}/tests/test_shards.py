@@ -29,8 +29,7 @@ PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
 
 def pack_cli(src: Path, dst: Path, per_shard: int = PER_SHARD, expect: int = 0) -> subprocess.CompletedProcess:
     """The user's command, for real: `python -m <package>.shards pack SRC DST --per-shard N`."""
-    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.shards", "pack", str(src), str(dst),
-           "--per-shard", str(per_shard)]
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.shards", "pack", str(src), str(dst), "--per-shard", str(per_shard)]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == expect, f"exit {proc.returncode} != {expect}\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -187,8 +186,9 @@ def test_two_ranks_split_every_epoch_exactly(packed):
 def test_data_shards_config_builds_both_splits(packed):
     config.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4",
-                                           "data.shuffle_window=3"])
+        cfg = compose(
+            "config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4", "data.shuffle_window=3"]
+        )
     train, val = instantiate(cfg.data.train), instantiate(cfg.data.val)
     assert (len(train), len(val), train.shuffle_window, train.classes) == (80, 16, 3, val.classes)
     image, label = train[0]
@@ -248,8 +248,17 @@ class WorkerSplitShards(ShardDataset):
 
 
 def shard_run(root: Path, *extra: str, batch_size: int = 16) -> list[str]:
-    return ["data=shards", f"data.root={root}", "data.num_classes=4", "data.image_size=32", "data.shuffle_window=2",
-            f"loader.batch_size={batch_size}", "epochs=2", "progress=false", *extra]
+    return [
+        "data=shards",
+        f"data.root={root}",
+        "data.num_classes=4",
+        "data.image_size=32",
+        "data.shuffle_window=2",
+        f"loader.batch_size={batch_size}",
+        "epochs=2",
+        "progress=false",
+        *extra,
+    ]
 
 
 def weights(run_dir: Path) -> dict:
@@ -266,8 +275,12 @@ def test_resume_is_exact_and_worker_count_free(packed, tmp_path):
     run_train(tmp_path / "none", *shard_run(packed, "loader=memory-tight", "loader.num_workers=0"))
     run_train(tmp_path / "first", *shard_run(packed, "loader.num_workers=2", "max_steps=3"))  # mid-epoch 0 of 5 batches
     assert load_ckpt(tmp_path / "first/checkpoints/last.pth")["step"] == 3
-    run_train(tmp_path / "second", *shard_run(packed, "loader=throughput", "loader.num_workers=3",
-                                              f"resume={tmp_path}/first/checkpoints/last.pth"))
+    run_train(
+        tmp_path / "second",
+        *shard_run(
+            packed, "loader=throughput", "loader.num_workers=3", f"resume={tmp_path}/first/checkpoints/last.pth"
+        ),
+    )
     straight = weights(tmp_path / "straight")
     assert equal(straight, weights(tmp_path / "none"))
     assert equal(straight, weights(tmp_path / "second"))
@@ -275,8 +288,15 @@ def test_resume_is_exact_and_worker_count_free(packed, tmp_path):
 
 def weights_of_negative_control(packed: Path, tmp_path: Path, workers: int) -> dict:
     run_dir = tmp_path / f"split{workers}"
-    run_train(run_dir, *shard_run(packed, f"loader.num_workers={workers}", f"+data.train.workers={workers}",
-                                  "data.train._target_=tests.test_shards.WorkerSplitShards"))
+    run_train(
+        run_dir,
+        *shard_run(
+            packed,
+            f"loader.num_workers={workers}",
+            f"+data.train.workers={workers}",
+            "data.train._target_=tests.test_shards.WorkerSplitShards",
+        ),
+    )
     return weights(run_dir)
 
 
@@ -287,8 +307,16 @@ def test_negative_control_order_depending_on_workers_breaks_invariance(packed, t
 
 
 def torchrun(run_dir: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 

@@ -95,10 +95,19 @@ def preempt(job_dir):
 def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exactly(tmp_path, shapes):
     sweep = tmp_path / "multirun"
     # three jobs: 0 and 1 train the same run (job 0 is preempted, job 1 runs through), 2 another seed
-    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
-           "hydra.sweep.subdir=${hydra.job.num}",  # job folders 0, 1, 2
-           *shapes, "loader.batch_size=16", "seed=0,0,1", "resume=latest",
-           "checkpoint.search_dir=${hydra:runtime.output_dir}"]  # each job resumes from its own folder only
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=submitit_local",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",  # job folders 0, 1, 2
+        *shapes,
+        "loader.batch_size=16",
+        "seed=0,0,1",
+        "resume=latest",
+        "checkpoint.search_dir=${hydra:runtime.output_dir}",
+    ]  # each job resumes from its own folder only
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(sweep / "0", 1, timeout=300)  # training: whichever step the signal lands on
@@ -131,9 +140,16 @@ FAKE_SLURM = {
     "srun": "exit 1",  # only looked for: the job below is started with srun's command line, as srun would
     "scontrol": 'echo "$@" >> "$(dirname "$0")/scontrol.calls"',  # submitit requeues with `scontrol requeue <id>`
 }
-SLURM_TASK_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                  "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
-                  "SUBMITIT_EXECUTOR": "slurm"}
+SLURM_TASK_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "1",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_JOB_NODELIST": "localhost",
+    "SUBMITIT_EXECUTOR": "slurm",
+}
 
 
 def slurm_commands(bin_dir):
@@ -163,10 +179,24 @@ def run_slurm_task(command, env, log, stop_after_steps=None, job_dir=None):
 def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resumes_exactly(tmp_path, shapes):
     sweep, env = tmp_path / "multirun", slurm_commands(tmp_path / "bin")
     overrides = [*shapes, "loader.batch_size=16"]
-    submit = subprocess.Popen([sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
-                               "hydra.sweep.subdir=${hydra.job.num}",
-                               *overrides, "resume=latest", "checkpoint.search_dir=${hydra:runtime.output_dir}"],
-                              cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    submit = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=${hydra.job.num}",
+            *overrides,
+            "resume=latest",
+            "checkpoint.search_dir=${hydra:runtime.output_dir}",
+        ],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     folder = sweep / ".submitit/4242"
     try:
         deadline = time.time() + 300
@@ -179,7 +209,7 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
     assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --time=240" in script, script
     srun = shlex.split(script.strip().splitlines()[-1].replace("%j", "4242"))
     assert srun[0] == "srun"
-    command = srun[srun.index("--error") + 2:]  # what srun runs: python -u -m submitit.core._submit <folder>
+    command = srun[srun.index("--error") + 2 :]  # what srun runs: python -u -m submitit.core._submit <folder>
     assert command[-3:] == ["-m", "submitit.core._submit", str(folder)]
 
     log = tmp_path / "task.log"

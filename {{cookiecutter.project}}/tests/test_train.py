@@ -8,8 +8,11 @@ EPOCH_KEYS = {"epoch", "step", "train_loss", "val_loss", "val_acc", "samples_per
 
 
 # balanced in the fast tier, the other two profiles in the slow one
-PROFILES = [pytest.param("memory-tight", marks=pytest.mark.slow), "balanced",
-            pytest.param("throughput", marks=pytest.mark.slow)]
+PROFILES = [
+    pytest.param("memory-tight", marks=pytest.mark.slow),
+    "balanced",
+    pytest.param("throughput", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -37,8 +37,12 @@ def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, 
         "step": step,
         "ranks": ranks,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        "versions": {"torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
-                     "numpy": str(np.__version__), "python": platform.python_version()},
+        "versions": {
+            "torch": str(torch.__version__),
+            "torchvision": str(torchvision.__version__),
+            "numpy": str(np.__version__),
+            "python": platform.python_version(),
+        },
     }
 
 
@@ -142,8 +146,9 @@ class Best:
 
 def load(path: Path) -> dict:
     if not path.is_file():
-        raise UserError(f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, "
-                        "or resume=latest")
+        raise UserError(
+            f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way

@@ -41,6 +41,7 @@ def integer(low: int, high: int | None = None, null: str | None = None) -> Calla
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
             span = f"between {low} and {high}" if high is not None else f">= {low}"
             return f"an integer {span}" + (f", or null ({null})" if null else "")
+
     return check
 
 
@@ -53,6 +54,7 @@ def number(low: float, high: float | None = None, above: bool = False, null: str
             span = f"> {low}" if above else f">= {low}"
             span = f"in [{low}, {high}]" if high is not None else span
             return f"a number {span}" + (f", or null ({null})" if null else "")
+
     return check
 
 
@@ -60,12 +62,14 @@ def integer_or(word: str, low: int) -> Callable:
     def check(v):
         if v != word and integer(low)(v):
             return f"an integer >= {low} or '{word}'"
+
     return check
 
 
 def flag_or(word: str) -> Callable:
     def check(v):
         return None if isinstance(v, bool) or v == word else f"true, false or '{word}'"
+
     return check
 
 
@@ -75,6 +79,7 @@ def text(null: str | None = None) -> Callable:
             return None
         if not isinstance(v, str) or not v.strip():
             return "a non-empty string" + (f", or null ({null})" if null else "")
+
     return check
 
 
@@ -82,6 +87,7 @@ def one_of(*allowed) -> Callable:
     def check(v):
         if not any(v is a if isinstance(a, bool) else (isinstance(v, str) and v == a) for a in allowed):
             return "one of " + ", ".join(str(a).lower() for a in allowed)
+
     return check
 
 
@@ -200,8 +206,11 @@ SAME_RUN = {
     "*every_steps": "how often something is logged or saved",
     "loader.*": "speed and memory of loading, except batch_size",
 }
-RUN_KEYS_UNDER_SAME = {"loader.batch_size": None, "loader.num_workers": "per_worker",
-                       "loader.persistent_workers": "per_worker"}
+RUN_KEYS_UNDER_SAME = {
+    "loader.batch_size": None,
+    "loader.num_workers": "per_worker",
+    "loader.persistent_workers": "per_worker",
+}
 
 
 def changes_run(name: str, rng_mode: str) -> bool:
@@ -314,8 +323,10 @@ def added_data_keys(cfg, overrides: list[str]) -> None:
         if found and found[1] != "num_classes" and "${data." + found[1] + "}" not in raw:
             close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
             hint = f" (did you mean data.{close[0]}?)" if close else ""
-            raise UserError(f"data.{found[1]} is not used by data.train or data.val{hint}: "
-                            "remove it, or refer to it as ${data." + found[1] + "}")
+            raise UserError(
+                f"data.{found[1]} is not used by data.train or data.val{hint}: "
+                "remove it, or refer to it as ${data." + found[1] + "}"
+            )
 
 
 def targets(tree, prefix: str) -> None:
@@ -366,9 +377,13 @@ def check_data(train_set, val_set, num_classes: int) -> None:
     for name, classes in found.items():
         if classes and len(classes) != num_classes:
             shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
-            raise UserError(f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
-                            f"({shown}): set data.num_classes={len(classes)}")
+            raise UserError(
+                f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
+                f"({shown}): set data.num_classes={len(classes)}"
+            )
     if found["train"] and found["val"] and found["train"] != found["val"]:
         odd = sorted(set(found["train"]) ^ set(found["val"]))
-        raise UserError(f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
-                        "give both the same class folders")
+        raise UserError(
+            f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
+            "give both the same class folders"
+        )

@@ -135,15 +135,21 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
             dx, dy = math.cos(a), math.sin(a)
             px, py = -dy * arm, dx * arm
             pen.polygon(
-                [(cx + dx * radius + px, cy + dy * radius + py), (cx + dx * radius - px, cy + dy * radius - py),
-                 (cx - dx * radius - px, cy - dy * radius - py), (cx - dx * radius + px, cy - dy * radius + py)],
+                [
+                    (cx + dx * radius + px, cy + dy * radius + py),
+                    (cx + dx * radius - px, cy + dy * radius - py),
+                    (cx - dx * radius - px, cy - dy * radius - py),
+                    (cx - dx * radius + px, cy - dy * radius + py),
+                ],
                 fill=fill,
             )
     else:
         corners = 4 if name == "square" else 3
         pen.polygon(
-            [(cx + radius * math.cos(a), cy + radius * math.sin(a))
-             for a in (angle + 2 * math.pi * k / corners for k in range(corners))],
+            [
+                (cx + radius * math.cos(a), cy + radius * math.sin(a))
+                for a in (angle + 2 * math.pi * k / corners for k in range(corners))
+            ],
             fill=fill,
         )
     return image

@@ -87,8 +87,13 @@ class Normalize:
     NHWC, the layout the model was converted to.
     """
 
-    def __init__(self, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 device: torch.device | str = "cpu", channels_last: bool = False):
+    def __init__(
+        self,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        device: torch.device | str = "cpu",
+        channels_last: bool = False,
+    ):
         shape = (1, -1, 1, 1)
         self.mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32, device=device).view(shape)
         self.std = None if std is None else torch.tensor(list(std), dtype=torch.float32, device=device).view(shape)
@@ -108,8 +113,12 @@ class Normalize:
 
 def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
     """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read."""
-    parts = [v.detach().to(torch.float64).reshape(1) if isinstance(v, torch.Tensor)
-             else torch.tensor([float(v)], dtype=torch.float64) for v in values]
+    parts = [
+        v.detach().to(torch.float64).reshape(1)
+        if isinstance(v, torch.Tensor)
+        else torch.tensor([float(v)], dtype=torch.float64)
+        for v in values
+    ]
     packed = torch.cat([p.to(device, non_blocking=True) for p in parts])
     if world is not None and world.distributed:
         dist.all_reduce(packed)

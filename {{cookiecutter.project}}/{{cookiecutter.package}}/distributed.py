@@ -51,8 +51,10 @@ def join(device: torch.device) -> World:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: "
-                            "lower --nproc_per_node")
+            raise UserError(
+                f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: "
+                "lower --nproc_per_node"
+            )
         torch.cuda.set_device(local_rank)
     # torchrun's env:// rendezvous hands every restart attempt the agent's same store, and the new process group
     # reads keys the failed attempt left there: gloo's connectFullMesh then dials a killed rank's old port and the
@@ -63,8 +65,9 @@ def join(device: torch.device) -> World:
         store, rank, world_size = next(dist.rendezvous("env://"))
         if WORKAROUNDS:
             store = dist.PrefixStore(f"attempt{attempt}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size
+        )
     return World(rank, world_size, local_rank)
 
 

@@ -98,8 +98,13 @@ class ProbeCollate:
         info = get_worker_info()
         first = self.probe.first or (time.time(), 0.0)
         steady = statistics.median(self.probe.later) if self.probe.later else 0.0
-        return default_collate(samples), {"pid": os.getpid(), "worker": info is not None, "began": first[0],
-                                          "first_s": first[1], "steady_s": steady}
+        return default_collate(samples), {
+            "pid": os.getpid(),
+            "worker": info is not None,
+            "began": first[0],
+            "first_s": first[1],
+            "steady_s": steady,
+        }
 
 
 class PeakPss:
@@ -153,17 +158,28 @@ def wait_for_workers_to_exit(timeout_s: float = 10.0) -> None:
 def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> dict:
     settings = resolve_settings(loader_cfg, device.type)
     try:
-        settings, change = memory.fit_budget(settings, memory.sample_batch_bytes(dataset, settings.batch_size),
-                                             loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
+        settings, change = memory.fit_budget(
+            settings,
+            memory.sample_batch_bytes(dataset, settings.batch_size),
+            loader_cfg.max_prefetch_mib,
+            loader_cfg.on_budget,
+        )
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
     count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
     part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
     probe = Probe(part)
     loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
-    result = {"profile": name, "num_workers": settings.num_workers, "prefetch_factor": settings.prefetch_factor,
-              "persistent_workers": settings.persistent_workers, "pin_memory": settings.pin_memory,
-              "batch_size": settings.batch_size, "budget_change": change, "batches_per_epoch": loader.batches_per_epoch}
+    result = {
+        "profile": name,
+        "num_workers": settings.num_workers,
+        "prefetch_factor": settings.prefetch_factor,
+        "persistent_workers": settings.persistent_workers,
+        "pin_memory": settings.pin_memory,
+        "batch_size": settings.batch_size,
+        "budget_change": change,
+        "batches_per_epoch": loader.batches_per_epoch,
+    }
     with PeakPss() as peak:
         for epoch in (1, 2):
             asked, arrivals, reports = time.time(), [], {}
@@ -180,8 +196,9 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> 
             result[f"first_batch_e{epoch}_s"] = arrivals[0] - asked
             if epoch == 1:  # fresh workers: when each began its first item, and how much longer that item took
                 result["worker_start_s"] = max((r["began"] - asked for r in reports.values()), default=None)
-                result["dataset_init_s"] = max((max(r["first_s"] - r["steady_s"], 0.0) for r in reports.values()),
-                                               default=None)
+                result["dataset_init_s"] = max(
+                    (max(r["first_s"] - r["steady_s"], 0.0) for r in reports.values()), default=None
+                )
             else:
                 span = arrivals[-1] - arrivals[0]
                 result["batches_per_s"] = (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
@@ -212,8 +229,9 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     return steps / (time.perf_counter() - began)
 
 
-def recommend(results: list[dict], current: str, model_bps: float, available_mib: float, cores: int,
-              full_batches: int) -> dict:
+def recommend(
+    results: list[dict], current: str, model_bps: float, available_mib: float, cores: int, full_batches: int
+) -> dict:
     """The README's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
     if not ran:
@@ -228,45 +246,61 @@ def recommend(results: list[dict], current: str, model_bps: float, available_mib
     if footprint[now["profile"]] > MEMORY_SHARE * available_mib:
         leanest = min(ran, key=lambda r: footprint[r["profile"]])
         pick = leanest
-        reasons.append(f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} "
-                       "of the "
-                       f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
-                       f"peak at {footprint[leanest['profile']]:.0f} MiB")
+        reasons.append(
+            f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} "
+            "of the "
+            f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
+            f"peak at {footprint[leanest['profile']]:.0f} MiB"
+        )
         if leanest["num_workers"] > 1 or (leanest["prefetch_factor"] or 0) > 1:
             overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]
     elif now["batches_per_s"] < 1.1 * model_bps and fits:
         fastest = max(fits, key=lambda r: r["batches_per_s"])
         pick = fastest if fastest["batches_per_s"] > 1.1 * now["batches_per_s"] else now
-        reasons.append(f"the model waits on data: it takes {model_bps:.1f} batches/s, {current} delivers "
-                       f"{now['batches_per_s']:.1f}, and memory is free")
+        reasons.append(
+            f"the model waits on data: it takes {model_bps:.1f} batches/s, {current} delivers "
+            f"{now['batches_per_s']:.1f}, and memory is free"
+        )
         if pick is not now:
             reasons.append(f"more workers: {pick['profile']} delivers {pick['batches_per_s']:.1f} batches/s")
         elif now["num_workers"] < cores:
             overrides.append(f"loader.num_workers={min(cores, 2 * max(now['num_workers'], 1))}")
             reasons.append(f"more workers: {cores} CPUs are usable, {current} uses {now['num_workers']}")
         else:
-            reasons.append(f"the workers already use all {cores} CPUs: cheaper transforms, smaller images or more "
-                           "CPUs are what is left")
+            reasons.append(
+                f"the workers already use all {cores} CPUs: cheaper transforms, smaller images or more "
+                "CPUs are what is left"
+            )
     else:
         pick = now
-        reasons.append(f"{current} keeps up: {now['batches_per_s']:.1f} batches/s from the loader, "
-                       f"{model_bps:.1f} batches/s taken by the model")
+        reasons.append(
+            f"{current} keeps up: {now['batches_per_s']:.1f} batches/s from the loader, "
+            f"{model_bps:.1f} batches/s taken by the model"
+        )
     epoch_s = full_batches / pick["batches_per_s"]
     restart = pick["first_batch_e2_s"]
     if not pick["persistent_workers"] and pick["num_workers"] and restart > START_SHARE * epoch_s:
         overrides.append("loader.persistent_workers=true")
-        reasons.append(f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} "
-                       "of an "
-                       "epoch); persistent workers skip it, at the price of keeping their memory")
+        reasons.append(
+            f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} "
+            "of an "
+            "epoch); persistent workers skip it, at the price of keeping their memory"
+        )
     return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
 
 
 COLUMNS = [  # (key, header, format)
-    ("profile", "profile", "{}"), ("num_workers", "workers", "{}"), ("prefetch_factor", "prefetch", "{}"),
-    ("persistent_workers", "persistent", "{}"), ("plan_mib", "plan MiB", "{:.1f}"),
-    ("in_flight_mib", "in flight MiB", "{:.1f}"), ("worker_start_s", "worker start s", "{:.2f}"),
-    ("dataset_init_s", "dataset init s", "{:.2f}"), ("first_batch_e1_s", "1st batch e1 s", "{:.2f}"),
-    ("first_batch_e2_s", "1st batch e2 s", "{:.2f}"), ("batches_per_s", "batches/s", "{:.1f}"),
+    ("profile", "profile", "{}"),
+    ("num_workers", "workers", "{}"),
+    ("prefetch_factor", "prefetch", "{}"),
+    ("persistent_workers", "persistent", "{}"),
+    ("plan_mib", "plan MiB", "{:.1f}"),
+    ("in_flight_mib", "in flight MiB", "{:.1f}"),
+    ("worker_start_s", "worker start s", "{:.2f}"),
+    ("dataset_init_s", "dataset init s", "{:.2f}"),
+    ("first_batch_e1_s", "1st batch e1 s", "{:.2f}"),
+    ("first_batch_e2_s", "1st batch e2 s", "{:.2f}"),
+    ("batches_per_s", "batches/s", "{:.1f}"),
     ("peak_pss_mib", "peak PSS MiB", "{:.0f}"),
 ]
 
@@ -312,15 +346,25 @@ def diagnose(cfg) -> dict:
     full_batches = max(len(train_set) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     report = {
-        "machine": {"cpus": cores, "available_mib": available_mib, "device": str(device),
-                    "torch": torch.__version__, "python": sys.version.split()[0]},
+        "machine": {
+            "cpus": cores,
+            "available_mib": available_mib,
+            "device": str(device),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
         "data": {"train_samples": len(train_set), "build_s": build_s, "full_epoch_batches": full_batches},
-        "model_batches_per_s": model_bps, "current": current, "profiles": results, "recommendation": advice,
+        "model_batches_per_s": model_bps,
+        "current": current,
+        "profiles": results,
+        "recommendation": advice,
     }
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
     print(table(results))
-    print(f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
-          f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s")
+    print(
+        f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
+        f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s"
+    )
     for r in results:
         if r.get("budget_change"):
             print(f"{r['profile']}: {r['budget_change']}")
@@ -336,8 +380,10 @@ def conf_dir() -> Path:
     for folder in (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf"):
         if (folder / "config.yaml").is_file():
             return folder
-    raise UserError(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
-                    "the folder holding train.py and conf/")
+    raise UserError(
+        f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
+        "the folder holding train.py and conf/"
+    )
 
 
 def run(cfg) -> None:

@@ -92,14 +92,27 @@ class EpochBatchSampler(Sampler):
     and it replaces the uniform permutation; padding and the split by rank stay the same.
     """
 
-    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1, pad: bool = True, order_fn=None):
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        pad: bool = True,
+        order_fn=None,
+    ):
         self.size, self.batch_size, self.seed, self.order_fn = size, batch_size, seed, order_fn
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
         self.pad = pad  # training pads so every rank takes as many steps; evaluation counts each sample once
         self.epoch, self.start = 0, 0
         if self.batches_per_epoch() < 1:
-            raise UserError(f"the data set has {size} samples, too few for one batch of {batch_size} per process: lower loader.batch_size")
+            raise UserError(
+                f"the data set has {size} samples, too few for one batch of {batch_size} per process: "
+                "lower loader.batch_size"
+            )
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
@@ -117,8 +130,9 @@ class EpochBatchSampler(Sampler):
         if self.shuffle and self.order_fn is not None:
             order = np.asarray(self.order_fn(self.seed, self.epoch))
             if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
-                raise UserError(f"{self.order_fn.__qualname__} must return a permutation of the "
-                                f"{self.size} sample numbers")
+                raise UserError(
+                    f"{self.order_fn.__qualname__} must return a permutation of the {self.size} sample numbers"
+                )
         elif self.shuffle:
             seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
@@ -133,7 +147,12 @@ class EpochBatchSampler(Sampler):
 
     def __iter__(self):
         order, size = self.order(), self.batch_size
-        return iter([BatchIndices(order[i * size : (i + 1) * size].tolist(), self.epoch, i) for i in range(self.start, self.batches_per_epoch())])
+        return iter(
+            [
+                BatchIndices(order[i * size : (i + 1) * size].tolist(), self.epoch, i)
+                for i in range(self.start, self.batches_per_epoch())
+            ]
+        )
 
 
 class BatchIndices(list):
@@ -280,14 +299,29 @@ class TrainLoader:
     With num_workers=0 there is no generation: the main process RNG is saved with the main state.
     """
 
-    def __init__(self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
-                 rank: int = 0, world_size: int = 1, worker_init=None):
+    def __init__(
+        self,
+        dataset,
+        settings: LoaderSettings,
+        seed: int,
+        rng_mode: str = "per_sample",
+        collate_fn=None,
+        rank: int = 0,
+        world_size: int = 1,
+        worker_init=None,
+    ):
         if rng_mode not in ("per_sample", "per_worker"):
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
         self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
         self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample")
-        self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, rank=rank, world_size=world_size,
-                                         order_fn=getattr(dataset, "epoch_order", None))
+        self.sampler = EpochBatchSampler(
+            len(dataset),
+            settings.batch_size,
+            seed,
+            rank=rank,
+            world_size=world_size,
+            order_fn=getattr(dataset, "epoch_order", None),
+        )
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
@@ -302,9 +336,16 @@ class TrainLoader:
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
         s = self.settings
         return DataLoader(
-            self.dataset, batch_sampler=self.sampler, num_workers=s.num_workers, collate_fn=self.collate,
-            pin_memory=s.pin_memory, timeout=s.timeout, worker_init_fn=seeding, generator=generator,
-            prefetch_factor=s.prefetch_factor, persistent_workers=persistent,
+            self.dataset,
+            batch_sampler=self.sampler,
+            num_workers=s.num_workers,
+            collate_fn=self.collate,
+            pin_memory=s.pin_memory,
+            timeout=s.timeout,
+            worker_init_fn=seeding,
+            generator=generator,
+            prefetch_factor=s.prefetch_factor,
+            persistent_workers=persistent,
         )
 
     @property
@@ -408,10 +449,24 @@ def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: in
     """The validation loader, also built once. Its own generator keeps the main RNG untouched.
 
     `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers)."""
-    sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed=0, shuffle=False, drop_last=False,
-                                rank=rank, world_size=world_size, pad=False)
+    sampler = EpochBatchSampler(
+        len(dataset),
+        settings.batch_size,
+        seed=0,
+        shuffle=False,
+        drop_last=False,
+        rank=rank,
+        world_size=world_size,
+        pad=False,
+    )
     return DataLoader(
-        dataset, batch_sampler=sampler, num_workers=settings.num_workers, pin_memory=settings.pin_memory,
-        timeout=settings.timeout, prefetch_factor=settings.prefetch_factor,
-        persistent_workers=settings.persistent_workers, generator=torch.Generator(), worker_init_fn=worker_init,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=settings.num_workers,
+        pin_memory=settings.pin_memory,
+        timeout=settings.timeout,
+        prefetch_factor=settings.prefetch_factor,
+        persistent_workers=settings.persistent_workers,
+        generator=torch.Generator(),
+        worker_init_fn=worker_init,
     )

@@ -102,8 +102,10 @@ class Plan:
         if not self.num_workers:
             return f"{head}; num_workers=0 loads in the main process: 0 batches in flight = 0.0 MiB"
         pinned = f" + {self.pinned_copies} pinned copies" if self.pinned else ""
-        return (f"{head} x {self.in_flight} batches in flight ({self.num_workers} workers x prefetch_factor "
-                f"{self.prefetch_factor}){pinned} = {self.mib:.1f} MiB")
+        return (
+            f"{head} x {self.in_flight} batches in flight ({self.num_workers} workers x prefetch_factor "
+            f"{self.prefetch_factor}){pinned} = {self.mib:.1f} MiB"
+        )
 
 
 def plan(batch, settings: LoaderSettings) -> Plan:
@@ -115,8 +117,9 @@ def plan_for(settings: LoaderSettings, one_batch_bytes: int) -> Plan:
     return Plan(one_batch_bytes, settings.num_workers, settings.prefetch_factor, settings.pin_memory)
 
 
-def fit_budget(settings: LoaderSettings, one_batch_bytes: int, max_mib: float | None,
-               on_budget: str = "adjust") -> tuple[LoaderSettings, str | None]:
+def fit_budget(
+    settings: LoaderSettings, one_batch_bytes: int, max_mib: float | None, on_budget: str = "adjust"
+) -> tuple[LoaderSettings, str | None]:
     """Settings whose prefetch plan fits `max_mib`, and a sentence saying what changed (None: nothing did).
 
     prefetch_factor goes down first (fewer batches ahead, same parallelism); only when one batch per
@@ -127,7 +130,8 @@ def fit_budget(settings: LoaderSettings, one_batch_bytes: int, max_mib: float | 
         return settings, None
     if max_mib <= 0:
         raise UserError(
-            f"loader.max_prefetch_mib must be a positive number of MiB (or null for no budget), got {max_mib}")
+            f"loader.max_prefetch_mib must be a positive number of MiB (or null for no budget), got {max_mib}"
+        )
     before = plan_for(settings, one_batch_bytes)
     if before.mib <= max_mib:
         return settings, None
@@ -148,9 +152,14 @@ def fit_budget(settings: LoaderSettings, one_batch_bytes: int, max_mib: float | 
         after = replace(settings, num_workers=fits, prefetch_factor=1)
     else:
         after = replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
-    changes = [f"{name} {getattr(settings, name)} -> {getattr(after, name)}"
-               for name in ("prefetch_factor", "num_workers") if getattr(settings, name) != getattr(after, name)]
+    changes = [
+        f"{name} {getattr(settings, name)} -> {getattr(after, name)}"
+        for name in ("prefetch_factor", "num_workers")
+        if getattr(settings, name) != getattr(after, name)
+    ]
     where = "; the main process loads each batch" if not after.num_workers else ""
-    sentence = (f"the prefetch plan ({before.mib:.1f} MiB) is over loader.max_prefetch_mib={max_mib:g}: "
-                f"{', '.join(changes)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})")
+    sentence = (
+        f"the prefetch plan ({before.mib:.1f} MiB) is over loader.max_prefetch_mib={max_mib:g}: "
+        f"{', '.join(changes)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
+    )
     return after, sentence

@@ -99,7 +99,8 @@ class WorkerDied(RuntimeError):
 # signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
 # unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
 TORCH_WORKER_DEATH = re.compile(
-    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)")
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)"
+)
 
 
 def _ended(pid: int) -> str | None:
@@ -133,9 +134,11 @@ def worker_death(exc: BaseException) -> str | None:
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Killed" in text or "SIGKILL" in text:
-                return (f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer "
-                        "(dmesg shows it): "
-                        "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib")
+                return (
+                    f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer "
+                    "(dmesg shows it): "
+                    "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib"
+                )
             return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
     return None
 
@@ -229,8 +232,11 @@ class Monitor:
         self._check_workers()
         steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
         self._mark = (step, data_wait, now)
-        window = {"wait_ms_per_step": 1000 * wait / steps, "compute_ms_per_step": 1000 * (elapsed - wait) / steps,
-                  "data_wait_share": wait / elapsed if elapsed > 0 else 0.0}
+        window = {
+            "wait_ms_per_step": 1000 * wait / steps,
+            "compute_ms_per_step": 1000 * (elapsed - wait) / steps,
+            "data_wait_share": wait / elapsed if elapsed > 0 else 0.0,
+        }
         self._pending.append((step, window, Reading(self.loader.worker_pids), "epoch end" if last else "sample"))
         if last and not self.loader.settings.persistent_workers:
             self._write_done(wait=True)  # these workers exit as soon as the loop asks for the next batch: read them now
@@ -248,11 +254,18 @@ class Monitor:
             if not self.runlog.enabled:
                 continue
             if what == "measured":
-                log.info("prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those "
-                         "in flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB "
-                         "(RSS %.0f MiB)",
-                         self.plan.mib, step, figures["shm_mib"], figures["main_pss_mib"], figures["workers_pss_mib"],
-                         figures["pss_mib"], figures["rss_mib"])
+                log.info(
+                    "prefetch plan %.1f MiB; measured at step %d: %.1f MiB of batches in shared memory (those "
+                    "in flight and the one in training), PSS main %.0f MiB + workers %.0f MiB = %.0f MiB "
+                    "(RSS %.0f MiB)",
+                    self.plan.mib,
+                    step,
+                    figures["shm_mib"],
+                    figures["main_pss_mib"],
+                    figures["workers_pss_mib"],
+                    figures["pss_mib"],
+                    figures["rss_mib"],
+                )
             else:
                 self.runlog.scalars("health", figures, step)
         self._pending = still
@@ -276,10 +289,18 @@ class Monitor:
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
         }
         if self.runlog.enabled:
-            log.info("health: %d workers, PSS %.0f MiB (main %.0f + workers %.0f), RSS %.0f MiB, %d fds, "
-                     "%.1f MiB batches in shared memory, data wait %.0f%% of the epoch", record["worker_count"],
-                     reading["pss_mib"], reading["main_pss_mib"], reading["workers_pss_mib"], reading["rss_mib"],
-                     record["fds"], reading["shm_mib"], 100 * record["data_wait_share"])
+            log.info(
+                "health: %d workers, PSS %.0f MiB (main %.0f + workers %.0f), RSS %.0f MiB, %d fds, "
+                "%.1f MiB batches in shared memory, data wait %.0f%% of the epoch",
+                record["worker_count"],
+                reading["pss_mib"],
+                reading["main_pss_mib"],
+                reading["workers_pss_mib"],
+                reading["rss_mib"],
+                record["fds"],
+                reading["shm_mib"],
+                100 * record["data_wait_share"],
+            )
         return record
 
     def _check_workers(self) -> None:

@@ -47,8 +47,12 @@ def locate(value: str, run_dir: Path, cfg, world_size: int, is_main: bool = True
             log.info("resume=latest: skipping %s: %s", path, why)
     if is_main:
         hint = "; to continue one of them with this config: resume=<its path> resume_strict=false" if found else ""
-        log.warning("resume=latest: no checkpoints/last.pth under %s fits this run (%d skipped); starting fresh%s",
-                    root, len(found), hint)
+        log.warning(
+            "resume=latest: no checkpoints/last.pth under %s fits this run (%d skipped); starting fresh%s",
+            root,
+            len(found),
+            hint,
+        )
     return None
 
 
@@ -75,8 +79,11 @@ def differences(saved: dict, cfg) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) for every leaf key that differs, dotted keys, sorted."""
     old = _flatten(saved)
     new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())
-            if old.get(k, ABSENT) != new.get(k, ABSENT)]
+    return [
+        (k, old.get(k, ABSENT), new.get(k, ABSENT))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, ABSENT) != new.get(k, ABSENT)
+    ]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -93,6 +100,7 @@ def describe(changes) -> str:
     def show(v):
         text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
         return text if len(text) <= 60 else text[:57] + "..."
+
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
@@ -113,8 +121,12 @@ def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
         return
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if run:
-        log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
-                    "planned by this config, at step %d", describe(run), ckpt["step"])
+        log.warning(
+            "resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
+            "planned by this config, at step %d",
+            describe(run),
+            ckpt["step"],
+        )
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
 
@@ -125,13 +137,17 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
         if before != now:
-            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
-                            f"resume with the same {group}")
+            raise UserError(
+                f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
+                f"resume with the same {group}"
+            )
     saved, current = ckpt["model"], model.state_dict()
     if saved.keys() != current.keys():
         odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
-                        f"e.g. {odd[0]}): resume with the same model config")
+        raise UserError(
+            f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
+            f"e.g. {odd[0]}): resume with the same model config"
+        )
     for name, tensor in current.items():
         if saved[name].shape != tensor.shape:
             raise UserError(
@@ -177,10 +193,15 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:
     """The closing line of a run: its folder, its last.pth, and the command that continues it."""
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
-    launch = ["python", "train.py"] if world_size == 1 else [
-        "torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
+    launch = (
+        ["python", "train.py"]
+        if world_size == 1
+        else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
+    )
     command = " ".join([*launch, *kept, f"resume={shlex.quote(str(last))}"])
     if finished:
-        return (f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
-                f"to train longer: {command} epochs=<more> resume_strict=false")
+        return (
+            f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
+            f"to train longer: {command} epochs=<more> resume_strict=false"
+        )
     return f"stopped at step {step}; run folder {run_dir}; checkpoint {last}; to continue: {command}"

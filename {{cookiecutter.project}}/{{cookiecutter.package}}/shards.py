@@ -66,15 +66,17 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
     if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
         raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
     if not (src / "train").is_dir():
-        raise UserError(f"{str(src / 'train')!r} is not a folder: "
-                        "pack expects SRC/train/<class>/* (and SRC/val/<class>/*)")
+        raise UserError(
+            f"{str(src / 'train')!r} is not a folder: pack expects SRC/train/<class>/* (and SRC/val/<class>/*)"
+        )
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{str(dst)!r} is not empty: pack writes into a new or empty folder, and nothing was written")
     try:
         classes, class_to_idx = find_classes(str(src / "train"))
     except FileNotFoundError:
-        raise UserError(f"no class folders in {str(src / 'train')!r}: "
-                        "put one subfolder of images per class there") from None
+        raise UserError(
+            f"no class folders in {str(src / 'train')!r}: put one subfolder of images per class there"
+        ) from None
     listing = {}
     for split in SPLITS:
         folder = src / split
@@ -82,8 +84,10 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
             continue
         unknown = sorted({p.name for p in folder.iterdir() if p.is_dir()} - set(classes))
         if unknown:
-            raise UserError(f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
-                            "labels would not match")
+            raise UserError(
+                f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
+                "labels would not match"
+            )
         listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
         if not listing[split]:
             raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
@@ -95,19 +99,34 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
         for first in range(0, len(samples), per_shard):
             name = f"shard-{first // per_shard:05d}.tar"
             entries.append(write_shard(folder / name, samples[first : first + per_shard], first, src / split))
-        index = {"format": FORMAT, "classes": classes, "per_shard": per_shard, "samples": len(samples),
-                 "shards": entries}
+        index = {
+            "format": FORMAT,
+            "classes": classes,
+            "per_shard": per_shard,
+            "samples": len(samples),
+            "shards": entries,
+        }
         write_atomic(folder / INDEX, json.dumps(index, separators=(",", ":")))
         size = sum(e["bytes"] for e in entries)
-        report(f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(entries)} shards, "
-               f"{size / 2**20:.1f} MiB in {folder}")
+        report(
+            f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(entries)} shards, "
+            f"{size / 2**20:.1f} MiB in {folder}"
+        )
     return {split: len(samples) for split, samples in listing.items()}
 
 
 def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base: Path) -> dict:
     """One tar file, written under a temporary name, flushed to disk and renamed into place; its index entry."""
-    entry = {"name": path.name, "bytes": 0, "keys": [], "paths": [], "offsets": [], "sizes": [], "labels": [],
-             "cls_offsets": []}
+    entry = {
+        "name": path.name,
+        "bytes": 0,
+        "keys": [],
+        "paths": [],
+        "offsets": [],
+        "sizes": [],
+        "labels": [],
+        "cls_offsets": [],
+    }
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -164,18 +183,22 @@ class ShardDataset(Dataset):
     windows, so a batch straddling two windows reads without re-opening).
     """
 
-    def __init__(self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4,
-                 max_open: int | None = None):
+    def __init__(
+        self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4, max_open: int | None = None
+    ):
         self.root, self.transform = Path(root), transform
         index = read_index(self.root)
         self.classes = list(index["classes"])
         if num_classes is not None and num_classes != len(self.classes):
             shown = ", ".join(self.classes[:5]) + (", ..." if len(self.classes) > 5 else "")
-            raise UserError(f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
-                            f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}")
+            raise UserError(
+                f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
+                f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}"
+            )
         if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-            raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), "
-                            f"got {shuffle_window!r}")
+            raise UserError(
+                f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}"
+            )
         shards = index["shards"]
         counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
@@ -217,8 +240,10 @@ class ShardDataset(Dataset):
         f.seek(int(self.offset[index]))
         data = f.read(size)
         if len(data) != size:
-            raise UserError(f"shard {self.paths[shard]} ended early (sample {index}): it changed after the run "
-                            "started; copy it again or pack again")
+            raise UserError(
+                f"shard {self.paths[shard]} ended early (sample {index}): it changed after the run "
+                "started; copy it again or pack again"
+            )
         return data
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
@@ -274,12 +299,14 @@ class ShardDataset(Dataset):
             try:
                 size = os.stat(path).st_size
             except FileNotFoundError:
-                raise UserError(f"shard {path} is missing (listed in {self.root / INDEX}): "
-                                "restore it or pack again") from None
+                raise UserError(
+                    f"shard {path} is missing (listed in {self.root / INDEX}): restore it or pack again"
+                ) from None
         if size != expected:
             what = "truncated" if size < expected else "changed"
-            raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; "
-                            "copy it again or pack again")
+            raise UserError(
+                f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again"
+            )
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
@@ -289,18 +316,23 @@ class ShardDataset(Dataset):
 def read_index(root: Path) -> dict:
     path = root / INDEX
     if not root.is_dir():
-        raise UserError(f"shard folder {str(root)!r} does not exist: pack an image folder first "
-                        f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST")
+        raise UserError(
+            f"shard folder {str(root)!r} does not exist: pack an image folder first "
+            f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST"
+        )
     if not path.is_file():
-        raise UserError(f"{str(path)!r} is missing: data.root must be a folder written by "
-                        f"python -m {__package__}.shards pack (an interrupted pack writes no index: pack again)")
+        raise UserError(
+            f"{str(path)!r} is missing: data.root must be a folder written by "
+            f"python -m {__package__}.shards pack (an interrupted pack writes no index: pack again)"
+        )
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{str(path)!r} cannot be read ({e}): pack again into an empty folder") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise UserError(f"{str(path)!r} is not an index this version reads (format {FORMAT}): "
-                        "pack again into an empty folder")
+        raise UserError(
+            f"{str(path)!r} is not an index this version reads (format {FORMAT}): pack again into an empty folder"
+        )
     return index
 
 
@@ -310,12 +342,17 @@ def read_index(root: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.shards", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* "
-                                         "into tar shards + index.json in DST")
+    p = commands.add_parser(
+        "pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* into tar shards + index.json in DST"
+    )
     p.add_argument("src", help="image folder holding train/ and val/, one subfolder per class in each")
     p.add_argument("dst", help="new or empty folder for the shards")
-    p.add_argument("--per-shard", type=int, default=1000,
-                   help="samples per tar file (default 1000); aim for files of a few hundred MB")
+    p.add_argument(
+        "--per-shard",
+        type=int,
+        default=1000,
+        help="samples per tar file (default 1000); aim for files of a few hundred MB",
+    )
     args = parser.parse_args(argv)
     try:
         pack(args.src, args.dst, args.per_shard)
