@@ -57,7 +57,9 @@ def wait_for_steps(run_dir: Path, count: int, timeout: float = 120) -> None:
     train.py logs every `log_every_steps` steps: pass `log_every_steps=1` where the test needs a precise point."""
     deadline = time.time() + timeout
     while last_logged_step(run_dir) < count:
-        assert time.time() < deadline, f"train.py in {run_dir} did not log step {count} within {timeout:.0f} s"
+        logged = (run_dir / "steps.jsonl").exists()
+        seen = f"last logged step {last_logged_step(run_dir)}" if logged else "no steps.jsonl"
+        assert time.time() < deadline, f"train.py in {run_dir} did not log step {count} within {timeout:g} s ({seen})"
         time.sleep(0.01)
 
 

@@ -64,7 +64,9 @@ def python(code, *args):
 def test_main_pickles_by_value_loads_in_a_fresh_process_and_pickles_again(tmp_path):
     blob = tmp_path / "main.pkl"
     out = python(PICKLE_MAIN, str(blob))
-    assert "without: cannot pickle 'CudnnModule' object" in out  # the failure the launcher hit, reproduced
+    # the failure the launcher hit, reproduced: a module subclass (torch.backends.cudnn's CudnnModule, or the
+    # ConfigModuleInstance of torch's config modules, whichever cloudpickle meets first)
+    assert re.search(r"without: cannot pickle '(CudnnModule|ConfigModuleInstance)' object", out), out
     assert python(LOAD_AND_REPICKLE, str(blob)).strip() == "job: main CudnnModule"
 
 

@@ -83,10 +83,13 @@ def text(null: str | None = None) -> Callable:
     return check
 
 
-def one_of(*allowed) -> Callable:
+def one_of(*allowed, also=()) -> Callable:
+    """One of the strings `allowed` (or a value in `also`, e.g. the booleans an older config used)."""
+
     def check(v):
-        if not any(v is a if isinstance(a, bool) else (isinstance(v, str) and v == a) for a in allowed):
-            return "one of " + ", ".join(str(a).lower() for a in allowed)
+        if not (isinstance(v, str) and v in allowed) and not any(v is a for a in also):
+            shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+            return shown + (f" ({'/'.join(str(a).lower() for a in also)} also work)" if also else "")
 
     return check
 
@@ -163,7 +166,7 @@ class Config:
     resume_strict: bool = key(typed())
     device: Device = key(typed())
     deterministic: bool = key(typed())
-    amp: Any = key(one_of("off", "bf16", "fp16", True, False))  # true/false (older configs) mean fp16/off
+    amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
     channels_last: bool = key(typed())
     compile: bool = key(typed())
     device_prefetch: bool = key(typed())
