@@ -15,7 +15,9 @@ and optimizer are built once on a dummy batch, so a wrong argument fails here, n
 import dataclasses
 import difflib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,8 +27,10 @@ from typing import Any
 import torch
 from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from .errors import UserError
 
@@ -390,3 +394,29 @@ def check_data(train_set, val_set, num_classes: int) -> None:
             f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
             "give both the same class folders"
         )
+
+
+class CheckBeforeRun(Callback):
+    """`hydra.callbacks` in conf/config.yaml: `check()` before Hydra creates the run folder or writes anything.
+
+    Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function,
+    so a refusal from inside train() would already have overwritten a resumed run's saved config. This runs
+    first (single runs; a multirun's jobs are checked by train() itself) and exits with the one-line error.
+    Only for train.py: eval.py composes the same config with keys of its own.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if config.hydra.job.name != "train":
+            return
+        config = config.copy()
+        with read_write(config.hydra.runtime):  # as Hydra's run_job sets it next, so `${hydra:...}` values resolve
+            config.hydra.runtime.output_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+        HydraConfig.instance().set_config(config)
+        task = config.copy()
+        with open_dict(task):
+            del task["hydra"]
+        try:
+            check(task, config.hydra.runtime.choices, list(config.hydra.overrides.task))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)

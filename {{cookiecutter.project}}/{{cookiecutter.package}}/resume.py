@@ -200,8 +200,9 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
     )
     command = " ".join([*launch, *kept, f"resume={shlex.quote(str(last))}"])
     if finished:
+        longer = " ".join([*launch, *(o for o in kept if not o.startswith("epochs=")), f"resume={shlex.quote(str(last))}"])
         return (
             f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
-            f"to train longer: {command} epochs=<more> resume_strict=false"
+            f"to train longer: {longer} epochs=<more> resume_strict=false"
         )
     return f"stopped at step {step}; run folder {run_dir}; checkpoint {last}; to continue: {command}"
