@@ -10,7 +10,7 @@ from omegaconf import MISSING, OmegaConf
 from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import resolve_settings, usable_cpus
-from tests.helpers import PROJECT, run_train
+from tests.helpers import PROJECT, RNG_DATA, run_train
 
 config.register()
 PROFILES = ["memory-tight", "balanced", "throughput"]
@@ -210,3 +210,16 @@ def test_train_py_refuses_in_one_line(tmp_path):
     assert "does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = run_train(tmp_path / "c", "loader.num_worker=3", expect=1)
     assert "num_worker" in proc.stderr
+
+
+def test_a_refused_command_leaves_an_existing_run_folder_untouched(tmp_path):
+    """Hydra rewrites .hydra/config.yaml before the task runs; the checks run before that (CheckBeforeRun)."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, *RNG_DATA, "epochs=1", "max_steps=1")
+    saved = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    proc = run_train(run_dir, *RNG_DATA, "epochs=-1", "resume=latest", expect=2)
+    assert proc.stderr.strip() == "error: epochs must be an integer >= 1, got -1"
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == saved
+    # negative control: without the callback, the same refusal comes from train() after Hydra rewrote its record
+    run_train(run_dir, *RNG_DATA, "epochs=-1", "resume=latest", "~hydra.callbacks.checks", expect=2)
+    assert (run_dir / ".hydra/config.yaml").read_bytes() != saved[run_dir / ".hydra/config.yaml"]
