@@ -17,9 +17,17 @@ out=outputs/gpu_check
 rm -rf "$out" && mkdir -p "$out"
 
 # uint8 off: the same augmentation, then ToDtype + Normalize in the workers (data.normalize passes floats through)
-to_float='{_target_: torchvision.transforms.v2.ToDtype, dtype: {_target_: hydra.utils.get_object, path: torch.float32}, scale: true}, {_target_: torchvision.transforms.v2.Normalize, mean: [0.5, 0.5, 0.5], std: [0.25, 0.25, 0.25]}'
-float_train="data.train.transform.transforms=[{_target_: torchvision.transforms.v2.ToImage}, {_target_: torchvision.transforms.v2.RandomResizedCrop, size: 32, scale: [0.6, 1.0], ratio: [0.8, 1.25], antialias: true}, {_target_: torchvision.transforms.v2.RandomHorizontalFlip, p: 0.5}, $to_float]"
-float_val="data.val.transform.transforms=[{_target_: torchvision.transforms.v2.ToImage}, {_target_: torchvision.transforms.v2.Resize, size: 32, antialias: true}, {_target_: torchvision.transforms.v2.CenterCrop, size: 32}, $to_float]"
+ToImage='{_target_: torchvision.transforms.v2.ToImage}'
+to_float='{_target_: torchvision.transforms.v2.ToDtype, dtype: {_target_: hydra.utils.get_object, path: torch.float32},'
+to_float+=' scale: true}, {_target_: torchvision.transforms.v2.Normalize,'
+to_float+=' mean: [0.5, 0.5, 0.5], std: [0.25, 0.25, 0.25]}'
+crop='{_target_: torchvision.transforms.v2.RandomResizedCrop, size: 32, scale: [0.6, 1.0], ratio: [0.8, 1.25],'
+crop+=' antialias: true}'
+flip='{_target_: torchvision.transforms.v2.RandomHorizontalFlip, p: 0.5}'
+resize='{_target_: torchvision.transforms.v2.Resize, size: 32, antialias: true}'
+center='{_target_: torchvision.transforms.v2.CenterCrop, size: 32}'
+float_train="data.train.transform.transforms=[$ToImage, $crop, $flip, $to_float]"
+float_val="data.val.transform.transforms=[$ToImage, $resize, $center, $to_float]"
 
 for profile in $PROFILES; do
   for prefetch in true false; do

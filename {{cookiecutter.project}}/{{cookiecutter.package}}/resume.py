@@ -198,9 +198,10 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
         if world_size == 1
         else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
     )
-    command = " ".join([*launch, *kept, f"resume={shlex.quote(str(last))}"])
+    resume_from = f"resume={shlex.quote(str(last))}"
+    command = " ".join([*launch, *kept, resume_from])
     if finished:
-        longer = " ".join([*launch, *(o for o in kept if not o.startswith("epochs=")), f"resume={shlex.quote(str(last))}"])
+        longer = " ".join([*launch, *(o for o in kept if not o.startswith("epochs=")), resume_from])
         return (
             f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
             f"to train longer: {longer} epochs=<more> resume_strict=false"
