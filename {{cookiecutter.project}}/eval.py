@@ -53,9 +53,12 @@ def evaluate_checkpoint(cfg) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not cfg.ckpt:
         raise UserError("eval: give ckpt=PATH (a checkpoints/*.pth file) or ckpt=latest")
-    # the same rule as train.py's resume=latest, on the training keys (ckpt and split are eval.py's own)
+    # ckpt=latest: train.py's resume=latest rule, held to the keys this command sets (the rest comes from the
+    # checkpoint), written by any number of processes
     training = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("ckpt", "split")])
-    found = resume.locate(cfg.ckpt, run_dir, training, world_size=1)
+    overrides = [o.lstrip("+~").split("=")[0] for o in HydraConfig.get().overrides.task]
+    only = [k for k in overrides if k not in ("ckpt", "split") and not k.startswith(("checkpoint.", "hydra"))]
+    found = resume.locate(cfg.ckpt, run_dir, training, world_size=None, only=only)
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
     try:

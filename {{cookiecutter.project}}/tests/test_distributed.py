@@ -159,6 +159,7 @@ def elastic_cmd(run_dir, *overrides):
         "train.py",
         *DATA,
         "checkpoint.every_steps=2",
+        "log_every_steps=1",  # a steps.jsonl line per step: the kill points are exact
         "resume=latest",
         f"hydra.run.dir={run_dir}",
         f"checkpoint.search_dir={run_dir}",

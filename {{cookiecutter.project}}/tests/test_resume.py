@@ -126,7 +126,7 @@ def test_signal_saves_then_resume_is_exact(tmp_path, straight, signum, code):
 def test_periodic_checkpoints_keep_the_newest(tmp_path):
     run_train(tmp_path, *DATA, "epochs=1", "checkpoint.every_steps=5", "checkpoint.keep=2")
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["last.pth", "step-00000010.pth", "step-00000012.pth"]
+    assert names == ["best.pth", "last.pth", "step-00000010.pth", "step-00000012.pth"]
     assert load_ckpt(tmp_path / "checkpoints/step-00000010.pth")["ranks"][0]["loader"]["position"] == 10
 
 

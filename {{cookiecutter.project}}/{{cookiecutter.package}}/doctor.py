@@ -50,11 +50,11 @@ from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
 from . import config, memory, monitor, rng
+from .device import input_transform
 from .errors import UserError, find_user_error
 from .loader import TrainLoader, resolve_settings, usable_cpus
 
 log = logging.getLogger("doctor")
-config.register()
 
 MiB = 2**20
 MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
@@ -216,7 +216,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
         x, y = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
     finally:
         rng.apply(saved)
-    x, y = x.to(device), y.to(device)
+    x, y = input_transform(cfg.data, device)(x.to(device)), y.to(device)  # uint8 -> normalized floats, as train.py
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
             if device.type == "cuda":
@@ -403,6 +403,7 @@ def main() -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    config.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 
 

@@ -24,13 +24,17 @@ def rank_state(train_loader) -> dict:
     return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
 
 
-def locate(value: str, run_dir: Path, cfg, world_size: int, is_main: bool = True) -> Path | None:
+def locate(
+    value: str, run_dir: Path, cfg, world_size: int | None, is_main: bool = True, only: list[str] | None = None
+) -> Path | None:
     """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
 
     `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
     newest last.pth under `checkpoint.search_dir` that *fits this run*: written by as many processes,
     with the same values for every key that changes the run (`config.changes_run`). Newer ones that
     do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
+    eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
+    `world_size=None` (any number of processes).
     """
     if value != "latest":
         return Path(to_absolute_path(value))
@@ -40,7 +44,7 @@ def locate(value: str, run_dir: Path, cfg, world_size: int, is_main: bool = True
     root = Path(to_absolute_path(cfg.checkpoint.search_dir))
     found = sorted(root.glob("**/checkpoints/last.pth"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in found:
-        why = misfit(path, cfg, world_size)
+        why = misfit(path, cfg, world_size, only)
         if why is None:
             return path
         if is_main:
@@ -56,7 +60,7 @@ def locate(value: str, run_dir: Path, cfg, world_size: int, is_main: bool = True
     return None
 
 
-def misfit(path: Path, cfg, world_size: int) -> str | None:
+def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = None) -> str | None:
     """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
     tensors are not read, only the config and the per-rank list."""
     try:
@@ -65,9 +69,11 @@ def misfit(path: Path, cfg, world_size: int) -> str | None:
     except Exception as e:
         return f"not a readable checkpoint ({type(e).__name__})"
     changed = [c for c in differences(saved, cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
+    if only is not None:
+        changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    if ranks != world_size:
+    if world_size is not None and ranks != world_size:
         return f"written by {ranks} processes, this run has {world_size}"
     return None
 
