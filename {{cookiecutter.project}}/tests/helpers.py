@@ -44,6 +44,21 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     return proc
 
 
+def torchrun_cmd(run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=2 [launcher_args] train.py ...`, its outputs in `run_dir`."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args]
+    return [*launcher, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run_torchrun(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Two ranks of train.py under torchrun, to the end; asserts the exit code."""
+    proc = subprocess.run(
+        torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
 def last_logged_step(run_dir: Path) -> int:
     """The `step` of the newest complete line of steps.jsonl (0 before the first): one line per log interval."""
     path = run_dir / "steps.jsonl"

@@ -13,31 +13,27 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package }} import config
-from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
+from tests import helpers
+from tests.helpers import (
+    PROJECT,
+    RNG_DATA,
+    load_ckpt,
+    read_jsonl,
+    run_torchrun,
+    run_train,
+    same_weights,
+    wait_for_steps,
+)
 
 DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=2"]  # 2 x 100 samples, 6 steps per epoch
 
 
-def torchrun_cmd(run_dir, *overrides):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        *DATA,
-        *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
+def torchrun_cmd(run_dir, *overrides, launcher_args=()):
+    return helpers.torchrun_cmd(run_dir, *DATA, *overrides, launcher_args=launcher_args)
 
 
 def torchrun(run_dir, *overrides, expect=0, timeout=300):
-    proc = subprocess.run(
-        torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+    return run_torchrun(run_dir, *DATA, *overrides, expect=expect, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -149,22 +145,15 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
 
 def elastic_cmd(run_dir, *overrides):
     """The command of the README: torchrun restarts failed attempts; each resumes from the folder's own last.pth."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--max-restarts=2",
-        "train.py",
-        *DATA,
+    return torchrun_cmd(
+        run_dir,
         "checkpoint.every_steps=2",
         "log_every_steps=1",  # a steps.jsonl line per step: the kill points are exact
         "resume=latest",
-        f"hydra.run.dir={run_dir}",
         f"checkpoint.search_dir={run_dir}",
         *overrides,
-    ]
+        launcher_args=("--max-restarts=2",),
+    )
 
 
 def rank_pids(agent: subprocess.Popen) -> dict[int, int]:

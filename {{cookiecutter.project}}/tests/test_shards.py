@@ -22,7 +22,7 @@ from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset
 from {{ cookiecutter.package }}.shards import main as shards_main
-from tests.helpers import PROJECT, load_ckpt, loader_settings, run_train
+from tests.helpers import PROJECT, load_ckpt, loader_settings, run_torchrun, run_train
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
 
@@ -307,18 +307,7 @@ def test_negative_control_order_depending_on_workers_breaks_invariance(packed, t
 
 
 def torchrun(run_dir: Path, *overrides: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_torchrun(run_dir, *overrides, timeout=600)
 
 
 @pytest.mark.slow
