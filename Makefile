@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: test test-all format demo clean
+.PHONY: test test-slow test-all format demo clean
 
 # The stamp is newer than requirements-dev.txt once the venv holds it; pip itself is left as is.
 $(VENV)/.installed: requirements-dev.txt
@@ -16,9 +16,12 @@ $(VENV)/.installed: requirements-dev.txt
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -rA tests -m "not slow"
 
-# Everything, with the generated project's slow tier once (torchrun, every resume case, sweeps): much longer.
-test-all: $(VENV)/.installed
-	$(VPY) -m pytest -q -rA tests
+# The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps).
+test-slow: $(VENV)/.installed
+	$(VPY) -m pytest -q -rA tests -m slow
+
+# Everything: what .ci/run runs, as the two steps above.
+test-all: test test-slow
 
 # ruff's fixes and formatting for the template's .py files (through a bake: the Jinja fields stop ruff reading them).
 format: $(VENV)/.installed

@@ -149,6 +149,18 @@ BAD = [
     ("data=imagefolder data.num_classes=3", "data.root has no value"),
 ]
 FAST = {"epochs=-1", "seed=4294967296", "+loader.num_worker=3", "data=imagefolder", "model.width=0", "optim.lr=-1"}
+# Through train.py as well, one of each kind of refusal (the in-process test above checks every value with the same
+# config.check that train.py runs): a range, a ratio, a choice, torch's own check, a wrong argument, a _target_
+# that does not import, an added key nothing reads, a value left at ???.
+THROUGH_TRAIN = FAST | {
+    "schedule.min_lr_ratio=1.5",
+    "loader.pin_memory=yes",
+    "optim.momentum=0",
+    "+model.depth=3",
+    "data.train._target_=no.such.Data",
+    "+data.per_clas=3",
+    "data=imagefolder data.num_classes=3",
+}
 
 
 @pytest.mark.parametrize("override, message", BAD, ids=[b[0] for b in BAD])
@@ -188,7 +200,8 @@ def refused(tmp_path, *overrides):
 
 @pytest.mark.parametrize(
     "override, message",
-    [b for b in BAD if b[0] in FAST] + [pytest.param(*b, marks=pytest.mark.slow) for b in BAD if b[0] not in FAST],
+    [b for b in BAD if b[0] in FAST]
+    + [pytest.param(*b, marks=pytest.mark.slow) for b in BAD if b[0] in THROUGH_TRAIN - FAST],
     ids=lambda v: str(v)[:40],
 )
 def test_train_py_refuses_bad_values_in_one_line(tmp_path, override, message):
