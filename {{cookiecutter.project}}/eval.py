@@ -42,9 +42,6 @@ class EvalConfig(config.Config):
     split: str = "val"  # the node of the data config to evaluate on
 
 
-config.register()
-ConfigStore.instance().store(name="schema", node=EvalConfig)  # train.py's schema plus ckpt and split
-
 # Config sections that decide a checkpoint's numbers: its own copy is used unless the command names them
 FROM_CHECKPOINT = ("data", "model")
 
@@ -130,4 +127,6 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    config.register()
+    ConfigStore.instance().store(name="schema", node=EvalConfig)  # train.py's schema plus ckpt and split
     main()
