@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
+from . import distributed
 from .errors import UserError
 
 
@@ -120,9 +120,7 @@ def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[flo
         for v in values
     ]
     packed = torch.cat([p.to(device, non_blocking=True) for p in parts])
-    if world is not None and world.distributed:
-        dist.all_reduce(packed)
-    return packed.tolist()
+    return distributed.sum_all(packed, world)  # a rank told to stop while its peers are gone exits (preempt.py)
 
 
 AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}

@@ -82,11 +82,13 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def sum_all(values: list[float], device: torch.device, world: World) -> list[float]:
-    """Element-wise sum over ranks (metrics, the stop flag); the values themselves in one process."""
-    if not world.distributed:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
+    """Element-wise sum over ranks of a 1-d tensor (in place), read to the host; in one process, just the read.
+
+    The read stays inside the grace window: with NCCL the all-reduce is queued and the read is where a rank
+    waits for its peers."""
+    if world is None or not world.distributed:
+        return tensor.tolist()
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.all_reduce(tensor)
         return tensor.tolist()
