@@ -45,7 +45,8 @@ class StopRequest:
         """Watcher thread: the signal numbers arrive as bytes on `fd` even while the main thread is stuck in C++."""
         term_at = None
         while True:
-            if select.select([fd], [], [], 0.1)[0]:
+            # sleep until a signal comes; poll only once a SIGTERM is pending, to see a wait outlast its grace
+            if select.select([fd], [], [], 0.1 if term_at else None)[0]:
                 received = os.read(fd, 512)
                 if signal.SIGTERM in received:
                     if term_at is not None and self.waiting is not None:
