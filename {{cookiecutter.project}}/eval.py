@@ -25,13 +25,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from {{ cookiecutter.package }} import checkpoint, config, resume
-from {{ cookiecutter.package }}.device import input_transform
-from {{ cookiecutter.package }}.distributed import World
-from {{ cookiecutter.package }}.errors import UserError, find_user_error
-from {{ cookiecutter.package }}.evaluate import evaluate
-from {{ cookiecutter.package }}.loader import eval_loader, resolve_settings
-from {{ cookiecutter.package }}.preempt import StopRequest
+from {{ cookiecutter.package }}.engine import checkpoint, config, resume
+from {{ cookiecutter.package }}.engine.device import input_transform
+from {{ cookiecutter.package }}.engine.distributed import World
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.evaluate import evaluate
+from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
 
 log = logging.getLogger("eval")
 

@@ -22,15 +22,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from {{ cookiecutter.package }} import checkpoint, config, distributed, memory, resume, rng, submit
-from {{ cookiecutter.package }}.device import amp_dtype, device_batches, input_transform, sum_and_read
-from {{ cookiecutter.package }}.errors import UserError, find_user_error
-from {{ cookiecutter.package }}.evaluate import evaluate
-from {{ cookiecutter.package }}.loader import TrainLoader, eval_loader, resolve_settings
-from {{ cookiecutter.package }}.monitor import Monitor, worker_death
-from {{ cookiecutter.package }}.preempt import StopRequest
-from {{ cookiecutter.package }}.runlog import RunLog
-from {{ cookiecutter.package }}.schedule import warmup_cosine
+from {{ cookiecutter.package }}.engine import checkpoint, config, distributed, memory, resume, rng, submit
+from {{ cookiecutter.package }}.engine.device import amp_dtype, device_batches, input_transform, sum_and_read
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.evaluate import evaluate
+from {{ cookiecutter.package }}.engine.loader import TrainLoader, eval_loader, resolve_settings
+from {{ cookiecutter.package }}.engine.monitor import Monitor, worker_death
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+from {{ cookiecutter.package }}.engine.runlog import RunLog
+from {{ cookiecutter.package }}.engine.schedule import warmup_cosine
 
 log = logging.getLogger("train")
 submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value, torch.backends.cudnn too: see submit.py

@@ -14,7 +14,7 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 
 EPOCHS = 5
 START_COST_S = 0.5

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.common import samples_per_s
 from {{ cookiecutter.package }}.data import shapes, train_transform
-from {{ cookiecutter.package }}.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader

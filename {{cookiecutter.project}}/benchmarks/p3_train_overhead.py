@@ -30,9 +30,9 @@ def bare() -> float:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from {{ cookiecutter.package }} import config
-    from {{ cookiecutter.package }}.device import input_transform
-    from {{ cookiecutter.package }}.loader import TrainLoader, resolve_settings
+    from {{ cookiecutter.package }}.engine import config
+    from {{ cookiecutter.package }}.engine.device import input_transform
+    from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings
 
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

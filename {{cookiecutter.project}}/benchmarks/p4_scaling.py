@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks.common import samples_per_s
-from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.data import shapes, train_transform
-from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus
+from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, ROUNDS = 2, 2  # the two settings take turns; the best round of each counts

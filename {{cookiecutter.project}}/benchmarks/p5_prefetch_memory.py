@@ -29,9 +29,9 @@ import psutil
 import torch
 from torch.utils.data import Dataset
 
-from {{ cookiecutter.package }} import memory, monitor
 from {{ cookiecutter.package }}.data import shapes, train_transform
-from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.engine import memory, monitor
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 
 MiB = 2**20
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import memory
 from {{ cookiecutter.package }}.data import ImageFiles, make_shapes, train_transform
-from {{ cookiecutter.package }}.loader import TrainLoader, resolve_settings
+from {{ cookiecutter.package }}.engine import memory
+from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
 
 PROJECT = Path(__file__).resolve().parents[1]

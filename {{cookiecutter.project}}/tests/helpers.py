@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.package }}.loader import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings
 
 PROJECT = Path(__file__).resolve().parents[1]
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.checkpoint import Best, Checkpointer
-from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.engine.checkpoint import Best, Checkpointer
+from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train
 
 

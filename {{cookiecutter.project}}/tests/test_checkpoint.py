@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.checkpoint import Checkpointer, load
-from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer, load
+from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT
 
 BLOB = 4_000_000  # floats: 16 MB, far more than a pipe holds
@@ -56,7 +56,7 @@ SAVER = """
 import os, sys, torch
 from pathlib import Path
 from tests.test_checkpoint import state
-from {{ cookiecutter.package }}.checkpoint import Checkpointer
+from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer
 saver = Checkpointer(Path(sys.argv[1]), keep=1)
 saver.save(state(1))
 os.mkfifo(saver.folder / f".tmp-{os.getpid()}.pth")

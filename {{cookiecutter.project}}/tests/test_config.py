@@ -7,9 +7,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
-from {{ cookiecutter.package }} import config
-from {{ cookiecutter.package }}.errors import UserError
-from {{ cookiecutter.package }}.loader import resolve_settings, usable_cpus
+from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.loader import resolve_settings, usable_cpus
 from tests.helpers import PROJECT, RNG_DATA, run_train
 
 config.register()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
-from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.engine.errors import UserError
 
 
 def files(root):

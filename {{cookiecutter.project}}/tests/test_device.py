@@ -9,9 +9,9 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
-from {{ cookiecutter.package }} import config
-from {{ cookiecutter.package }}.device import Normalize, amp_dtype, device_batches, sum_and_read
-from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine.device import Normalize, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
 CPU = torch.device("cpu")

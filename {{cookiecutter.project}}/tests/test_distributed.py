@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package }} import config
+from {{ cookiecutter.package }}.engine import config
 from tests import helpers
 from tests.helpers import (
     PROJECT,

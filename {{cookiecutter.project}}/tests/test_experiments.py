@@ -7,8 +7,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.data import make_shapes
+from {{ cookiecutter.package }}.engine import config
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train
 
 config.register()

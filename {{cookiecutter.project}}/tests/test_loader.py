@@ -2,8 +2,8 @@
 
 import torch
 
-from {{ cookiecutter.package }} import rng
-from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
+from {{ cookiecutter.package }}.engine import rng
+from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
 from tests.datasets import RngDrawingDataset
 from tests.helpers import loader_settings
 

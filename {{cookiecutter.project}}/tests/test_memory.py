@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package }} import config, memory
-from {{ cookiecutter.package }}.errors import UserError
+from {{ cookiecutter.package }}.engine import config, memory
+from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.datasets import RngDrawingDataset
 from tests.helpers import PROJECT, RNG_DATA, loader_settings, run_train
 

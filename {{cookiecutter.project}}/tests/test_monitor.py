@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from {{ cookiecutter.package }} import monitor
+from {{ cookiecutter.package }}.engine import monitor
 from tests.helpers import PROJECT, RNG_DATA, read_jsonl, run_train
 
 HEALTH_KEYS = {"worker_count", "rss_mib", "pss_mib", "fds", "data_wait_share"}

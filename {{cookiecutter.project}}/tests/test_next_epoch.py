@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.loader import LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 from tests.datasets import RngDrawingDataset
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.schedule import WarmupCosine
+from {{ cookiecutter.package }}.engine.schedule import WarmupCosine
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 # Each worker's own RNG streams, captured and restored: the mode whose exactness needs the most care.

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import torch
 
-from {{ cookiecutter.package }} import rng
+from {{ cookiecutter.package }}.engine import rng
 
 
 def draw():

@@ -2,7 +2,7 @@
 
 import json
 
-from {{ cookiecutter.package }}.runlog import RunLog, drop_records_from
+from {{ cookiecutter.package }}.engine.runlog import RunLog, drop_records_from
 from tests.helpers import read_jsonl
 
 

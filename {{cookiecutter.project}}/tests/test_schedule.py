@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.schedule import WarmupCosine, warmup_cosine
+from {{ cookiecutter.package }}.engine.schedule import WarmupCosine, warmup_cosine
 
 
 def test_warmup_rises_linearly_to_the_peak():

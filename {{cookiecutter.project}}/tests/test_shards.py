@@ -16,10 +16,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torchvision.transforms import v2
 
-from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.data import make_shapes
-from {{ cookiecutter.package }}.errors import UserError
-from {{ cookiecutter.package }}.loader import EpochBatchSampler, TrainLoader
+from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset
 from {{ cookiecutter.package }}.shards import main as shards_main
 from tests.helpers import PROJECT, load_ckpt, loader_settings, run_torchrun, run_train

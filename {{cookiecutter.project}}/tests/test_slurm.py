@@ -20,7 +20,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import config
+from {{ cookiecutter.package }}.engine import config
 from tests.helpers import PROJECT, read_jsonl, run_train, same_weights, wait_for_steps
 
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'

@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from .errors import UserError
+from .engine.errors import UserError
 
 SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused

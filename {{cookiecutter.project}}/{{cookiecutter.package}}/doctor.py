@@ -49,10 +49,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
-from . import config, memory, monitor, rng
-from .device import input_transform
-from .errors import UserError, find_user_error
-from .loader import TrainLoader, resolve_settings, usable_cpus
+from .engine import config, memory, monitor, rng
+from .engine.device import input_transform
+from .engine.errors import UserError, find_user_error
+from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 
 log = logging.getLogger("doctor")
 

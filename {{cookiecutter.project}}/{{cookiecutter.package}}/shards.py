@@ -44,7 +44,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-from .errors import UserError
+from .engine.errors import UserError
 
 INDEX = "index.json"
 FORMAT = 1  # bump when the layout of the shards or the index changes
