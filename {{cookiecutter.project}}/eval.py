@@ -1,14 +1,14 @@
-"""Evaluate a checkpoint: loss and accuracy on the validation split (or another split of the data config).
+"""Evaluate a checkpoint: the task's metrics on the validation split (or another split of the data config).
 
     python eval.py ckpt=outputs/2026-11-30/14-56-09_train_balanced/checkpoints/best.pth
     python eval.py ckpt=latest                  # the newest last.pth under outputs/, as resume=latest finds it
     python eval.py ckpt=latest split=train      # any split node of the data config (data.train, data.val, ...)
 
-The config is composed from the same conf/ as train.py. The `data`, `model` and `loader.batch_size` a run
+The config is composed from the same conf/ as train.py. The `data`, `model`, `task` and `loader.batch_size` a run
 trained with are stored in its checkpoint and used as they are, so the numbers match the run's own
 validation exactly; name a group on the command line (`data=...`, `data.root=...`, `loader.batch_size=...`)
-and this run's config is used for it instead. The model is always sized by the checkpoint's data.num_classes.
-Prints one line and writes eval.json into this command's run folder.
+and this run's config is used for it instead. Prints one line and writes eval.json (`<split>_<name>` for every
+metric the task reports) into this command's run folder.
 """
 
 import json
@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from {{ cookiecutter.package }}.engine import checkpoint, config, resume
+from {{ cookiecutter.package }}.engine import checkpoint, config, dry_step, resume
 from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
@@ -43,7 +43,7 @@ class EvalConfig(config.Config):
 
 
 # Config sections that decide a checkpoint's numbers: its own copy is used unless the command names them
-FROM_CHECKPOINT = ("data", "model")
+FROM_CHECKPOINT = ("data", "model", "task")
 
 
 def evaluate_checkpoint(cfg) -> dict:
@@ -75,13 +75,11 @@ def evaluate_checkpoint(cfg) -> dict:
     if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = dry_step.run_device(cfg)
     if cfg.deterministic:  # the same kernels as the training run's validation
         torch.use_deterministic_algorithms(True, warn_only=True)
-    model_cfg = cfg.model if "model" in named else saved["model"]
-    model = instantiate(model_cfg, num_classes=saved["data"]["num_classes"])
+    model_cfg = cfg.model
+    model = instantiate(model_cfg)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -90,15 +88,16 @@ def evaluate_checkpoint(cfg) -> dict:
     model.to(device)
 
     dataset = instantiate(cfg.data[cfg.split])
-    loader = eval_loader(dataset, resolve_settings(cfg.loader, device.type), worker_init=StopRequest.shield_worker)
+    collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else None
+    settings = resolve_settings(cfg.loader, device.type)
+    loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate)
     channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
     prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    loss, acc = evaluate(model, loader, device, World(), prepare)
+    metrics = evaluate(instantiate(cfg.task), model, loader, device, World(), prepare)
     return {
-        f"{cfg.split}_loss": loss,
-        f"{cfg.split}_acc": acc,
+        **{f"{cfg.split}_{name}": value for name, value in metrics.items() if name != "count"},
         "split": cfg.split,
         "samples": len(dataset),
         "step": ckpt["step"],
@@ -120,10 +119,8 @@ def main(cfg) -> None:
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     split = result["split"]
-    print(
-        f"{result['checkpoint']} step {result['step']}: {split}_loss {result[f'{split}_loss']:.6f} "
-        f"{split}_acc {result[f'{split}_acc']:.6f} on {result['samples']} samples -> {out}"
-    )
+    figures = " ".join(f"{k} {v:.6f}" for k, v in result.items() if k.startswith(f"{split}_"))
+    print(f"{result['checkpoint']} step {result['step']}: {figures} on {result['samples']} samples -> {out}")
 
 
 if __name__ == "__main__":

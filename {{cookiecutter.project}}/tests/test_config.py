@@ -7,6 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
+from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.engine import config
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import resolve_settings, usable_cpus
@@ -95,7 +96,7 @@ def test_the_yaml_is_the_one_place_a_default_lives():
     cfg = compose_cfg()
     for name, f in schema_fields():
         assert f.default == MISSING, f"{name} has a default in config.py; put it in the YAML instead"
-        if name not in ("data", "model", "optim"):
+        if name not in ("data", "model", "optim", "task"):
             assert "check" in f.metadata, f"{name} has no range check"
             assert OmegaConf.select(cfg, name, default=MISSING) is not MISSING, f"{name} is set by no YAML file"
 
@@ -130,10 +131,10 @@ BAD = [
     ("optim.weight_decay=-0.1", "optim.weight_decay must be"),
     ("optim.momentum=1.5", "optim.momentum must be"),
     ("optim.momentum=0", "Nesterov momentum requires a momentum"),  # torch's own check, reached by building it
-    ("+optim.momentun=0.9", "unexpected keyword argument 'momentun'"),
+    ("+optim.momentun=0.9", "optim.momentun is not an argument of torch.optim.SGD (did you mean optim.momentum?"),
     ("model.width=0", "model.width must be an integer >= 1"),
     ("model.width=-3", "model.width must be"),
-    ("+model.depth=3", "unexpected keyword argument 'depth'"),
+    ("+model.depth=3", "model.depth is not an argument of {{ cookiecutter.package }}.model.SmallCNN"),
     ("model._target_=torch.nn.Nope", "model._target_=torch.nn.Nope cannot be imported"),
     ("data.num_classes=0", "data.num_classes must be an integer >= 2"),
     ("data.num_classes=1", "data.num_classes must be"),
@@ -174,16 +175,19 @@ def test_check_refuses_each_bad_value(override, message):
 
 
 def test_check_passes_every_shipped_choice(tmp_path):
+    make_shapes(tmp_path / "folder", per_class=5, image_size=32, data_seed=1)  # an image folder of 4 classes
     for overrides in (
         [],
         ["loader=memory-tight"],
         ["loader=throughput"],
         ["optim=adamw"],
         ["model=resnet18"],
-        ["data=cifar10"],
-        ["data=imagefolder", f"data.root={tmp_path}", "data.num_classes=3"],
+        ["data=imagefolder", f"data.root={tmp_path / 'folder'}", "data.num_classes=4"],
     ):
         config.check(compose_cfg(*overrides), {}, overrides)
+    # the dry step reads the configured data: CIFAR-10, which is not on this disk, is refused in its own words
+    with pytest.raises(UserError, match="no CIFAR-10 under 'data/cifar10'"):
+        config.check(compose_cfg("data=cifar10"), {}, ["data=cifar10"])
 
 
 def refused(tmp_path, *overrides):
@@ -213,7 +217,7 @@ def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
     line = refused(tmp_path, "data=imagefolder", f"data.root={shapes_root}", "data.num_classes=5")
     assert "data.num_classes=5 but the train data holds 4 classes" in line and "set data.num_classes=4" in line
     line = refused(tmp_path, "+data.train.sizes=3", *shapes)
-    assert "unexpected keyword argument 'sizes'" in line
+    assert "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes" in line
 
 
 def test_train_py_refuses_in_one_line(tmp_path):

@@ -43,14 +43,13 @@ import hydra
 import numpy as np
 import psutil
 import torch
-import torch.nn.functional as F
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
 from .engine import config, memory, monitor, rng
-from .engine.device import input_transform
+from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 
@@ -212,18 +211,20 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
     saved = rng.capture()  # the model's initialisation draws from the main RNG; leave it as it was
     try:
-        model = instantiate(cfg.model, num_classes=cfg.data.num_classes).to(device)
-        x, y = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
+        model = instantiate(cfg.model).to(device)
+        task = instantiate(cfg.task)
+        collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else default_collate
+        batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
     finally:
         rng.apply(saved)
-    x, y = input_transform(cfg.data, device)(x.to(device)), y.to(device)  # uint8 -> normalized floats, as train.py
+    batch = input_transform(cfg.data, device)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             began = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        task.loss(model, batch).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return steps / (time.perf_counter() - began)

@@ -100,22 +100,15 @@ class Checkpointer:
             os.close(directory)
 
 
-# metrics.jsonl keys checkpoint.monitor may name; add yours here when you log more per epoch
-MONITORABLE = ("val_acc", "val_loss", "train_loss")
-
-
 class Best:
     """Which epoch `best.pth` holds: the best `monitor` value so far, `mode` max or min.
 
-    The value travels in every checkpoint under `best`, so a resumed run (in any folder) keeps
-    comparing against the best epoch before the stop and never overwrites a better best.pth.
+    `monitor` is `train_loss` or any `val_<name>` the task reports. The value travels in every checkpoint under
+    `best`, so a resumed run (in any folder) keeps comparing against the best epoch before the stop and never
+    overwrites a better best.pth.
     """
 
     def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
-        if monitor not in MONITORABLE:
-            raise UserError(
-                f"checkpoint.monitor must be one of {', '.join(MONITORABLE)} (metrics.jsonl keys), got {monitor!r}"
-            )
         self.monitor, self.mode = monitor, mode
         saved = (ckpt or {}).get("best") or {}
         same_rule = saved.get("monitor") == monitor and saved.get("mode") == mode
@@ -125,6 +118,11 @@ class Best:
         return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
 
     def improves(self, record: dict) -> bool:
+        if self.monitor not in record:
+            reported = [k for k in record if k == "train_loss" or k.startswith("val_")]
+            raise UserError(
+                f"checkpoint.monitor={self.monitor} is not reported by the task: pick one of {', '.join(reported)}"
+            )
         value = record[self.monitor]
         if math.isnan(value):  # a diverged epoch is never the best, and must not block the ones after it
             return False
@@ -142,6 +140,42 @@ class Best:
         if better:
             checkpointer.save_best({**state, "metrics": record})
         return better
+
+
+class CheckpointPolicy:
+    """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
+    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far.
+
+    Every rank hands its RNG and loader state to rank 0, which alone writes; all ranks wait for the write.
+    """
+
+    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world):
+        self.writer = Checkpointer(folder, keep) if world.is_main else None
+        self.every_steps, self.best, self.world = every_steps, best, world
+
+    def due(self, step: int) -> bool:
+        """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, run, record: dict | None = None) -> None:
+        """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line."""
+        from . import distributed, resume
+
+        ranks = distributed.gather_to_main(resume.rank_state(run.train_loader), self.world)
+        if self.world.is_main:
+            state = snapshot(
+                run.cfg, run.step, run.model, run.optimizer, run.scheduler, run.scaler, run.train_loader, ranks
+            )
+            state["best"] = self.best.state()
+            if record is not None:  # an epoch end: best.pth too when this epoch is the best so far
+                self.best.update(record, state, self.writer)
+            self.writer.save(state)
+        distributed.barrier(self.world)
+
+    @property
+    def last(self) -> Path | None:
+        """The newest `last.pth` when this process writes checkpoints and one is on disk."""
+        return self.writer.last if self.writer is not None and self.writer.last.is_file() else None
 
 
 def load(path: Path) -> dict:

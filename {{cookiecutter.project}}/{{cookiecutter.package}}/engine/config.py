@@ -7,13 +7,17 @@ commented line in the YAML that sets it; a YAML that forgets it fails with "... 
 
 `check(cfg)` (called first thing by train.py) refuses, in one line each: a value out of range, a
 key the schema does not know (also one added with `+`, which Hydra lets through), a required value
-left at `???`, and a model or optimizer that cannot be built. The groups whose keys depend on the
-chosen `_target_` (data, model, optim) are open: their known keys are range-checked and the model
-and optimizer are built once on a dummy batch, so a wrong argument fails here, not mid-run.
+left at `???`, and a data set, model, optimizer or task that cannot be built or run. The groups whose
+keys depend on the chosen `_target_` (data, model, optim, task) are open: each node's keys are checked
+against its target's signature, the keys the shipped targets give a meaning are range-checked, and a
+dry step (`dry_step`) runs the task's loss and metrics on two real samples of the configured data, so
+a wrong argument fails here, not mid-run.
 """
 
 import dataclasses
 import difflib
+import inspect
+import json
 import math
 import os
 import re
@@ -24,12 +28,10 @@ from enum import Enum
 from fnmatch import fnmatch
 from typing import Any
 
-import torch
 from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from .errors import UserError
@@ -181,12 +183,14 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim)
+    data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING
     optim: Any = MISSING
+    task: Any = MISSING
 
 
-# Keys of the open groups that train.py or the shipped targets give a meaning; checked when present.
+# Keys of the open groups that the shipped targets give a meaning: checked when present and the group's target is
+# one of the shipped ones (this package's, torch's optimizers), since a target of yours may mean something else.
 OPEN_KEYS = {
     "data.num_classes": integer(2),
     "data.image_size": integer(1),
@@ -196,8 +200,11 @@ OPEN_KEYS = {
     "optim.lr": number(0, above=True),
     "optim.weight_decay": number(0),
     "optim.momentum": number(0, 1),
+    "task.label_smoothing": number(0, 0.999),
 }
-REQUIRED_OPEN = ("data.num_classes", "data.train._target_", "data.val._target_", "model._target_", "optim._target_")
+SHIPPED = {"data": "data.train._target_", "model": "model._target_", "optim": "optim._target_", "task": "task._target_"}
+PACKAGE = __name__.split(".")[0]
+REQUIRED_OPEN = ("data.train._target_", "data.val._target_", "model._target_", "optim._target_", "task._target_")
 
 # Resume: which keys, when changed, make a resumed run a different run (resume.compare). The rule: every key
 # does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
@@ -245,26 +252,45 @@ def run_name(*parts) -> str:
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
 
+_checked: set[str] = set()  # configs check() passed in this process: the Hydra callback's, then train()'s
+
+
 def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
     """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
-    message for a missing value name the file and the command."""
+    message for a missing value name the file and the command. A config already checked in this process (by the
+    Hydra callback, before train() checks it again) is not checked twice: the dry step builds the data sets."""
     missing(cfg, choices or {}, overrides or [])
     try:
-        OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # an interpolation to a key that is not there, a bad resolver
         raise UserError(f"config: {str(e).splitlines()[0]}") from None
+    fingerprint = json.dumps(resolved, sort_keys=True, default=str)
+    if fingerprint in _checked:
+        return
     unknown(cfg, Config, "")
     ranges(cfg, Config, "")
     for name, rule in OPEN_KEYS.items():
-        if OmegaConf.select(cfg, name, default=MISSING) is not MISSING:
+        if OmegaConf.select(cfg, name, default=MISSING) is not MISSING and shipped(cfg, name.split(".")[0]):
             refuse_if(name, OmegaConf.select(cfg, name), rule)
     for name in REQUIRED_OPEN:
         if OmegaConf.select(cfg, name, default=None) is None:
             group = name.split(".")[0]
             raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
     added_data_keys(cfg, overrides or [])
-    targets(OmegaConf.to_container(cfg, resolve=False), "")
-    builds(cfg)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    targets(raw, "")
+    for group in ("data", "model", "optim", "task"):
+        arguments(raw[group], f"{group}.")
+    from .dry_step import dry_step  # it builds what the run builds: datasets, model, task
+
+    dry_step(cfg)
+    _checked.add(fingerprint)
+
+
+def shipped(cfg, group: str) -> bool:
+    """Whether the group's target is one this project ships (so its keys mean what OPEN_KEYS says)."""
+    target = str(OmegaConf.select(cfg, SHIPPED.get(group, ""), default="") or "")
+    return target.startswith((f"{PACKAGE}.", "torch.optim.", "torchvision."))
 
 
 def missing(cfg, choices: dict, overrides: list[str]) -> None:
@@ -349,25 +375,33 @@ def targets(tree, prefix: str) -> None:
         targets(value, f"{prefix}{name}.")
 
 
-def builds(cfg) -> None:
-    """Build the model and optimizer once and run the model on a dummy batch: a bad `model.*` or `optim.*` value
-    fails here in one line, not inside torch after the data is prepared. The RNG is left as it was."""
-    with torch.random.fork_rng(devices=[]):
+def arguments(tree, prefix: str) -> None:
+    """Every key of a `_target_` node is an argument its target takes: a user's own class may take any arguments,
+    so they are checked against its signature (a target taking **kwargs takes anything)."""
+    if isinstance(tree, list):
+        for i, value in enumerate(tree):
+            arguments(value, f"{prefix}{i}.")
+        return
+    if not isinstance(tree, dict):
+        return
+    if isinstance(tree.get("_target_"), str):
+        target = tree["_target_"]
         try:
-            model = instantiate(cfg.model, num_classes=cfg.data.num_classes)
-        except Exception as e:
-            raise UserError(f"model: cannot build {cfg.model._target_}: {_reason(e)}") from None
-        try:
-            instantiate(cfg.optim)(model.parameters())
-        except Exception as e:
-            raise UserError(f"optim: cannot build {cfg.optim._target_}: {_reason(e)}") from None
-        size = cfg.data.get("image_size")  # checked only when the training data uses it
-        if isinstance(size, int) and "${data.image_size}" in str(OmegaConf.to_container(cfg.data.train)):
-            try:
-                with torch.no_grad():
-                    model.eval()(torch.zeros(2, 3, size, size))
-            except Exception as e:
-                raise UserError(f"model: {cfg.model._target_} fails on a {size}x{size} batch: {_reason(e)}") from None
+            parameters = inspect.signature(_locate(target)).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+            parameters = None
+        if parameters is not None and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            for name in tree:
+                if not (name.startswith("_") and name.endswith("_")) and name not in takes:
+                    close = difflib.get_close_matches(name, takes, n=1)
+                    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                    raise UserError(
+                        f"{prefix}{name} is not an argument of {target} ({hint}it takes {', '.join(takes) or 'none'})"
+                    )
+    for name, value in tree.items():
+        if not name.startswith("_"):
+            arguments(value, f"{prefix}{name}.")
 
 
 def _reason(e: BaseException) -> str:
@@ -377,12 +411,13 @@ def _reason(e: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def check_data(train_set, val_set, num_classes: int) -> None:
-    """Before training: data.num_classes against the classes a folder data set found (its `classes`), so a wrong
-    count is one line here rather than `IndexError: Target 6 is out of bounds` mid-run."""
+def check_data(train_set, val_set, num_classes: int | None) -> None:
+    """Before training: data.num_classes (when the data config has one) against the classes a folder data set
+    found (its `classes`), so a wrong count is one line here rather than `IndexError: Target 6 is out of bounds`
+    mid-run."""
     found = {name: list(getattr(ds, "classes", None) or []) for name, ds in (("train", train_set), ("val", val_set))}
     for name, classes in found.items():
-        if classes and len(classes) != num_classes:
+        if classes and num_classes is not None and len(classes) != num_classes:
             shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
             raise UserError(
                 f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "

@@ -20,30 +20,49 @@ from . import distributed
 from .errors import UserError
 
 
+def map_tensors(fn, batch):
+    """`batch` with `fn` applied to every tensor in it, however nested in tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return type(batch)((k, map_tensors(fn, v)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
+def tensors(batch) -> Iterator[torch.Tensor]:
+    """Every tensor in `batch`, in order."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from tensors(v)
+
+
+def batch_size(batch) -> int:
+    """How many samples `batch` holds: the leading size of its first tensor."""
+    first = next(tensors(batch), None)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
+
+
 def to_device(batch, device: torch.device, non_blocking: bool = True):
     """The batch with every tensor on `device`, however nested in tuples, lists and dicts."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 def _record(batch, stream) -> None:
     """Mark each tensor as used on `stream`: the allocator keeps its memory until that stream is done with it."""
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            _record(v, stream)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            _record(v, stream)
+    for t in tensors(batch):
+        t.record_stream(stream)
 
 
-class device_batches:  # noqa: N801 (used like a function: `for x, y in device_batches(loader, device)`)
+class device_batches:  # noqa: N801 (used like a function: `for batch in device_batches(loader, device)`)
     """Iterate `loader` with its batches on `device`.
 
     Batch i+1 is taken from the loader only when the loop asks for it, after step i's work is queued:
@@ -138,11 +157,26 @@ def amp_dtype(value, device: torch.device):
     return None if dtype is torch.float16 and device.type != "cuda" else dtype
 
 
-def input_transform(data_cfg, device: torch.device, channels_last: bool = False):
-    """`data.normalize` (a Hydra `_target_`) built on `device`; without one, uint8 is only scaled to [0, 1]."""
+class PrepareBatch:
+    """The data's device-side transform (`data.normalize`) applied to the images of a batch, whatever its nesting.
+
+    Only 4-dim tensors (N, C, H, W) go through it: uint8 images become normalized floats, float images are only
+    laid out for `channels_last`. Labels, features, token ids and the like pass unchanged.
+    """
+
+    def __init__(self, normalize):
+        self.normalize = normalize
+
+    def __call__(self, batch):
+        return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
+
+
+def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
+    """`data.normalize` (a Hydra `_target_`) built on `device`, for whole batches; without one, uint8 images are
+    only scaled to [0, 1]."""
     node = data_cfg.get("normalize")
     if node is None:
-        return Normalize(device=device, channels_last=channels_last)
+        return PrepareBatch(Normalize(device=device, channels_last=channels_last))
     from hydra.utils import instantiate
 
-    return instantiate(node, device=device, channels_last=channels_last)
+    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last))

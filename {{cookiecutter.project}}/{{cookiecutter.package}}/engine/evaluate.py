@@ -1,29 +1,48 @@
-"""Validation: loss and accuracy of a model over a whole split, summed on the device and read once (train.py
-after each epoch, eval.py)."""
+"""Validation: the task's metrics over a whole split, summed on the device and read once (train.py after each
+epoch, eval.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .device import device_batches, sum_and_read
+from .errors import UserError
+
+
+def check_metrics(metrics, target: str) -> list[str]:
+    """The names `task.metrics` returned, in its order, `count` last; a result that is not a dict of 0-dim
+    tensors with a `count` is refused in one line naming the task."""
+    if not isinstance(metrics, dict) or not metrics:
+        raise UserError(f"task {target}: metrics() must return a dict of summed 0-dim tensors, got {type(metrics)}")
+    if "count" not in metrics:
+        raise UserError(
+            f"task {target}: metrics() returned {', '.join(sorted(metrics))} but no 'count' entry: add "
+            "'count' (the number of samples in the batch), by which every other sum is divided"
+        )
+    odd = [k for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() != 1]
+    if odd:
+        raise UserError(f"task {target}: metrics()[{odd[0]!r}] must be a 0-dim tensor (a sum over the batch)")
+    return [k for k in metrics if k != "count"] + ["count"]
 
 
 @torch.no_grad()
-def evaluate(model, loader, device: torch.device, world=None, prepare=None) -> tuple[float, float]:
-    """(mean loss, accuracy) of `model` over every batch of `loader`.
+def evaluate(task, model, loader, device: torch.device, world=None, prepare=None) -> dict[str, float]:
+    """`{name: total / count}` of `task.metrics` over every batch of `loader`, `count` included as the total.
 
     Each rank takes its share of the split (see `eval_loader`); the sums are added over ranks in one
     all-reduce and read to the host once. `prepare` is the data's device-side transform (train.py builds
     it from `data.normalize`); pass the same one the model was trained with.
     """
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, correct predictions
-    count = 0
-    for x, y in device_batches(loader, device):
-        logits = model(prepare(x) if prepare is not None else x)
-        loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-        sums += torch.stack([loss_sum.double(), (logits.argmax(1) == y).sum().double()])
-        count += len(y)
-    loss_sum, correct, count = sum_and_read([sums[0], sums[1], count], device, world)
-    return loss_sum / count, correct / count
+    names, sums = None, None
+    for batch in device_batches(loader, device):
+        metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
+        if names is None:
+            names = check_metrics(metrics, type(task).__qualname__)
+            sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+        sums += torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in names])
+    if names is None:
+        raise UserError("validation: the split holds no samples for this process: give it more data")
+    totals = dict(zip(names, sum_and_read(list(sums), device, world)))
+    count = max(totals["count"], 1.0)
+    return {**{k: v / count for k, v in totals.items() if k != "count"}, "count": totals["count"]}

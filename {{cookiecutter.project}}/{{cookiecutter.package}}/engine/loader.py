@@ -445,10 +445,13 @@ class TrainLoader:
             self.generation = Generation(self.settings.num_workers, restored)
 
 
-def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1, worker_init=None) -> DataLoader:
+def eval_loader(
+    dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1, worker_init=None, collate_fn=None
+) -> DataLoader:
     """The validation loader, also built once. Its own generator keeps the main RNG untouched.
 
-    `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers)."""
+    `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers);
+    `collate_fn` (`data.collate`, None: torch's default_collate) is the one the train loader uses."""
     sampler = EpochBatchSampler(
         len(dataset),
         settings.batch_size,
@@ -469,4 +472,5 @@ def eval_loader(dataset, settings: LoaderSettings, rank: int = 0, world_size: in
         persistent_workers=settings.persistent_workers,
         generator=torch.Generator(),
         worker_init_fn=worker_init,
+        collate_fn=collate_fn,
     )

@@ -158,7 +158,7 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
         if saved[name].shape != tensor.shape:
             raise UserError(
                 f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.num_classes} here): "
+                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
                 "resume with the same model and data"
             )
     if len(ckpt["ranks"]) != world_size and cfg.resume_strict:

@@ -1,0 +1,160 @@
+"""The config check's last part: build what the run will build and run it once on two real samples.
+
+The data sets, model, optimizer and task of the config are built, a batch of two training samples goes through
+`data.collate`, the device, `data.normalize`, `task.loss` and backward on the device the run will use, and a
+batch of two validation samples through `task.metrics`. So a wrong argument, a data path that does not exist, a
+model that does not fit the data, a task that does not fit the batches, an op without a deterministic kernel
+under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the command in one line
+before the run folder is written. All RNG (python, numpy, torch) is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from torch.utils.data import IterableDataset, default_collate
+
+from .device import input_transform, to_device
+from .errors import UserError
+from .evaluate import check_metrics
+
+NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
+
+
+def dry_step(cfg) -> None:
+    from .config import _reason, check_data
+
+    device = run_device(cfg)
+    with kept_rng():
+        model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"model: {cfg.model._target_} built a {type(model).__name__}, not a torch.nn.Module")
+        try:
+            optimizer = instantiate(cfg.optim)(model.parameters())
+        except Exception as e:
+            raise UserError(f"optim: cannot build {cfg.optim._target_}: {_reason(e)}") from None
+        task = _build(cfg.task, "task")
+        train_set = _build(cfg.data.train, "data.train")
+        val_set = _build(cfg.data.val, "data.val")
+        check_data(train_set, val_set, cfg.data.get("num_classes"))
+        collate = _build(cfg.data.collate, "data.collate") if cfg.data.get("collate") is not None else default_collate
+        prepare = input_transform(cfg.data, device, cfg.channels_last)
+        model.to(device)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        target = cfg.task._target_
+        batch = prepare(to_device(_two(train_set, collate, "data.train"), device, non_blocking=False))
+        with strict_determinism(cfg.deterministic, device), _named(cfg, target, "loss", "training"):
+            loss = task.loss(model.train(), batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise UserError(f"task {target}: loss() must return a scalar tensor with a gradient, got {loss!r}")
+            loss.backward()
+            optimizer.step()
+        batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
+        with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
+            names = check_metrics(task.metrics(model.eval(), batch), target)
+    reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
+    if cfg.checkpoint.monitor not in reported:
+        raise UserError(
+            f"checkpoint.monitor={cfg.checkpoint.monitor} is not reported by task {target}: "
+            f"pick one of {', '.join(reported)}"
+        )
+
+
+def run_device(cfg) -> torch.device:
+    """The device train.py will pick (under torchrun, this rank's GPU)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def kept_rng():
+    """Python, numpy and torch RNG (CPU and CUDA) as they were before: the check draws nothing from the run."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
+
+@contextlib.contextmanager
+def strict_determinism(on: bool, device: torch.device):
+    """With `deterministic=true`, an op without a deterministic kernel raises here instead of warning mid-run."""
+    if not on:
+        yield
+        return
+    before, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+@contextlib.contextmanager
+def _named(cfg, target: str, method: str, split: str):
+    """An error inside the task or model: one line naming where, and for a missing deterministic kernel, the op."""
+    from .config import _reason
+
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        op = NONDETERMINISTIC.search(str(e))
+        if op:
+            raise UserError(
+                f"deterministic=true but {op[1]} (in {cfg.model._target_} on {run_device(cfg).type}) has no "
+                "deterministic kernel: set deterministic=false (resume is then not bit-exact), or use another op"
+            ) from None
+        raise UserError(
+            f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}: {_reason(e)}"
+        ) from None
+
+
+def _build(node, name: str):
+    from .config import _reason
+
+    try:
+        return instantiate(node)
+    except UserError:
+        raise
+    except Exception as e:
+        cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
+        if cause is not None:  # a data set's own one-line refusal (a missing folder), raised through Hydra
+            raise cause from None
+        raise UserError(f"{name}: cannot build {node._target_}: {_reason(e)}") from None
+
+
+def _two(dataset, collate, name: str):
+    """A batch of the first two samples, through the configured collate."""
+    from .config import _reason
+
+    try:
+        if isinstance(dataset, IterableDataset):
+            samples = [s for s, _ in zip(dataset, range(2))]
+        else:
+            samples = [dataset[i] for i in range(min(2, len(dataset)))]
+        if not samples:
+            raise UserError(f"{name} holds no samples: point it at data")
+        return collate(samples)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{name}: reading its first samples fails: {_reason(e)}") from None

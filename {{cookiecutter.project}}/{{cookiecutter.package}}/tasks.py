@@ -1,0 +1,45 @@
+"""Tasks: what the model is trained to do. `conf/task/*.yaml` names one of these (or a class of your own) as its
+`_target_`; train.py, eval.py, the config checks and the doctor know the problem only through it.
+
+A task has two methods, both given the model and one batch exactly as the data set and `data.collate` made it
+(a tensor, or tuples / lists / dicts of tensors), already on the device and through `data.normalize`:
+
+- `loss(model, batch) -> Tensor`: the scalar training loss of the batch (the loop calls backward on it).
+- `metrics(model, batch) -> dict[str, Tensor]`: 0-dim tensors *summed* over the batch, one of them `count`
+  (how many samples the sums cover). The loop adds them up on the device over the whole validation set and
+  over ranks, reads them once, and reports `val_<name> = total / count` for every other name: in
+  metrics.jsonl, TensorBoard, eval.json, and as what `checkpoint.monitor` may pick for best.pth.
+
+Keep host reads (`.item()`, `float(t)`, printing a tensor) out of both: each one makes the host wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Classification:
+    """Single-label classification: batches `(inputs, labels)`, the model returns one logit per class.
+
+    `label_smoothing` softens the training targets (0 = plain cross-entropy). `val_loss` stays the plain
+    cross-entropy whatever the smoothing, so runs with different smoothing compare on the same scale.
+    """
+
+    def __init__(self, label_smoothing: float = 0.0):
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.label_smoothing = label_smoothing
+
+    def loss(self, model, batch) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(model(inputs), labels, label_smoothing=self.label_smoothing)
+
+    def metrics(self, model, batch) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = model(inputs).float()
+        return {
+            "loss": F.cross_entropy(logits, labels, reduction="sum"),
+            "acc": (logits.argmax(1) == labels).sum(),
+            "count": labels.new_tensor(labels.shape[0]),
+        }
