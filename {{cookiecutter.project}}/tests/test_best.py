@@ -38,7 +38,9 @@ def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
 def test_unknown_monitor_is_refused_naming_what_the_task_reports():
     best = Best("val_accuracy", "max")
     record = {"epoch": 0, "step": 5, "train_loss": 1.0, "val_loss": 0.9, "val_acc": 0.5, "lr": 0.1}
-    with pytest.raises(UserError, match="checkpoint.monitor=val_accuracy .* pick one of train_loss, val_loss, val_acc$"):
+    with pytest.raises(
+        UserError, match="checkpoint.monitor=val_accuracy .* pick one of train_loss, val_loss, val_acc$"
+    ):
         best.improves(record)
 
 

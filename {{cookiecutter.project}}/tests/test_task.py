@@ -1,0 +1,215 @@
+"""Your own task (README "Your own task"): the worked example, copied out of the README and run as it says.
+
+A copy of the project gets the README's files (a data set of dicts, an MLP, a regression task and their three
+YAML files), then trains, evaluates and resumes through the unchanged train.py and eval.py. The task seam's
+other checks: a metrics() without `count`, a monitor the task does not report, an argument its target does not
+take, and an op without a deterministic kernel are each refused in one line before the run folder is written.
+"""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, same_weights
+
+FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w/.-]+\.(?:py|yaml))\n(.*?)```", re.S)
+COMMANDS = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+def readme_section(title: str) -> str:
+    text = (PROJECT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def readme_example():
+    """({path: text} of the section's files, [its commands]) as the README gives them."""
+    section = readme_section("Your own task")
+    files = {path: f"# {path}\n{body}" for path, body in FILE_BLOCK.findall(section)}
+    commands = [line.split("#")[0].strip() for block in COMMANDS.findall(section) for line in block.splitlines()]
+    return files, [c for c in commands if c]
+
+
+def project_copy(root: Path) -> Path:
+    """The project's code, config and tests, without its outputs or data: what a user's checkout holds."""
+    top = {"outputs", "data", "multirun"}
+
+    def skip(folder, names):
+        return [n for n in names if (Path(folder) == PROJECT and n in top) or n == "__pycache__" or n.startswith(".")]
+
+    shutil.copytree(PROJECT, root, ignore=skip)
+    return root
+
+
+def run(copy: Path, command: str, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    assert argv[0] == "python", command
+    proc = subprocess.run([sys.executable, *argv[1:], *extra], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == expect, f"{command} {' '.join(extra)}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """A project copy holding the README's files, and the README's commands."""
+    files, commands = readme_example()
+    assert sorted(files) == [
+        "conf/data/houses.yaml",
+        "conf/model/mlp.yaml",
+        "conf/task/regression.yaml",
+        "regression.py",
+    ]
+    assert [c.split()[1] for c in commands] == ["train.py", "eval.py"]
+    copy = project_copy(tmp_path_factory.mktemp("own-task") / "project")
+    for path, text in files.items():
+        (copy / path).write_text(text)
+    return copy, commands
+
+
+@pytest.fixture(scope="module")
+def trained(example):
+    """The README's train command as written (default run folder under outputs/), then its eval command."""
+    copy, (train, evaluate) = example
+    run(copy, train)
+    (run_dir,) = [p.parent for p in (copy / "outputs").glob("*/*/metrics.jsonl")]
+    proc = run(copy, evaluate)
+    (eval_dir,) = [p.parent for p in (copy / "outputs").glob("*/*/eval.json")]
+    return copy, train, run_dir, eval_dir, proc
+
+
+def test_the_readme_example_trains_evaluates_and_keeps_the_best_by_its_own_metric(trained):
+    copy, _, run_dir, eval_dir, proc = trained
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(records) == 8 and all({"val_mse", "val_mae", "train_loss"} <= r.keys() for r in records)
+    assert "val_acc" not in records[0] and "val_loss" not in records[0]  # the classification names are not forced
+    assert records[-1]["val_mse"] < 0.5 * records[0]["val_mse"]  # it learns
+    # best.pth follows checkpoint.monitor=val_mse checkpoint.mode=min: the epoch of the lowest val_mse
+    best = load_ckpt(run_dir / "checkpoints/best.pth")["metrics"]
+    assert best["val_mse"] == min(r["val_mse"] for r in records) and best["epoch"] in [r["epoch"] for r in records]
+    # eval.py reproduces the run's last validation exactly, under the task's own names
+    result = json.loads((eval_dir / "eval.json").read_text())
+    assert (result["val_mse"], result["val_mae"]) == (records[-1]["val_mse"], records[-1]["val_mae"])
+    assert "val_mse" in proc.stdout and "val_acc" not in result
+
+
+@pytest.mark.slow
+def test_the_readme_example_resumes_exactly_with_another_worker_count(trained, tmp_path):
+    copy, train, run_dir, _, _ = trained
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(copy, train, "max_steps=37", f"hydra.run.dir={first}")  # mid-epoch (25 steps an epoch), mid log interval
+    run(copy, train, f"resume={first}/checkpoints/last.pth", "loader.num_workers=1", f"hydra.run.dir={second}")
+    assert same_weights(run_dir / "checkpoints/last.pth", second / "checkpoints/last.pth")
+    # negative control: the same resume from the start of the stopped epoch, as a resume that keeps no loader
+    # position would do, ends elsewhere
+    ckpt = load_ckpt(first / "checkpoints/last.pth")
+    assert ckpt["ranks"][0]["loader"]["position"] == 12
+    ckpt["ranks"][0]["loader"]["position"] = 0
+    torch.save(ckpt, tmp_path / "restarted-epoch.pth")
+    third = tmp_path / "third"
+    run(copy, train, f"resume={tmp_path / 'restarted-epoch.pth'}", "loader.num_workers=1", f"hydra.run.dir={third}")
+    assert not same_weights(run_dir / "checkpoints/last.pth", third / "checkpoints/last.pth")
+
+
+def refusal(copy: Path, *overrides: str) -> str:
+    """train.py refusing the command: exit 2, one `error:` line, no run folder written."""
+    run_dir = copy / "refused-run"
+    proc = run(copy, "python train.py", *overrides, f"hydra.run.dir={run_dir}", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert not run_dir.exists()
+    return lines[0]
+
+
+def test_the_task_seam_refuses_in_one_line_before_the_run_folder(example):
+    copy, _ = example
+    regression = ["data=houses", "model=mlp", "task=regression"]
+    line = refusal(copy, *regression)  # checkpoint.monitor is still the classification default, val_acc
+    assert line == "error: checkpoint.monitor=val_acc is not reported by task regression.Regression: " + (
+        "pick one of train_loss, val_mse, val_mae"
+    )
+    line = refusal(copy, *regression, "checkpoint.monitor=val_mse", "+model.hiden=3")
+    assert "model.hiden is not an argument of regression.MLP (did you mean model.hidden?" in line
+    line = refusal(copy, *regression, "checkpoint.monitor=val_mse", "+data.train.jiter=0.1")
+    assert "data.train.jiter is not an argument of regression.Houses" in line
+
+
+NO_COUNT = """
+import torch.nn.functional as F
+
+
+class NoCount:
+    def loss(self, model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    def metrics(self, model, batch):
+        return {"loss": F.cross_entropy(model(batch[0]), batch[1], reduction="sum")}
+"""
+
+PUT_MODEL = """
+import torch
+from torch import nn
+
+
+class PutModel(nn.Module):
+    \"\"\"A linear head whose forward uses Tensor.put_, which has no deterministic kernel (on the CPU either).\"\"\"
+
+    def __init__(self, num_classes: int = 4):
+        super().__init__()
+        self.head = nn.Linear(3, num_classes)
+
+    def forward(self, x):
+        pooled = x.mean(dim=(2, 3))
+        pooled.put_(torch.tensor([0]), torch.tensor([0.0]))
+        return self.head(pooled)
+"""
+
+
+def test_a_task_without_count_and_an_op_without_a_deterministic_kernel_are_refused(example):
+    copy, _ = example
+    (copy / "no_count.py").write_text(NO_COUNT)
+    (copy / "put_model.py").write_text(PUT_MODEL)
+    line = refusal(copy, *RNG_DATA, "task._target_=no_count.NoCount", "~task.label_smoothing")
+    assert "task no_count.NoCount: metrics() returned loss but no 'count' entry" in line
+    line = refusal(copy, *RNG_DATA, "model=resnet18", "model._target_=put_model.PutModel")
+    assert line == (
+        "error: deterministic=true but put_ (in put_model.PutModel on cpu) has no deterministic kernel: "
+        "set deterministic=false (resume is then not bit-exact), or use another op"
+    )
+    # negative control: the same model is let through with deterministic=false (it trains, one step)
+    run(copy, "python train.py", *RNG_DATA, "model=resnet18", "model._target_=put_model.PutModel",
+        "deterministic=false", "max_steps=1", f"hydra.run.dir={copy / 'nondeterministic'}")  # fmt: skip
+    assert (copy / "nondeterministic/checkpoints/last.pth").is_file()
+
+
+def test_the_shipped_models_pool_without_adaptive_avg_pool(example):
+    """AdaptiveAvgPool2d's CUDA backward has no deterministic kernel (pytorch/pytorch#149130)."""
+    from {{ cookiecutter.package }}.model import SmallCNN, resnet18
+
+    for model in (SmallCNN(num_classes=3), resnet18(num_classes=3)):
+        assert not [m for m in model.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d)]
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_the_old_module_paths_still_import():
+    """`{{ cookiecutter.package }}.device.Normalize` in your YAML and `from {{ cookiecutter.package }} import loader`
+    keep working now that the engine lives in engine/: the same module objects."""
+    from {{ cookiecutter.package }} import loader
+    from {{ cookiecutter.package }}.device import Normalize
+    from {{ cookiecutter.package }}.engine import device
+    from {{ cookiecutter.package }}.engine import loader as engine_loader
+
+    assert loader is engine_loader and Normalize is device.Normalize
+    assert loader.__spec__.name == "{{ cookiecutter.package }}.engine.loader"
+    probe = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package }}.shards", "--help"], cwd=PROJECT, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert probe.returncode == 0 and "pack" in probe.stdout
