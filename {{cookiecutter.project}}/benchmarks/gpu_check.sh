@@ -5,6 +5,8 @@
 #    uint8 batches on and off (off: the workers convert to float32 and normalize, as a float pipeline would).
 #    Prints each run's epoch-2 samples/s and data-wait share (time the loop stood waiting for the loader / epoch time).
 # 2. A short training under torch.cuda.set_sync_debug_mode("warn"), listing every place the host waits for the GPU.
+# 3. Exact resume on the GPU with deterministic=true: ResNet-18 stopped mid-epoch and resumed, compared with
+#    torch.equal to the run that never stopped (and the dry step refuses any op without a deterministic kernel).
 # About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,3 +56,24 @@ PY
 echo
 $PY -m benchmarks.sync_report model=resnet18 epochs=1 hydra.run.dir="$out/sync_report" 2>"$out/sync_report.log" \
   || { tail -20 "$out/sync_report.log" >&2; exit 1; }
+
+echo
+# 3. exact on the GPU: a straight run against one stopped at step 30 (mid-epoch 0 of 2) and resumed
+exact=(device=cuda model=resnet18 deterministic=true data.root="$out/shapes-200" data.per_class=200 epochs=2)
+exact+=(loader.batch_size=64 progress=false)
+$PY train.py "${exact[@]}" hydra.run.dir="$out/exact-straight" > "$out/last.log" 2>&1 \
+  || { cat "$out/last.log" >&2; exit 1; }
+$PY train.py "${exact[@]}" max_steps=30 hydra.run.dir="$out/exact-stopped" > "$out/last.log" 2>&1 \
+  || { cat "$out/last.log" >&2; exit 1; }
+$PY train.py "${exact[@]}" resume="$out/exact-stopped/checkpoints/last.pth" hydra.run.dir="$out/exact-resumed" \
+  > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+$PY - "$out" <<'PY'
+import sys
+import torch
+out = sys.argv[1]
+a = torch.load(f"{out}/exact-straight/checkpoints/last.pth", weights_only=True)["model"]
+b = torch.load(f"{out}/exact-resumed/checkpoints/last.pth", weights_only=True)["model"]
+same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+print(f"exact resume on {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'} ({len(a)} tensors)")
+sys.exit(0 if same else 1)
+PY
