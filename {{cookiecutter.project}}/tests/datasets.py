@@ -60,3 +60,21 @@ class CountingShard:
 
 def counting_stream(num_shards: int = 8, per_shard: int = 100) -> ShardedStream:
     return ShardedStream(range(num_shards), CountingShard(per_shard))
+
+
+def dict_collate(samples) -> dict:
+    """A `data.collate` of your own: the batch as a dict, `{"image": (N, C, H, W), "label": (N,)}`."""
+    images, labels = torch.utils.data.default_collate(samples)
+    return {"image": images, "label": labels}
+
+
+class DictClassification:
+    """A classification task reading dict batches (those of `dict_collate`)."""
+
+    def loss(self, model, batch):
+        return torch.nn.functional.cross_entropy(model(batch["image"]), batch["label"])
+
+    def metrics(self, model, batch):
+        logits = model(batch["image"])
+        right = (logits.argmax(1) == batch["label"]).sum()
+        return {"acc": right, "count": batch["label"].new_tensor(batch["label"].numel())}

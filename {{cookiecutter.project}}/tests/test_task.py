@@ -189,6 +189,18 @@ def test_a_task_without_count_and_an_op_without_a_deterministic_kernel_are_refus
     assert (copy / "nondeterministic/checkpoints/last.pth").is_file()
 
 
+def test_data_collate_serves_both_loaders(example, tmp_path):
+    """A collate of your own builds the batches of training and validation (the task reads its dicts)."""
+    copy, _ = example
+    collate = ["+data.collate._target_=tests.datasets.dict_collate", "+data.collate._partial_=true"]
+    task = ["task._target_=tests.datasets.DictClassification", "~task.label_smoothing", "checkpoint.monitor=val_acc"]
+    run(copy, "python train.py", *RNG_DATA, *collate, *task, "epochs=1", f"hydra.run.dir={tmp_path / 'dicts'}")
+    (record,) = read_jsonl(tmp_path / "dicts/metrics.jsonl")
+    assert 0 <= record["val_acc"] <= 1 and "val_loss" not in record
+    # negative control: without the collate the batches are tuples, which the dict task cannot read
+    assert "task tests.datasets.DictClassification: loss() fails" in refusal(copy, *RNG_DATA, *task)
+
+
 def test_the_shipped_models_pool_without_adaptive_avg_pool(example):
     """AdaptiveAvgPool2d's CUDA backward has no deterministic kernel (pytorch/pytorch#149130)."""
     from {{ cookiecutter.package }}.model import SmallCNN, resnet18
