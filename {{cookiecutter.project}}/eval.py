@@ -16,7 +16,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import hydra
 import torch
@@ -40,6 +40,7 @@ log = logging.getLogger("eval")
 class EvalConfig(config.Config):
     ckpt: Optional[str] = None  # a checkpoint path (relative to where you run), or "latest"
     split: str = "val"  # the node of the data config to evaluate on
+    ema: Any = None  # false: the raw weights even when the checkpoint holds EMA weights (which are used otherwise)
 
 
 # Config sections that decide a checkpoint's numbers: its own copy is used unless the command names them
@@ -52,9 +53,9 @@ def evaluate_checkpoint(cfg) -> dict:
         raise UserError("eval: give ckpt=PATH (a checkpoints/*.pth file) or ckpt=latest")
     # ckpt=latest: train.py's resume=latest rule, held to the keys this command sets (the rest comes from the
     # checkpoint), written by any number of processes
-    training = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("ckpt", "split")])
+    training = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("ckpt", "split", "ema")])
     overrides = [o.lstrip("+~").split("=")[0] for o in HydraConfig.get().overrides.task]
-    only = [k for k in overrides if k not in ("ckpt", "split") and not k.startswith(("checkpoint.", "hydra"))]
+    only = [k for k in overrides if k not in ("ckpt", "split", "ema") and not k.startswith(("checkpoint.", "hydra"))]
     found = resume.locate(cfg.ckpt, run_dir, training, world_size=None, only=only)
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
@@ -80,8 +81,9 @@ def evaluate_checkpoint(cfg) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     model_cfg = cfg.model
     model = instantiate(model_cfg)
+    use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(ckpt["ema"] if use_ema else ckpt["model"])
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise UserError(f"eval: the checkpoint's weights do not fit model {model_cfg['_target_']} ({first})") from None
@@ -101,6 +103,7 @@ def evaluate_checkpoint(cfg) -> dict:
         "split": cfg.split,
         "samples": len(dataset),
         "step": ckpt["step"],
+        "weights": "ema" if use_ema else "model",
         "checkpoint": str(found),
         "metrics": ckpt.get("metrics"),  # the training run's record of that epoch, when the file is a best.pth
     }

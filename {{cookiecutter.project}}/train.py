@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -22,6 +23,7 @@ from {{ cookiecutter.package }}.engine import config, submit
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.monitor import worker_death
+from {{ cookiecutter.package }}.engine.optim import clip_gradients
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from {{ cookiecutter.package }}.engine.run import Run, build
 from {{ cookiecutter.package }}.engine.runlog import EpochMeter
@@ -43,54 +45,73 @@ def train(cfg) -> tuple[int, float]:
             run.model.train()
             meter = EpochMeter(run.device)  # loss sums on the device; waits and sample counts on the host
             for batch in meter.timed(run.train_batches()):
-                loss = train_step(run, batch)
-                meter.add(loss, batch)
+                boundary = run.window_ends()  # the accumulation window's last micro-batch: the optimizer steps
+                meter.add(*train_step(run, batch, boundary), batch, step=run.step if boundary else run.step + 1)
+                if not boundary:
+                    continue  # logs, stops, saves and validations fall on optimizer steps
                 # One process acts on a signal at the next step (the flag is a Python bool, no device read);
                 # ranks agree on it where they read the loss anyway, so all stop after the same step.
                 stopping = stop.requested and not run.world.distributed
                 if stopping or run.log_point():
-                    mean_loss, stopping = meter.read_window(stop.requested, run.world)
-                    run.runlog.step(run.step, mean_loss, run.scheduler.get_last_lr()[0])
+                    stopping = log_step(run, meter)  # a non-finite loss stops here, before anything is saved
                 run.monitor.step(run.step, meter.data_wait, meter.started)  # health every monitor.every_steps
-                if stopping or run.at_max_steps() or run.checkpoints.due(run.step):
+                if run.validation_due():  # val_every_steps: validate mid-epoch and save with its record
+                    stopping = validate(run, meter, epoch_end=False) or stopping
+                elif stopping or run.at_max_steps() or run.checkpoints.due(run.step):
                     run.checkpoints.save(run)
                 if stopping or run.at_max_steps():
                     break
             if stopping or run.at_max_steps():
                 break  # mid-epoch: no validation; the checkpoint holds the position in the epoch
-            record, stopping = validate(run, meter)
-            run.checkpoints.save(run, record)  # best.pth too when this epoch is the best so far
+            stopping = validate(run, meter)  # and save, best.pth too when this epoch is the best so far
         if run.world.is_main and run.closing_line():
             log.info(run.closing_line())
     best = run.checkpoints.best.value
     if stopping:
         stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk
-        return stop.exit_code, best if best is not None else float("nan")
-    return 0, best if best is not None else float("nan")
+    return stop.exit_code if stopping else 0, best if best is not None else float("nan")
 
 
-def train_step(run: Run, batch) -> torch.Tensor:
-    """One optimizer step on one batch; the loss comes back still on the device."""
-    with torch.autocast(run.device.type, dtype=run.amp, enabled=run.amp is not None):
+def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of one micro-batch; on the last of its accumulation window (`boundary`), the optimizer
+    step. Returns the loss and the gradient norm before clipping (optim.grad_clip, else None), still on the device."""
+    with run.no_sync(not boundary), torch.autocast(run.device.type, dtype=run.amp, enabled=run.amp is not None):
         loss = run.task.loss(run.net, batch)
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
+        run.scaler.scale(loss / run.cfg.accumulate_steps).backward()  # DDP all-reduces on the window's last only
+    if not boundary:
+        return loss.detach(), None
+    grad_norm = clip_gradients(run.model, run.cfg.optim.grad_clip, run.optimizer, run.scaler)
     run.scaler.step(run.optimizer)
     run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+    if run.ema is not None:
+        run.ema.update()
     run.step += 1
-    return loss.detach()
+    return loss.detach(), grad_norm
 
 
-def validate(run: Run, meter: EpochMeter) -> tuple[dict, bool]:
-    """The epoch's record (metrics.jsonl, TensorBoard, best.pth) and whether a rank was asked to stop meanwhile."""
-    train_time = meter.end_training()
-    if run.train_loader.epoch < run.cfg.epochs:  # persistent workers queue the next epoch's first batches meanwhile
+def log_step(run: Run, meter: EpochMeter) -> bool:
+    """A log point: one host read of the window's sums, a steps.jsonl line; True when a rank was asked to stop."""
+    figures, first_bad, signalled = meter.read_window(run.stop.requested, run.world)
+    if first_bad:
+        raise UserError(run.checkpoints.diverged(first_bad, run.step))
+    run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"))
+    return signalled
+
+
+def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
+    """Validate, log the record (metrics.jsonl, TensorBoard) and save with it (best.pth when it is the best so far);
+    True when a rank was asked to stop meanwhile. At an epoch's end it closes the epoch; mid-epoch (val_every_steps)
+    the train loader and the RNG are left as they are, so the run goes on exactly as without it."""
+    train_time = meter.end_training() if epoch_end else time.perf_counter() - meter.started
+    if epoch_end and run.train_loader.epoch < run.cfg.epochs:  # persistent workers queue the next epoch meanwhile
         run.train_loader.start_next_epoch()
-    val = evaluate(run.task, run.model, run.val_loader, run.device, run.world, run.prepare)  # one host read
+    val = evaluate(run.task, run.evaluated, run.val_loader, run.device, run.world, run.prepare)  # one host read
+    run.model.train()  # evaluate() put it in eval mode; a mid-epoch validation goes back to training
     train_loss, rate, signalled = meter.read_epoch(run.stop.requested, run.world)
     record = {
-        "epoch": run.train_loader.epoch - 1,
+        "epoch": run.train_loader.epoch - 1 if epoch_end else run.train_loader.epoch,
         "step": run.step,
         "train_loss": train_loss,
         **{f"val_{name}": value for name, value in val.items() if name != "count"},
@@ -99,14 +120,17 @@ def validate(run: Run, meter: EpochMeter) -> tuple[dict, bool]:
         "data_wait_s": meter.data_wait,
         "epoch_time_s": train_time,
         "worker_pids": sorted(run.train_loader.worker_pids),
-        **run.monitor.epoch(meter.data_wait, train_time),  # worker_count, rss_mib, pss_mib, fds, data_wait_share
     }
+    if epoch_end:  # worker_count, rss_mib, pss_mib, fds, data_wait_share
+        record.update(run.monitor.epoch(meter.data_wait, train_time))
+    else:
+        record["mid_epoch"] = True
     run.runlog.epoch(record)
     figures = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k == "train_loss" or k.startswith("val_"))
-    log.info(
-        "epoch %d step %d %s %.0f samples/s data_wait %.2fs", record["epoch"], run.step, figures, rate, meter.data_wait
-    )
-    return record, signalled
+    log.info("epoch %d step %d %s %.0f samples/s data_wait %.2fs", record["epoch"], run.step, figures, rate,
+             meter.data_wait)  # fmt: skip
+    run.checkpoints.save(run, record)
+    return signalled
 
 
 def pick_device(choice, deterministic: bool) -> torch.device:

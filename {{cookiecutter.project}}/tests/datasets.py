@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from {{ cookiecutter.package }}.stream import ShardedStream
+from {{ cookiecutter.package }}.tasks import Classification
 
 
 class RngDrawingDataset(Dataset):
@@ -78,3 +79,39 @@ class DictClassification:
         logits = model(batch["image"])
         right = (logits.argmax(1) == batch["label"]).sum()
         return {"acc": right, "count": batch["label"].new_tensor(batch["label"].numel())}
+
+
+class CallCountedMixUp:
+    """MixUp whose lambda comes from a generator seeded with its own call count: what a batch transform without
+    the (seed, epoch, batch) keying does. The count starts again at 0 in a resumed process."""
+
+    def __init__(self, num_classes: int):
+        self.num_classes, self.calls = num_classes, 0
+
+    def __call__(self, batch):
+        images, labels = batch
+        lam = float(torch.rand((), generator=torch.Generator().manual_seed(self.calls)))
+        self.calls += 1
+        soft = torch.nn.functional.one_hot(labels, self.num_classes).float()
+        return images * lam + images.roll(1, 0) * (1 - lam), soft * lam + soft.roll(1, 0) * (1 - lam)
+
+
+class TrainModeMetrics(Classification):
+    """Validation that runs the model in training mode: BatchNorm's running statistics move with every batch."""
+
+    def metrics(self, model, batch):
+        model.train()
+        return super().metrics(model, batch)
+
+
+class DivergingClassification(Classification):
+    """Classification whose loss becomes inf from the `after`+1-th call on, as a run whose loss diverges."""
+
+    def __init__(self, label_smoothing: float = 0.0, after: int = 20):
+        super().__init__(label_smoothing)
+        self.after, self.calls = after, 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        loss = super().loss(model, batch)
+        return loss + float("inf") if self.calls > self.after else loss

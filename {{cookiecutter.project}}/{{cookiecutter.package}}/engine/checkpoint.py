@@ -149,9 +149,10 @@ class CheckpointPolicy:
     Every rank hands its RNG and loader state to rank 0, which alone writes; all ranks wait for the write.
     """
 
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world):
+    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
         self.writer = Checkpointer(folder, keep) if world.is_main else None
-        self.every_steps, self.best, self.world = every_steps, best, world
+        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
+        self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
         """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
@@ -166,11 +167,23 @@ class CheckpointPolicy:
             state = snapshot(
                 run.cfg, run.step, run.model, run.optimizer, run.scheduler, run.scaler, run.train_loader, ranks
             )
+            state["ema"] = run.ema.state_dict() if run.ema is not None else None
             state["best"] = self.best.state()
             if record is not None:  # an epoch end: best.pth too when this epoch is the best so far
                 self.best.update(record, state, self.writer)
             self.writer.save(state)
+        self.saved_step = run.step
         distributed.barrier(self.world)
+
+    def diverged(self, first_bad: int, step: int) -> str:
+        """The one line for a loss that became NaN or inf: nothing is saved past the last good checkpoint."""
+        then = (
+            f"{self.folder / 'last.pth'} holds step {self.saved_step}, the last good weights: lower optim.lr or set "
+            "optim.grad_clip, then resume from it with resume_strict=false"
+            if self.saved_step
+            else "no checkpoint was written yet: lower optim.lr or set optim.grad_clip and start again"
+        )
+        return f"the loss became nan or inf at step {first_bad} (seen at step {step}): stopped without saving; {then}"
 
     @property
     def last(self) -> Path | None:

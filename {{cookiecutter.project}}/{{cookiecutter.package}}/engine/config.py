@@ -144,9 +144,8 @@ class LoaderConfig:
 
 
 @dataclass
-class ScheduleConfig:
-    warmup_steps: int = key(integer(0))
-    min_lr_ratio: float = key(number(0, 1))
+class EmaConfig:
+    decay: float | None = key(number(0, 1, null="off"))
 
 
 @dataclass
@@ -180,13 +179,18 @@ class Config:
     progress: bool = key(typed())
     rng_mode: RngMode = key(typed())
     loader: LoaderConfig = field(default_factory=LoaderConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    accumulate_steps: int = key(integer(1))
+    init_from: str | None = key(text(null="the model's own initialisation"))
+    init_strict: bool = key(typed())
+    val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
+    ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING
     optim: Any = MISSING
     task: Any = MISSING
+    schedule: Any = MISSING
 
 
 # Keys of the open groups that the shipped targets give a meaning: checked when present and the group's target is
@@ -201,10 +205,30 @@ OPEN_KEYS = {
     "optim.weight_decay": number(0),
     "optim.momentum": number(0, 1),
     "task.label_smoothing": number(0, 0.999),
+    "schedule.warmup_steps": integer(0),
+    "schedule.min_lr_ratio": number(0, 1),
 }
-SHIPPED = {"data": "data.train._target_", "model": "model._target_", "optim": "optim._target_", "task": "task._target_"}
+# The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
+LOOP_OPEN_KEYS = {
+    "optim.grad_clip": number(0, above=True, null="off"),
+    "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
+}
+SHIPPED = {
+    "data": "data.train._target_",
+    "model": "model._target_",
+    "optim": "optim._target_",
+    "task": "task._target_",
+    "schedule": "schedule._target_",
+}
 PACKAGE = __name__.split(".")[0]
-REQUIRED_OPEN = ("data.train._target_", "data.val._target_", "model._target_", "optim._target_", "task._target_")
+REQUIRED_OPEN = (
+    "data.train._target_",
+    "data.val._target_",
+    "model._target_",
+    "optim._target_",
+    "task._target_",
+    "schedule._target_",
+)
 
 # Resume: which keys, when changed, make a resumed run a different run (resume.compare). The rule: every key
 # does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
@@ -272,6 +296,9 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
     for name, rule in OPEN_KEYS.items():
         if OmegaConf.select(cfg, name, default=MISSING) is not MISSING and shipped(cfg, name.split(".")[0]):
             refuse_if(name, OmegaConf.select(cfg, name), rule)
+    for name, rule in LOOP_OPEN_KEYS.items():
+        if OmegaConf.select(cfg, name, default=MISSING) is not MISSING:
+            refuse_if(name, OmegaConf.select(cfg, name), rule)
     for name in REQUIRED_OPEN:
         if OmegaConf.select(cfg, name, default=None) is None:
             group = name.split(".")[0]
@@ -279,7 +306,10 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
     added_data_keys(cfg, overrides or [])
     raw = OmegaConf.to_container(cfg, resolve=False)
     targets(raw, "")
-    for group in ("data", "model", "optim", "task"):
+    from .optim import LOOP_KEYS
+
+    raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
+    for group in ("data", "model", "optim", "task", "schedule"):
         arguments(raw[group], f"{group}.")
     from .dry_step import dry_step  # it builds what the run builds: datasets, model, task
 
@@ -347,13 +377,17 @@ def _schema_of(f: dataclasses.Field):
     return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
 
 
+# data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
+LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform")
+
+
 def added_data_keys(cfg, overrides: list[str]) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to would be silently ignored, so it is refused."""
     raw = str(OmegaConf.to_container(cfg.data, resolve=False))
     for override in overrides:
         found = re.match(r"\+{1,2}data\.(\w+)=", override)
-        if found and found[1] != "num_classes" and "${data." + found[1] + "}" not in raw:
+        if found and found[1] not in LOOP_DATA_KEYS and "${data." + found[1] + "}" not in raw:
             close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
             hint = f" (did you mean data.{close[0]}?)" if close else ""
             raise UserError(

@@ -23,6 +23,9 @@ from torch.utils.data import IterableDataset, default_collate
 from .device import input_transform, to_device
 from .errors import UserError
 from .evaluate import check_metrics
+from .init_from import init_weights
+from .optim import build_optimizer, clip_gradients
+from .schedule import build_schedule
 
 NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
 
@@ -35,8 +38,10 @@ def dry_step(cfg) -> None:
         model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"model: {cfg.model._target_} built a {type(model).__name__}, not a torch.nn.Module")
+        if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
+            init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         try:
-            optimizer = instantiate(cfg.optim)(model.parameters())
+            optimizer = build_optimizer(cfg.optim, model)
         except Exception as e:
             raise UserError(f"optim: cannot build {cfg.optim._target_}: {_reason(e)}") from None
         task = _build(cfg.task, "task")
@@ -50,12 +55,18 @@ def dry_step(cfg) -> None:
             model = model.to(memory_format=torch.channels_last)
         target = cfg.task._target_
         batch = prepare(to_device(_two(train_set, collate, "data.train"), device, non_blocking=False))
+        if cfg.data.get("batch_transform") is not None:
+            transform = _build(cfg.data.batch_transform, "data.batch_transform")
+            with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
+                batch = transform(batch)
         with strict_determinism(cfg.deterministic, device), _named(cfg, target, "loss", "training"):
             loss = task.loss(model.train(), batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise UserError(f"task {target}: loss() must return a scalar tensor with a gradient, got {loss!r}")
             loss.backward()
+            clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             optimizer.step()
+            build_schedule(cfg.schedule, optimizer, total_steps=100).step()
         batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
         with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
             names = check_metrics(task.metrics(model.eval(), batch), target)

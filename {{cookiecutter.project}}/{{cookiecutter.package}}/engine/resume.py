@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from . import config, rng
 from .errors import UserError
+from .schedule import fast_forward
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
+def run_changes(ckpt: dict, cfg) -> list:
+    """The differences between the checkpoint's config and this one that make a different run."""
+    return [c for c in differences(ckpt["config"], cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
+
+
 def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
     """Refuse (resume_strict) or log a resume whose config changes the run; log the changes that do not.
 
@@ -173,22 +179,17 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     check_fits(ckpt, cfg, model, train_loader.sampler.world_size)
     mine = ckpt["ranks"][rank % len(ckpt["ranks"])]  # another world size only gets here with resume_strict=false
     model.load_state_dict(ckpt["model"])
-    # This run's config decides the optimizer's settings and the LR schedule from here on: loading the states
-    # would bring back the checkpoint's (a LambdaLR restores its schedule's total steps, so `epochs=8` on an
-    # `epochs=2` checkpoint would train on at the old schedule's floor). Unchanged, this gives the same bits.
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    plan, base_lrs = [dict(vars(f)) for f in scheduler.lr_lambdas], list(scheduler.base_lrs)
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    for group, ours in zip(optimizer.param_groups, settings, strict=True):
-        group.update(ours)
-    for factor, ours in zip(scheduler.lr_lambdas, plan, strict=True):
-        vars(factor).update(ours)
-    scheduler.base_lrs = base_lrs
-    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
+    if run_changes(ckpt, cfg):
+        # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
+        # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
+        # total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
+        for group, ours in zip(optimizer.param_groups, fresh, strict=True):
+            group.update(ours)
+        fast_forward(scheduler, ckpt["step"])
+    else:  # the same run: both states as they were, bit for bit
+        scheduler.load_state_dict(ckpt["scheduler"])
     if scaler.is_enabled() and ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)

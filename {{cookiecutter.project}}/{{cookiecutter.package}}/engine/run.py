@@ -17,12 +17,16 @@ from hydra.utils import instantiate
 from tqdm import tqdm
 
 from . import checkpoint, config, distributed, memory, resume, rng
+from .batch_transform import SeededBatchTransform
 from .device import amp_dtype, device_batches, input_transform
+from .ema import EMA
+from .init_from import init_weights
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
+from .optim import build_optimizer
 from .preempt import StopRequest
 from .runlog import RunLog
-from .schedule import warmup_cosine
+from .schedule import build_schedule
 
 log = logging.getLogger("train")
 
@@ -42,7 +46,7 @@ class Run:
     model: torch.nn.Module  # the plain model: checkpoints, validation
     net: torch.nn.Module  # what the step calls: the model under DDP and torch.compile when on
     optimizer: torch.optim.Optimizer
-    scheduler: object
+    scheduler: object  # conf/schedule, stepped once per optimizer step
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None  # autocast dtype, None = float32
     step: int  # optimizer steps done, over the whole run
@@ -50,6 +54,26 @@ class Run:
     runlog: RunLog
     monitor: Monitor
     checkpoints: checkpoint.CheckpointPolicy
+    ema: EMA | None  # ema.decay: the averaged weights, what validation uses when on
+    batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
+
+    @property
+    def evaluated(self) -> torch.nn.Module:
+        """The weights validation, best.pth and eval.py judge: the EMA's when it is on."""
+        return self.ema.model if self.ema is not None else self.model
+
+    def no_sync(self, skip: bool):
+        """DDP's no_sync on all but a window's last micro-batch: their gradients add up locally, unreduced."""
+        ddp = getattr(self.net, "_orig_mod", self.net)  # under torch.compile, the DDP module it wraps
+        if skip and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def window_ends(self) -> bool:
+        """Whether the micro-batch just taken closes an accumulation window (`accumulate_steps`): its last one,
+        or the epoch's last batch. Windows start at each epoch's first batch; stops and saves fall on their ends."""
+        position, per_epoch = self.train_loader.position, self.train_loader.batches_per_epoch
+        return position % self.cfg.accumulate_steps == 0 or position == per_epoch
 
     def finished(self) -> bool:
         """All epochs done, or `max_steps` reached."""
@@ -58,10 +82,17 @@ class Run:
     def at_max_steps(self) -> bool:
         return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
 
+    def validation_due(self) -> bool:
+        """A mid-epoch validation (`val_every_steps`); the epoch's end has its own."""
+        every, epoch_end = self.cfg.val_every_steps, self.train_loader.position == self.train_loader.batches_per_epoch
+        return bool(every) and self.step % every == 0 and not epoch_end
+
     def log_point(self) -> bool:
-        """The loss is read to the host (and ranks agree on a stop) only here: each read waits for the device."""
+        """The loss is read to the host (and ranks agree on a stop) only here: each read waits for the device.
+        Every save and validation is one too, so a non-finite loss is seen before weights are written."""
         epoch_end = self.train_loader.position == self.train_loader.batches_per_epoch
-        return epoch_end or self.step % self.cfg.log_every_steps == 0 or self.at_max_steps()
+        every = self.step % self.cfg.log_every_steps == 0 or self.checkpoints.due(self.step) or self.validation_due()
+        return epoch_end or every or self.at_max_steps()
 
     def train_batches(self):
         """This epoch's batches on the device and through `data.normalize`; the first one sets the memory plan."""
@@ -70,7 +101,10 @@ class Run:
         for batch in tqdm(batches, desc=f"epoch {self.train_loader.epoch}", disable=not show_bar, leave=False):
             if self.monitor.plan is None:  # the bytes the loader holds in flight (shapes, dtypes), logged once
                 self.monitor.set_plan(memory.plan(batch, self.train_loader.settings))
-            yield self.prepare(batch)
+            batch = self.prepare(batch)
+            if self.batch_transform is not None:  # keyed on (epoch, batch number): the same for any worker count
+                batch = self.batch_transform(batch, self.train_loader.epoch, self.train_loader.position - 1)
+            yield batch
 
     def closing_line(self) -> str | None:
         """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
@@ -121,11 +155,17 @@ def build(
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate
     )
     prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on device
-    model = instantiate(cfg.model).to(device)
+    model = instantiate(cfg.model)
+    if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
+        init_weights(model, cfg.init_from, cfg.init_strict)
+    elif cfg.init_from:
+        log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
+    model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = instantiate(cfg.optim)(model.parameters())
-    scheduler = warmup_cosine(optimizer, cfg.epochs * train_loader.batches_per_epoch, **cfg.schedule)
+    optimizer = build_optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
+    steps_per_epoch = -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
+    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=cfg.epochs * steps_per_epoch)
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
@@ -133,17 +173,24 @@ def build(
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
+    ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
+    if ema is not None and ckpt and ckpt.get("ema") is not None:
+        ema.load_state_dict(ckpt["ema"])
+    elif ema is not None and ckpt:
+        log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+    node = cfg.data.get("batch_transform")
+    batch_transform = SeededBatchTransform(instantiate(node), cfg.seed, world.rank) if node is not None else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
     if ckpt:
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
     policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world
+        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step
     )
     runlog = cleanup.enter_context(RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main))
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     return Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-        optimizer, scheduler, scaler, amp, step, ckpt is not None, runlog, monitor, policy,
+        optimizer, scheduler, scaler, amp, step, ckpt is not None, runlog, monitor, policy, ema, batch_transform,
     )  # fmt: skip

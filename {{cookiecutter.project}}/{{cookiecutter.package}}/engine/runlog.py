@@ -35,13 +35,16 @@ class RunLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def step(self, step: int, loss: float, lr: float) -> None:
-        """One log interval: `loss` is the mean over the steps since the previous line, `lr` the rate after `step`."""
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None = None) -> None:
+        """One log interval: `loss` is the mean over the steps since the previous line, `lr` the rate after `step`,
+        `grad_norm` (with optim.grad_clip) the mean norm before clipping."""
         if not self.enabled:
             return
-        self.steps.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
-        self.tb.add_scalar("train/loss", loss, step)
-        self.tb.add_scalar("train/lr", lr, step)
+        line = {"step": step, "loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        self.steps.write(json.dumps(line) + "\n")
+        for key in ("loss", "lr", "grad_norm"):
+            if key in line:
+                self.tb.add_scalar(f"train/{key}", line[key], step)
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:
@@ -68,14 +71,17 @@ class RunLog:
 
 
 class EpochMeter:
-    """One epoch's running figures. The loss sums stay on the device and are read at log points only (a read makes
-    the host wait for the device); the wait for data and the sample count are host numbers."""
+    """One epoch's running figures. The sums stay on the device and are read at log points only (a read makes the
+    host wait for the device); the wait for data and the sample count are host numbers."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.epoch_loss = torch.zeros((), dtype=torch.float64, device=device)  # sum of loss x batch size
-        self.window_loss = torch.zeros((), dtype=torch.float64, device=device)  # sum of losses since the last read
-        self.window_steps, self.samples, self.data_wait = 0, 0, 0.0
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
+        self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
+        self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
+        self.window_batches, self.window_norms, self.samples, self.data_wait = 0, 0, 0, 0.0
         self.started = time.perf_counter()
         self.train_time: float | None = None  # the epoch's training seconds, set by end_training()
 
@@ -87,20 +93,34 @@ class EpochMeter:
             yield batch
             waiting_since = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, batch) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, batch, step: int) -> None:
+        """One micro-batch's loss (and, on an optimizer step with clipping on, the norm), `step` the optimizer
+        step it belongs to; all device work, no read."""
         n = batch_size(batch)
         loss = loss.double()
         self.window_loss += loss
         self.epoch_loss += loss * n
-        self.window_steps, self.samples = self.window_steps + 1, self.samples + n
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
+        if grad_norm is not None:
+            self.window_norm += grad_norm.double()
+            self.window_norms += 1
+        self.window_batches, self.samples = self.window_batches + 1, self.samples + n
 
-    def read_window(self, stop_requested: bool, world) -> tuple[float, bool]:
-        """(the mean loss since the last read, over ranks; whether any rank was asked to stop): one host read."""
-        window_sum, signalled = sum_and_read([self.window_loss, stop_requested], self.device, world)
-        mean = window_sum / world.world_size / max(self.window_steps, 1)
+    def read_window(self, stop_requested: bool, world) -> tuple[dict, int, bool]:
+        """({loss, grad_norm when clipping is on}: means since the last read, over ranks; the first step with a
+        non-finite loss (0: none); whether any rank was asked to stop): one host read."""
+        bad = (self.first_bad > 0).to(torch.float64)
+        loss_sum, norm_sum, bad_step_sum, bad_ranks, signalled = sum_and_read(
+            [self.window_loss, self.window_norm, self.first_bad, bad, stop_requested], self.device, world
+        )
+        figures = {"loss": loss_sum / world.world_size / max(self.window_batches, 1)}
+        if self.window_norms:
+            figures["grad_norm"] = norm_sum / world.world_size / self.window_norms
         self.window_loss.zero_()
-        self.window_steps = 0
-        return mean, signalled > 0
+        self.window_norm.zero_()
+        self.window_batches = self.window_norms = 0
+        first_bad = round(bad_step_sum / bad_ranks) if bad_ranks else 0  # ranks that diverged, their mean step
+        return figures, first_bad, signalled > 0
 
     def end_training(self) -> float:
         """Stop the epoch's clock (before validation) and return its training seconds."""
@@ -108,8 +128,8 @@ class EpochMeter:
         return self.train_time
 
     def read_epoch(self, stop_requested: bool, world) -> tuple[float, float, bool]:
-        """(train_loss over the epoch, samples/s, whether any rank was asked to stop): one host read."""
-        seconds = self.train_time if self.train_time is not None else self.end_training()
+        """(train_loss over the epoch so far, samples/s, whether any rank was asked to stop): one host read."""
+        seconds = self.train_time if self.train_time is not None else time.perf_counter() - self.started
         loss_sum, samples, rate, signalled = sum_and_read(
             [self.epoch_loss, self.samples, self.samples / seconds, stop_requested], self.device, world
         )

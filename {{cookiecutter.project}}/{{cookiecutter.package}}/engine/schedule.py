@@ -1,9 +1,22 @@
-"""The learning-rate schedule: linear warm-up, then cosine decay, stepped once per optimizer step."""
+"""The learning-rate schedule (`conf/schedule/`), stepped once per optimizer step.
+
+Each file in conf/schedule/ is a `_target_` with `_partial_: true`: any torch LR scheduler class, or a function
+returning one, takes the optimizer from the loop; `total_steps` (the optimizer steps of all epochs) is passed too
+when the target takes an argument of that name. Shipped: `warmup_cosine` (linear warm-up, cosine decay; the
+default), `constant` (an optional warm-up, then flat) and `multistep` (torch's MultiStepLR).
+
+A resume restores the schedule through its `state_dict()`; a `resume_strict=false` resume that changes the run
+builds this run's schedule and steps it to the checkpoint's step instead (`fast_forward`), so the LR is the one
+this config plans there. ReduceLROnPlateau, which steps on a metric, is not supported.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 
+from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
 
 
@@ -20,6 +33,38 @@ class WarmupCosine:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class Warmup:
+    """lr factor: linear warm-up over `warmup_steps`, then 1."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
+
+
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> LambdaLR:
     # The schedule spans the planned run (epochs), never max_steps: a run stopped early and resumed sees the same lr.
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
+
+
+def constant(optimizer, warmup_steps: int = 0) -> LambdaLR:
+    return LambdaLR(optimizer, Warmup(warmup_steps))
+
+
+def build_schedule(schedule_cfg, optimizer, total_steps: int):
+    """The configured scheduler on `optimizer`; `total_steps` goes to targets that take it."""
+    factory = instantiate(schedule_cfg)
+    try:
+        takes_total = "total_steps" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_total = False
+    return factory(optimizer, total_steps=total_steps) if takes_total else factory(optimizer)
+
+
+def fast_forward(scheduler, steps: int) -> None:
+    """Step a freshly built scheduler `steps` times: the LR it gives at that step, from its own public `step()`."""
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            scheduler.step()

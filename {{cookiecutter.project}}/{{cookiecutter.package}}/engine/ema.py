@@ -1,0 +1,40 @@
+"""An exponential moving average of the model's weights (`ema.decay`), kept beside the model.
+
+After each optimizer step every floating-point tensor of the model's state (weights and normalization running
+statistics) moves toward the model's: `ema = ema + (1 - decay) * (model - ema)`; integer buffers (BatchNorm's
+step count) are copied. Validation, best.pth and eval.py use the average when it is on; checkpoints hold both.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class EMA:
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._pair(model)
+
+    def _pair(self, model: torch.nn.Module) -> None:
+        """The tensors to average, matched by name once: state_dict() hands out the live tensors."""
+        ours, theirs = self.model.state_dict(), model.state_dict()
+        floats = [k for k, v in ours.items() if v.is_floating_point()]
+        self.floats = ([ours[k] for k in floats], [theirs[k] for k in floats])
+        others = [k for k, v in ours.items() if not v.is_floating_point()]
+        self.others = ([ours[k] for k in others], [theirs[k] for k in others])
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One step toward the model's current weights; all on the device, no host read."""
+        torch._foreach_lerp_(self.floats[0], self.floats[1], 1.0 - self.decay)
+        for mine, theirs in zip(*self.others):
+            mine.copy_(theirs)
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)  # copies into the same tensors, so the pairs stay valid
