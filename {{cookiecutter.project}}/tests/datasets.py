@@ -19,8 +19,8 @@ class RngDrawingDataset(Dataset):
     noise makes every weight depend on every draw, so any RNG slip changes the result.
     """
 
-    def __init__(self, size: int = 256, num_classes: int = 4, image_size: int = 16):
-        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+    def __init__(self, size: int = 256, num_classes: int = 4, image_size: int = 16, draws: bool = True):
+        self.size, self.num_classes, self.image_size, self.draws = size, num_classes, image_size, draws
 
     def __len__(self) -> int:
         return self.size
@@ -28,6 +28,8 @@ class RngDrawingDataset(Dataset):
     def __getitem__(self, index: int):
         label = index % self.num_classes
         x = torch.full((3, self.image_size, self.image_size), float(label) / self.num_classes)
+        if not self.draws:  # a fixed sample per index (validation data that does not change between runs)
+            return x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(index)), label
         x = x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)) + random.gauss(0.0, 0.1)
         return x, label
 

@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import re
+import warnings
 
 import numpy as np
 import torch
@@ -66,7 +67,9 @@ def dry_step(cfg) -> None:
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             optimizer.step()
-            build_schedule(cfg.schedule, optimizer, total_steps=100).step()
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not so here
+                warnings.simplefilter("ignore", UserWarning)
+                build_schedule(cfg.schedule, optimizer, total_steps=100).step()
         batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
         with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
             names = check_metrics(task.metrics(model.eval(), batch), target)
