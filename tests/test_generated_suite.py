@@ -52,10 +52,17 @@ def run_generated(project, log_path, *args, timeout):
     return text, time.monotonic() - started
 
 
+# Both tiers on two pytest workers (pytest-xdist): most of a generated test's time goes to train.py subprocesses
+# starting up and waiting on their loader workers, so two at a time fill two cores. A hung test fails by name through
+# pytest-timeout (PER_TEST_S each; xdist reports the test its worker was running).
+WORKERS, PER_TEST_S = 2, 900
+
+
 @pytest.mark.parametrize("answers, paths", [({}, []), (NON_DEFAULT, QUICK)], ids=["defaults", "non-default"])
 def test_generated_fast_tier_passes(bake, tmp_path, answers, paths):
     project = bake(tmp_path, **answers)
-    text, seconds = run_generated(project, tmp_path / "fast.log", "-m", "not slow", *paths, timeout=900)
+    workers = ["-n", str(WORKERS), f"--timeout={PER_TEST_S}", "--timeout-method=thread"]
+    text, seconds = run_generated(project, tmp_path / "fast.log", "-m", "not slow", *workers, *paths, timeout=900)
     assert " passed" in text.splitlines()[-1], text.splitlines()[-1]
     print(f"generated fast tier ({answers or 'defaults'}): {seconds:.0f} s")
 
@@ -63,9 +70,22 @@ def test_generated_fast_tier_passes(bake, tmp_path, answers, paths):
 @pytest.mark.slow
 def test_generated_slow_tier_passes(bake, tmp_path):
     project = bake(tmp_path)
-    text, seconds = run_generated(project, tmp_path / "slow.log", "-m", "slow", timeout=3600)
+    args = ["-m", "slow", "-n", str(WORKERS), f"--timeout={PER_TEST_S}", "--timeout-method=thread"]
+    text, seconds = run_generated(project, tmp_path / "slow.log", *args, timeout=3600)
     assert " passed" in text.splitlines()[-1], text.splitlines()[-1]
     print(f"generated slow tier: {seconds:.0f} s")
+
+
+def test_under_xdist_a_hung_test_is_named_by_its_own_timeout(tmp_path):
+    """What the slow tier relies on: with -n 2, pytest-timeout fails the hung test by name and the run goes on."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_hang.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_stuck():\n    time.sleep(600)\n"
+    )
+    # pytest-timeout's thread method dumps the stacks and ends the worker; xdist names the test it was running
+    with pytest.raises(AssertionError, match=r"crashed while running 'tests/test_hang.py::test_stuck'"):
+        run_generated(tmp_path, tmp_path / "hang.log", "tests", "-n", "2", "--timeout=5", "--timeout-method=thread",
+                      timeout=120)  # fmt: skip
 
 
 def test_a_timeout_names_the_running_test(tmp_path):
