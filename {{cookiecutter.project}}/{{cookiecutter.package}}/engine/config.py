@@ -201,6 +201,7 @@ OPEN_KEYS = {
     "optim.weight_decay": number(0),
     "optim.momentum": number(0, 1),
     "task.label_smoothing": number(0, 0.999),
+    "data.on_bad_sample": one_of("error", "skip"),
 }
 SHIPPED = {"data": "data.train._target_", "model": "model._target_", "optim": "optim._target_", "task": "task._target_"}
 PACKAGE = __name__.split(".")[0]
@@ -219,6 +220,8 @@ SAME_RUN = {
     "checkpoint.*": "when and where checkpoints are written",
     "*every_steps": "how often something is logged or saved",
     "loader.*": "speed and memory of loading, except batch_size",
+    # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
+    "data.on_bad_sample": "what a bad sample does, from here on",
 }
 RUN_KEYS_UNDER_SAME = {
     "loader.batch_size": None,
