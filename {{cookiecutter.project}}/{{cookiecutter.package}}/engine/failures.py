@@ -249,6 +249,27 @@ def from_loader_error(error: BaseException, loader, iterator) -> LoaderFailure |
     return None
 
 
+def named(batches, what: str):
+    """`batches` (a loader other than the train loader: validation, eval.py), a stall or a full /dev/shm in it
+    turned into its one line. No checkpoint from here: the last one stays as it is."""
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if str(e).startswith("DataLoader timed out after"):
+                raise Stalled(
+                    f"loader.timeout: no {what} batch for {str(e).split('after ')[-1]}: a worker is stuck "
+                    "(a hung read, a dead network mount?)"
+                ) from e
+            if is_shm_error(e):
+                raise shm_full(e) from e
+            raise
+        yield batch
+
+
 @contextmanager
 def save_on_failure(run):
     """Around the loop's batches: a LoaderFailure comes between two steps, so the run is saved as it stands (the
