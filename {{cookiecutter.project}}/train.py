@@ -155,7 +155,7 @@ def main(cfg) -> float:
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(error, "exit_code", 2))  # 2: bad input; a loader failure's own code (engine/failures.py)
     if code:
         sys.exit(code)
     return best

@@ -1,6 +1,8 @@
 """Small datasets for the tests, plugged in through `data.train._target_` like a user's own."""
 
+import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -117,3 +119,18 @@ class DivergingClassification(Classification):
         self.calls += 1
         loss = super().loss(model, batch)
         return loss + float("inf") if self.calls > self.after else loss
+
+
+class HangsOnce(RngDrawingDataset):
+    """RngDrawingDataset whose sample `hang_index` blocks forever the first time any process reads it, like a read
+    from a dead network mount: `marker` (a file) records that it happened, so a resumed run reads it normally."""
+
+    def __init__(self, marker: str, hang_index: int, size: int = 256, num_classes: int = 4, image_size: int = 16):
+        super().__init__(size, num_classes, image_size)
+        self.marker, self.hang_index = marker, hang_index
+
+    def __getitem__(self, index: int):
+        if index == self.hang_index and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            threading.Event().wait()  # never set: blocked until the process is ended
+        return super().__getitem__(index)

@@ -35,6 +35,8 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
         assert r["first_batch_e1_s"] > 0 and r["first_batch_e2_s"] > 0 and r["worker_start_s"] is not None
     assert report["recommendation"]["profile"] in PROFILES and report["recommendation"]["reasons"]
     assert "recommendation: loader=" in proc.stdout and "batches/s" in proc.stdout
+    assert report["machine"]["shm_size_mib"] > 0 and "/dev/shm: " in proc.stdout  # where the batches in flight live
+    assert all("MiB free of" in r["plan"] for r in report["profiles"] if r["num_workers"])
 
 
 def profile(name, workers, prefetch, persistent, rate, peak, restart=0.05):

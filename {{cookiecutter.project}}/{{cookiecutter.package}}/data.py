@@ -66,6 +66,10 @@ class ImageFiles(datasets.ImageFolder):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def sample_source(self, index: int) -> str:
+        """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
+        return f"file {self.paths[index]}"
+
     def __getitem__(self, index: int):
         image = self.loader(str(self.paths[index]))
         if self.transform is not None:

@@ -156,13 +156,9 @@ def wait_for_workers_to_exit(timeout_s: float = 10.0) -> None:
 
 def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> dict:
     settings = resolve_settings(loader_cfg, device.type)
-    try:
-        settings, change = memory.fit_budget(
-            settings,
-            memory.sample_batch_bytes(dataset, settings.batch_size),
-            loader_cfg.max_prefetch_mib,
-            loader_cfg.on_budget,
-        )
+    try:  # as train.py fits it: to loader.max_prefetch_mib, then to the free space of /dev/shm
+        settings, changes = memory.fit_loader(dataset, settings, loader_cfg)
+        change = "; ".join(changes) or None
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
     count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
@@ -335,6 +331,7 @@ def diagnose(cfg) -> dict:
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("loader=")]
     profiles = GlobalHydra.instance().config_loader().get_group_options("loader")
     available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
+    shm_free, shm_size = memory.shm_space() or (None, None)  # where the batches in flight live (memory.py)
     began = time.perf_counter()
     train_set = instantiate(cfg.data.train)
     build_s = time.perf_counter() - began
@@ -350,6 +347,8 @@ def diagnose(cfg) -> dict:
         "machine": {
             "cpus": cores,
             "available_mib": available_mib,
+            "shm_free_mib": shm_free / MiB if shm_free is not None else None,
+            "shm_size_mib": shm_size / MiB if shm_size is not None else None,
             "device": str(device),
             "torch": torch.__version__,
             "python": sys.version.split()[0],
@@ -366,6 +365,8 @@ def diagnose(cfg) -> dict:
         f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
         f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s"
     )
+    if shm_free is not None:
+        print(f"{memory.SHM_DIR}: {shm_free / MiB:.1f} MiB free of {shm_size / MiB:.1f} MiB (batches in flight)")
     for r in results:
         if r.get("budget_change"):
             print(f"{r['profile']}: {r['budget_change']}")

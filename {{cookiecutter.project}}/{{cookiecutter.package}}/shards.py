@@ -208,6 +208,8 @@ class ShardDataset(Dataset):
         self.offset = np.concatenate([np.asarray(s["offsets"], dtype=np.int64) for s in shards])
         self.size = np.concatenate([np.asarray(s["sizes"], dtype=np.int64) for s in shards])
         self.label = np.concatenate([np.asarray(s["labels"], dtype=np.int64) for s in shards])
+        keys = [s.get("keys") or [""] * len(s["offsets"]) for s in shards]
+        self.key = np.concatenate([np.asarray(k, dtype=str) for k in keys])  # member names, for a bad sample's line
         del index, shards  # the per-sample Python lists go before any worker forks
         self.shuffle_window = shuffle_window
         window = shuffle_window or len(self.paths)
@@ -232,6 +234,10 @@ class ShardDataset(Dataset):
         for j in np.lexsort((self.offset[indices], self.shard[indices])):
             data[j] = self.read(int(indices[j]))
         return [self._sample(d, int(self.label[i])) for d, i in zip(data, indices, strict=True)]
+
+    def sample_source(self, index: int) -> str:
+        """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
+        return f"shard {self.paths[self.shard[index]]}, member {self.key[index]}"
 
     def read(self, index: int) -> bytes:
         """The image file's bytes as packed: one seek and one read in a shard this process keeps open."""

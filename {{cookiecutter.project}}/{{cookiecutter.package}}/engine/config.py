@@ -212,6 +212,7 @@ OPEN_KEYS = {
 LOOP_OPEN_KEYS = {
     "optim.grad_clip": number(0, above=True, null="off"),
     "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
+    "data.on_bad_sample": one_of("error", "skip"),
 }
 SHIPPED = {
     "data": "data.train._target_",
@@ -243,6 +244,8 @@ SAME_RUN = {
     "checkpoint.*": "when and where checkpoints are written",
     "*every_steps": "how often something is logged or saved",
     "loader.*": "speed and memory of loading, except batch_size",
+    # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
+    "data.on_bad_sample": "what a bad sample does, from here on",
 }
 RUN_KEYS_UNDER_SAME = {
     "loader.batch_size": None,
@@ -378,7 +381,7 @@ def _schema_of(f: dataclasses.Field):
 
 
 # data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
-LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform")
+LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample")
 
 
 def added_data_keys(cfg, overrides: list[str]) -> None:

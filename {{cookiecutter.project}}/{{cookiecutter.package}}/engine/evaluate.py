@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import failures
 from .device import device_batches, sum_and_read
 from .errors import UserError
 
@@ -35,7 +36,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     """
     model.eval()
     names, sums = None, None
-    for batch in device_batches(loader, device):
+    for batch in failures.named(device_batches(loader, device), "validation"):
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if names is None:
             names = check_metrics(metrics, type(task).__qualname__)

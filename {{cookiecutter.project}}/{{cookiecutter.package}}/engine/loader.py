@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
-from . import rng
+from . import failures, rng
+from .device import map_tensors
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,7 +77,8 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
         pin = False
     persistent, timeout = cfg.persistent_workers, cfg.timeout
     if workers == 0:
-        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch), ("timeout", timeout))
+        # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
+        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch))
         ignored = [k for k, v in given if v]
         if ignored:
             log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
@@ -175,10 +180,11 @@ class SeededBatches(torch.utils.data.Dataset):
     many, made it; seeding once per batch (~0.1 ms) rather than per sample keeps the cost small.
     In the main process (num_workers=0) the main RNG is put back afterwards, untouched by the data.
     rng_mode=per_worker: the worker's own streams run on; TrainLoader saves and restores them.
+    A sample that raises is named (data set index, file) or, with `skip`, left out: failures.fetch_guarded.
     """
 
-    def __init__(self, dataset, seed: int, rank: int, per_sample: bool):
-        self.dataset, self.seed, self.rank, self.per_sample = dataset, seed, rank, per_sample
+    def __init__(self, dataset, seed: int, rank: int, per_sample: bool, skip: bool = False):
+        self.dataset, self.seed, self.rank, self.per_sample, self.skip = dataset, seed, rank, per_sample, skip
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -201,7 +207,14 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
-        return many(list(batch)) if many else [self.dataset[i] for i in batch]
+        if many:
+            try:
+                return failures.Samples(many(list(batch)))
+            except UserError:
+                raise
+            except Exception:  # one sample failed, somewhere in the batch: one by one finds which
+                pass
+        return failures.fetch_guarded(self.dataset, batch, self.skip)
 
 
 @dataclass
@@ -214,30 +227,40 @@ class WorkerSnapshot:
 
 
 class CollateWithSnapshot:
-    """Runs the real collate_fn in the worker, then captures the worker's RNG (after any RNG the collate used)."""
+    """Runs the real collate_fn in the worker, then captures the worker's RNG (after any RNG the collate used).
+
+    Returns (batch, snapshot, skipped): `skipped` lists the samples data.on_bad_sample=skip left out. In a
+    worker, every tensor of the batch is moved to shared memory here, inside the fetch: torch would otherwise
+    do it for tensors the collate did not allocate there (labels) while the worker's queue sends the batch,
+    in a feeder thread whose failure (a full /dev/shm) only prints and loses the batch, leaving the loop to
+    wait. Here it fails as an exception the main process receives in the batch's place."""
 
     def __init__(self, collate_fn):
         self.collate_fn = collate_fn
 
     def __call__(self, samples):
-        batch = self.collate_fn(samples)
+        skipped = getattr(samples, "skipped", [])
+        batch = self.collate_fn(list(samples))
         info = get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
-            return batch, None
-        return batch, WorkerSnapshot(rng.capture(), info.seed - info.id, os.getpid())
+            return batch, None, skipped
+        batch = map_tensors(lambda t: t.share_memory_() if t.device.type == "cpu" else t, batch)
+        return batch, WorkerSnapshot(rng.capture(), info.seed - info.id, os.getpid()), skipped
 
 
 class SeedWorker:
     """worker_init_fn: runs the caller's `worker_init` first (train.py's keeps stop signals away from workers), then
     a fresh worker seeds torch, numpy and python `random` from `get_worker_info().seed`; a restored one takes
-    stream `(worker_id + rotation) % W` of the given streams."""
+    stream `(worker_id + rotation) % W` of the given streams. With `stack_dir`, the worker writes its Python
+    stack there when a stall is reported (failures.arm_stack_dump)."""
 
-    def __init__(self, streams=None, rotation: int = 0, worker_init=None):
-        self.streams, self.rotation, self.worker_init = streams, rotation, worker_init
+    def __init__(self, streams=None, rotation: int = 0, worker_init=None, stack_dir: str | None = None):
+        self.streams, self.rotation, self.worker_init, self.stack_dir = streams, rotation, worker_init, stack_dir
 
     def __call__(self, worker_id: int) -> None:
         if self.worker_init is not None:
             self.worker_init(worker_id)
+        failures.arm_stack_dump(self.stack_dir)
         if self.streams is None:
             rng.seed_cpu(get_worker_info().seed)  # the state rng.from_seed(seed) describes, as the main process assumes
         else:
@@ -309,11 +332,22 @@ class TrainLoader:
         rank: int = 0,
         world_size: int = 1,
         worker_init=None,
+        on_bad_sample: str = "error",
+        bad_samples: failures.BadSampleLog | None = None,
     ):
         if rng_mode not in ("per_sample", "per_worker"):
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
+        if on_bad_sample not in ("error", "skip"):
+            raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
         self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
-        self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample")
+        skip = on_bad_sample == "skip"
+        self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample", skip=skip)
+        self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
+        self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
+        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
+        if settings.num_workers and settings.timeout:
+            self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
+            weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
         self.sampler = EpochBatchSampler(
             len(dataset),
             settings.batch_size,
@@ -372,15 +406,32 @@ class TrainLoader:
     def __iter__(self):
         start = self.position
         self.worker_pids = set()
+        if start == 0:
+            self.skipped = 0
         if self._early is not None:
             (batches, _), self._early = self._early, None
         else:
             self.sampler.set_epoch(self.epoch, start)
             batches = self._loader_for(start)
-        for index, (batch, snapshot) in enumerate(batches, start):
+        iterator, index = iter(batches), start - 1
+        while True:  # to StopIteration, not just the last batch: a non-persistent iterator ends its workers there
+            index += 1
+            try:
+                batch, snapshot, skipped = next(iterator)
+            except StopIteration:
+                break
+            except Exception as e:  # a stall, a bad sample, a full /dev/shm: named, in one line
+                failure = failures.from_loader_error(e, self, iterator)
+                if failure is None:
+                    raise
+                raise failure from e
             if snapshot is not None:
                 self.generation.consume(index, snapshot)
                 self.worker_pids.add(snapshot.pid)
+            if skipped:
+                self.skipped += len(skipped)
+                if self.bad_samples is not None:
+                    self.bad_samples.add(self.epoch, skipped)
             self.position = index + 1
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
@@ -395,14 +446,15 @@ class TrainLoader:
         if start > 0:
             streams = self.generation.streams()
             self.generation = Generation(workers, streams, rotation=start % workers)
-            seeding = SeedWorker(streams, start % workers, self.worker_init)
+            seeding = SeedWorker(streams, start % workers, self.worker_init, self.stack_dir)
             return self._dataloader(seeding, torch.Generator(), persistent=False)
         if self.generation.persistent:
             return self.loader
         streams = self.generation.streams() if persistent else None
         self.generation = Generation(workers, streams, persistent=persistent)
         if persistent or self.loader is None:  # a non-persistent DataLoader seeds fresh workers on every iter
-            self.loader = self._dataloader(SeedWorker(streams, 0, self.worker_init), self.generator, persistent)
+            seeding = SeedWorker(streams, 0, self.worker_init, self.stack_dir)
+            self.loader = self._dataloader(seeding, self.generator, persistent)
         return self.loader
 
     def state_dict(self) -> dict:
@@ -418,6 +470,7 @@ class TrainLoader:
             "rng_mode": self.rng_mode,
             "generator": self.generator.get_state() if self._early is None else self._early[1],
             "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
+            "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
@@ -439,6 +492,7 @@ class TrainLoader:
             log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
             streams = None
         self.epoch, self.position = state["epoch"], min(state["position"], self.batches_per_epoch)
+        self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
         self.generator.set_state(state["generator"])
         if self.settings.num_workers:  # no workers yet: the next epoch starts a generation from these streams
             restored = [rng.from_saved(s) for s in streams] if streams else None

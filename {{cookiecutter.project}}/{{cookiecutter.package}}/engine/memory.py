@@ -11,11 +11,19 @@ and PyTorch's caching host allocator keeps those blocks for reuse: one pinned co
 Not in the plan: each worker's copy of the dataset object, decode buffers, collate temporaries and
 the batch the loop is training on. With num_workers=0 nothing is in flight: the main process loads
 each batch when the loop asks for it.
+
+/dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared
+memory), and containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch
+that does not fit fails in the worker ("unable to allocate shared memory(shm)", or SIGBUS when the
+pages were overcommitted: pytorch/pytorch#5040), after the run has started. So before any worker
+starts, `fit_shm` holds what the loaders will put there against the free space of /dev/shm, for
+every rank on this host (`shm_need`), and lowers the profile or refuses.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -28,6 +36,10 @@ from .errors import UserError
 from .loader import LoaderSettings
 
 MiB = 2**20
+SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open names files there)
+# Beyond the batches counted in shm_need: tmpfs rounds every tensor file up to whole pages (a label
+# tensor of 512 bytes takes 4 KiB), and a batch of the validation set may be larger than a train batch.
+SHM_MARGIN = 1.25
 
 
 def batch_bytes(batch) -> int:
@@ -78,6 +90,7 @@ class Plan:
     prefetch_factor: int | None
     pinned: bool
     layout: str = ""
+    persistent: bool = False  # workers outlive the epoch: validation's queue then adds to /dev/shm (shm_batches)
 
     @property
     def in_flight(self) -> int:
@@ -104,17 +117,19 @@ class Plan:
         pinned = f" + {self.pinned_copies} pinned copies" if self.pinned else ""
         return (
             f"{head} x {self.in_flight} batches in flight ({self.num_workers} workers x prefetch_factor "
-            f"{self.prefetch_factor}){pinned} = {self.mib:.1f} MiB"
+            f"{self.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm_line(self)}"
         )
 
 
 def plan(batch, settings: LoaderSettings) -> Plan:
     """The plan for a real batch (as the loop received it) under these loader settings."""
-    return Plan(batch_bytes(batch), settings.num_workers, settings.prefetch_factor, settings.pin_memory, layout(batch))
+    s = settings
+    return Plan(batch_bytes(batch), s.num_workers, s.prefetch_factor, s.pin_memory, layout(batch), s.persistent_workers)
 
 
 def plan_for(settings: LoaderSettings, one_batch_bytes: int) -> Plan:
-    return Plan(one_batch_bytes, settings.num_workers, settings.prefetch_factor, settings.pin_memory)
+    s = settings
+    return Plan(one_batch_bytes, s.num_workers, s.prefetch_factor, s.pin_memory, persistent=s.persistent_workers)
 
 
 def fit_budget(
@@ -163,3 +178,118 @@ def fit_budget(
         f"{', '.join(changes)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
     )
     return after, sentence
+
+
+# --- /dev/shm ---------------------------------------------------------------------------------------------------
+
+
+def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
+    """(free bytes, size in bytes) of the file system holding torch's shared memory; None where there is none
+    (macOS, Windows: shared memory is not a file system there)."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def local_ranks() -> int:
+    """Processes of this run on this host: each has its own loaders, and all of them share one /dev/shm."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):  # torchrun's, SLURM's ("4" or "4(x2)")
+        value = os.environ.get(name, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def shm_batches(settings: LoaderSettings) -> int:
+    """Batches one rank's loaders can hold in /dev/shm at once.
+
+    The plan (in flight, and the pinned copies as the plan counts them), the batch in training, and with
+    persistent workers the validation loader's queue on top: validation runs while the train workers
+    already hold the next epoch's first batches (TrainLoader.start_next_epoch).
+    """
+    plan = plan_for(settings, 0)
+    if not plan.num_workers:
+        return 0  # the main process loads: nothing goes through shared memory
+    validation = plan.in_flight if settings.persistent_workers else 0
+    return plan.in_flight + plan.pinned_copies + validation + 1
+
+
+def shm_need(settings: LoaderSettings, one_batch_bytes: int, ranks: int = 1) -> int:
+    """Bytes this run's loaders can hold in /dev/shm: `shm_batches` per rank, every rank on the host, and
+    SHM_MARGIN."""
+    return int(shm_batches(settings) * one_batch_bytes * ranks * SHM_MARGIN)
+
+
+def shm_line(plan: Plan, space: tuple[int, int] | None = None) -> str:
+    """The /dev/shm figure for the plan line: its free space and size, and what this rank's loaders may put there."""
+    space = space or shm_space()
+    if space is None:
+        return "no /dev/shm on this system"
+    free, size = space
+    settings = LoaderSettings(1, plan.num_workers, plan.prefetch_factor, plan.pinned, plan.persistent, 0.0)
+    need = shm_need(settings, plan.batch_bytes, local_ranks())
+    return f"{SHM_DIR} {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, up to {need / MiB:.1f} MiB of it for batches"
+
+
+def fit_shm(
+    settings: LoaderSettings,
+    one_batch_bytes: int,
+    on_budget: str = "adjust",
+    ranks: int = 1,
+    space: tuple[int, int] | None = None,
+) -> tuple[LoaderSettings, str | None]:
+    """Settings whose batches fit in the free space of /dev/shm, and a sentence saying what changed (None: nothing).
+
+    As with `fit_budget`, prefetch_factor goes down first, then num_workers; but not to 0 workers: a machine
+    whose /dev/shm cannot take one batch per rank is refused, with what to do, since loading everything in
+    the main process is rarely what the user wants and is theirs to choose (loader.num_workers=0).
+    """
+    space = space if space is not None else shm_space()
+    if space is None or not settings.num_workers:
+        return settings, None
+    free, size = space
+    need = shm_need(settings, one_batch_bytes, ranks)
+    if need <= free:
+        return settings, None
+    where = (
+        f"{SHM_DIR} has {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, and the loaders may put "
+        f"{need / MiB:.1f} MiB of batches there ({shm_batches(settings)} batches of {one_batch_bytes / MiB:.2f} MiB"
+        f"{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a {SHM_MARGIN:g}x margin)"
+    )
+    todo = (
+        "give it more room (docker run --shm-size=1g, or a larger tmpfs on /dev/shm), lower "
+        "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
+        "loader.num_workers=0 (no shared memory)"
+    )
+    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor - 1, 0, -1)]
+    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in range(settings.num_workers - 1, 0, -1)]
+    smallest = replace(settings, num_workers=1, prefetch_factor=1)
+    if shm_need(smallest, one_batch_bytes, ranks) > free:
+        raise UserError(f"loader: {where}; even one worker with one batch ahead does not fit: {todo}")
+    if on_budget == "error":
+        raise UserError(f"loader: {where}: {todo}, or set loader.on_budget=adjust")
+    after = next(c for c in candidates if shm_need(c, one_batch_bytes, ranks) <= free)
+    changes = [
+        f"{name} {getattr(settings, name)} -> {getattr(after, name)}"
+        for name in ("prefetch_factor", "num_workers")
+        if getattr(settings, name) != getattr(after, name)
+    ]
+    fitted = shm_need(after, one_batch_bytes, ranks)
+    return after, f"{where}: {', '.join(changes)} ({fitted / MiB:.1f} MiB)"
+
+
+def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
+    """The loader settings a run uses, fitted before any worker starts: to `loader.max_prefetch_mib`, then to the
+    free space of /dev/shm. Returns them and a sentence per change (what train.py and the doctor log)."""
+    space = shm_space() if settings.num_workers else None
+    if loader_cfg.max_prefetch_mib is None and space is None:
+        return settings, []
+    one_batch = sample_batch_bytes(dataset, settings.batch_size, **({"collate_fn": collate_fn} if collate_fn else {}))
+    changes = []
+    settings, change = fit_budget(settings, one_batch, loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
+    changes += [change] if change else []
+    settings, change = fit_shm(settings, one_batch, loader_cfg.on_budget, local_ranks(), space)
+    changes += [change] if change else []
+    return settings, changes

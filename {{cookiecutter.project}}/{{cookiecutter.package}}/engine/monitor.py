@@ -133,6 +133,10 @@ def worker_death(exc: BaseException) -> str | None:
                 ends = [(pid, _ended(pid)) for pid in pids]
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
+            if "Bus error" in text or "SIGBUS" in text:  # a shared-memory page that could not be had
+                from .failures import shm_full
+
+                return f"{text.split('. ')[0].rstrip('. ')}: {shm_full(link)}"
             if "Killed" in text or "SIGKILL" in text:
                 return (
                     f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer "
@@ -287,6 +291,7 @@ class Monitor:
             "pss_mib": round(reading["pss_mib"], 1),
             "fds": reading["fds"],
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
+            "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
         }
         if self.runlog.enabled:
             log.info(

@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from . import checkpoint, config, distributed, memory, resume, rng
+from . import checkpoint, config, distributed, failures, memory, resume, rng
 from .batch_transform import SeededBatchTransform
 from .device import amp_dtype, device_batches, input_transform
 from .ema import EMA
@@ -98,13 +98,14 @@ class Run:
         """This epoch's batches on the device and through `data.normalize`; the first one sets the memory plan."""
         show_bar = self.cfg.progress and sys.stderr.isatty() and self.world.is_main
         batches = device_batches(self.train_loader, self.device, self.cfg.device_prefetch)  # CUDA: copies overlap
-        for batch in tqdm(batches, desc=f"epoch {self.train_loader.epoch}", disable=not show_bar, leave=False):
-            if self.monitor.plan is None:  # the bytes the loader holds in flight (shapes, dtypes), logged once
-                self.monitor.set_plan(memory.plan(batch, self.train_loader.settings))
-            batch = self.prepare(batch)
-            if self.batch_transform is not None:  # keyed on (epoch, batch number): the same for any worker count
-                batch = self.batch_transform(batch, self.train_loader.epoch, self.train_loader.position - 1)
-            yield batch
+        with failures.save_on_failure(self):  # a stall, a bad sample, a full /dev/shm: saved at the last step
+            for batch in tqdm(batches, desc=f"epoch {self.train_loader.epoch}", disable=not show_bar, leave=False):
+                if self.monitor.plan is None:  # the bytes the loader holds in flight (shapes, dtypes), logged once
+                    self.monitor.set_plan(memory.plan(batch, self.train_loader.settings))
+                batch = self.prepare(batch)
+                if self.batch_transform is not None:  # keyed on (epoch, batch number): the same for any worker count
+                    batch = self.batch_transform(batch, self.train_loader.epoch, self.train_loader.position - 1)
+                yield batch
 
     def closing_line(self) -> str | None:
         """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
@@ -134,13 +135,10 @@ def build(
     config.check_data(train_set, val_set, cfg.data.get("num_classes"))
     collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else None  # None: default_collate
     settings = resolve_settings(cfg.loader, device.type)
-    if cfg.loader.max_prefetch_mib is not None:  # before any worker starts: fit the batches in flight to the budget
-        one_batch = memory.sample_batch_bytes(
-            train_set, settings.batch_size, **({"collate_fn": collate} if collate else {})
-        )
-        settings, change = memory.fit_budget(settings, one_batch, cfg.loader.max_prefetch_mib, cfg.loader.on_budget)
-        if change:
-            log.warning("loader: %s", change)
+    # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
+    settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
+    for change in changes:
+        log.warning("loader: %s", change)
     train_loader = TrainLoader(
         train_set,
         settings,
@@ -150,6 +148,8 @@ def build(
         world_size=world.world_size,
         worker_init=StopRequest.shield_worker,
         collate_fn=collate,
+        on_bad_sample=cfg.data.get("on_bad_sample", "error"),
+        bad_samples=failures.BadSampleLog(run_dir / failures.BAD_SAMPLES, world.rank),
     )  # built once
     val_loader = eval_loader(
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate

@@ -1,0 +1,316 @@
+"""The train loader's failures mid-run, as the user meets them: one line, a checkpoint of the last finished step,
+and an exit code that says what comes next.
+
+Exit codes (train.py):
+- 2: bad input (errors.UserError): config, paths, a refused resume. Fix the command.
+- 3 (`EXIT_BAD_SAMPLE`): a sample that cannot be read or transformed, with `data.on_bad_sample=error`. Fix or
+  remove the file, or set `data.on_bad_sample=skip`; then `resume=latest`.
+- 75 (`EXIT_RETRY`, sysexits' EX_TEMPFAIL): a stalled worker (`loader.timeout`), or /dev/shm full mid-run.
+  `resume=latest` goes on: what torchrun's restarts and a SLURM requeue run.
+
+Why each one needs help (pytorch/pytorch#5040, #96629, #108861):
+- A worker that blocks (a dead NFS mount, a deadlocked decoder) blocks the loop forever with `timeout=0`, and
+  PyTorch's own timeout raises a bare RuntimeError that names neither the worker nor where it stands. The
+  DataLoader iterator knows which worker holds the missing batch (`_task_info[_rcvd_idx]`), and
+  `faulthandler`, armed in each worker on a signal of its own, writes that worker's Python stack.
+- A sample that raises inside a worker comes back as a traceback of the worker that never names the data set
+  index or the file. `fetch_guarded` (in the worker) fetches each sample under a try and names both.
+- A batch that cannot get shared memory fails in the worker ("unable to allocate shared memory(shm)"), or kills
+  it with SIGBUS; the line names /dev/shm and how full it is.
+
+Every failure here is raised by the train loader between two steps: the model, the optimizer and the loader's
+position all stand at the last finished step, so `save_on_failure` writes a checkpoint that resumes exactly.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import UserError
+
+EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
+EXIT_RETRY = 75  # sysexits' EX_TEMPFAIL: the run can go on from its checkpoint (resume=latest) once restarted
+MiB = 2**20
+STALL_STACKS = "stall_stacks.txt"  # in the run folder: every train worker's Python stack when a stall fired
+BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sample=skip dropped
+# The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
+# signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
+STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
+
+
+class LoaderFailure(UserError):
+    """The train loader cannot go on. `str()` is the one line; it names the checkpoint once one is saved."""
+
+    exit_code = EXIT_RETRY
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+        self.saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
+
+    def __str__(self) -> str:
+        return self.message + (f"; {self.saved}" if self.saved else "")
+
+
+class Stalled(LoaderFailure):
+    """No batch came for `loader.timeout` seconds."""
+
+    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.stacks = stacks or {}  # pid -> Python stack as faulthandler wrote it
+
+
+class ShmFull(LoaderFailure):
+    """A worker found no room in /dev/shm for a batch."""
+
+
+class BadSample(LoaderFailure):
+    """A sample raised while it was read or transformed. Built from one string only, so that PyTorch can rebuild
+    it in the main process from a worker's exception (ExceptionWrapper.reraise calls `type(message)`)."""
+
+    exit_code = EXIT_BAD_SAMPLE
+
+
+# --- bad samples (in the worker) --------------------------------------------------------------------------------
+
+
+def sample_source(dataset, index: int) -> str:
+    """Where sample `index` comes from, when the data set says (`sample_source(index)`: ImageFiles gives the file,
+    ShardDataset the shard and member); else ''."""
+    describe = getattr(dataset, "sample_source", None)
+    try:
+        return f" ({describe(index)})" if describe else ""
+    except Exception:  # a description that fails must not hide the sample's own error
+        return ""
+
+
+def describe_error(dataset, index: int, error: BaseException) -> str:
+    """`data set index 17 (file a/b.png): OSError: image file is truncated`, on one line."""
+    text = str(error).strip().splitlines()
+    return f"data set index {index}{sample_source(dataset, index)}: {type(error).__name__}: {text[0] if text else ''}"[
+        :500
+    ]
+
+
+class Samples(list):
+    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: describe_error
+    lines): the collate in the worker hands both to the main process."""
+
+    def __init__(self, samples, skipped=()):
+        super().__init__(samples)
+        self.skipped = list(skipped)
+
+
+def fetch_guarded(dataset, indices, skip: bool) -> Samples:
+    """The samples of one batch, each fetched under a try: a sample that raises becomes a BadSample naming its
+    index and file (`skip=False`), or is left out and listed (`skip=True`). A batch with no good sample left is
+    refused either way: that is a broken transform far more often than a broken data set."""
+    samples, skipped = [], []
+    for index in indices:
+        try:
+            samples.append(dataset[index])
+        except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
+            raise
+        except Exception as e:
+            line = describe_error(dataset, index, e)
+            if not skip:
+                raise BadSample(line) from e
+            skipped.append(line)
+    if not samples:
+        raise BadSample(f"every sample of a batch failed, e.g. {skipped[-1]}: check the data set's transform")
+    return Samples(samples, skipped)
+
+
+def from_worker(exc: BadSample) -> BadSample:
+    """The BadSample PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process 1. Original
+    Traceback ..."), reduced to the worker's own line: the last line of that traceback."""
+    text = exc.message
+    if "Caught BadSample" not in text:
+        return exc
+    found = re.findall(r"BadSample: (.*)", text)
+    return BadSample(found[-1].strip() if found else text.strip().splitlines()[-1])
+
+
+# --- stalls -----------------------------------------------------------------------------------------------------
+
+
+def arm_stack_dump(stack_dir: str | None) -> None:
+    """Worker side (worker_init_fn): write this process's Python stack, every thread, into `<stack_dir>/<pid>.txt`
+    when STACK_SIGNAL comes. faulthandler writes from its C signal handler, so a worker stuck in a read or a
+    lock still answers."""
+    if stack_dir is None or STACK_SIGNAL is None:
+        return
+    out = open(os.path.join(stack_dir, f"{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
+    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
+    _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
+
+
+_ARMED: list = []
+
+
+def dump_stacks(pids: list[int], stack_dir: str | None, wait_s: float = 3.0) -> dict[int, str]:
+    """Main side: ask each armed worker for its stack and collect what they wrote (pid -> text).
+
+    Only workers that armed themselves (their file exists) get the signal: for any other process a real-time
+    signal's default action is to terminate it."""
+    if stack_dir is None or STACK_SIGNAL is None:
+        return {}
+    files = {pid: Path(stack_dir, f"{pid}.txt") for pid in pids}
+    asked = {}
+    for pid, path in files.items():
+        if path.exists():
+            try:
+                os.kill(pid, STACK_SIGNAL)
+                asked[pid] = path
+            except ProcessLookupError:
+                pass
+    # faulthandler writes in one go but marks no end: a file that stopped growing for a moment is complete
+    deadline, stacks, sizes = time.monotonic() + wait_s, {}, {}
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for pid, path in list(asked.items()):
+            size = path.stat().st_size
+            if size and sizes.get(pid) == size:
+                stacks[pid] = path.read_text()
+                del asked[pid]
+            sizes[pid] = size
+    for pid, path in asked.items():  # slow to answer: what there is
+        stacks[pid] = path.read_text() or f"(no stack written within {wait_s:g} s)\n"
+    return stacks
+
+
+def stalled(loader, iterator, error: BaseException) -> Stalled:
+    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader) while `iterator` (PyTorch's) waited for
+    the next batch; the workers' stacks are taken before the workers are shut down."""
+    workers = list(getattr(iterator, "_workers", []))
+    pids = [w.pid for w in workers]
+    task = getattr(iterator, "_task_info", {}).get(getattr(iterator, "_rcvd_idx", None))
+    worker_id = task[0] if task else None
+    holder = f"DataLoader worker {worker_id} (pid {pids[worker_id]})" if worker_id is not None else "a worker"
+    stacks = dump_stacks(pids, loader.stack_dir)
+    if worker_id is not None and pids[worker_id] in stacks:
+        first = {pids[worker_id]: stacks.pop(pids[worker_id])}
+        stacks = {**first, **stacks}
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:  # now, so the stuck worker is gone before the checkpoint is written
+        shutdown()
+    timeout = loader.settings.timeout
+    return Stalled(
+        f"loader.timeout: no batch for {timeout:g} s: batch {loader.position} of epoch {loader.epoch} is made by "
+        f"{holder}, which is stuck (a hung read, a dead network mount, a deadlock in a decoder?)",
+        stacks,
+    )
+
+
+# --- /dev/shm ---------------------------------------------------------------------------------------------------
+
+SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
+
+
+def is_shm_error(error: BaseException) -> bool:
+    text = str(error)
+    return any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)
+
+
+def shm_full(error: BaseException) -> ShmFull:
+    from .memory import SHM_DIR, shm_space
+
+    space = shm_space()
+    if space is None:
+        how = "shared memory is exhausted"
+    else:
+        free, size = space
+        used = size - free
+        how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
+    return ShmFull(
+        f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
+        f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
+        "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
+    )
+
+
+# --- in the main process ----------------------------------------------------------------------------------------
+
+
+def from_loader_error(error: BaseException, loader, iterator) -> LoaderFailure | None:
+    """What `error`, raised while the train loader waited for its next batch, means; None: not one of ours."""
+    if isinstance(error, BadSample):
+        return from_worker(error)
+    if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after"):
+        return stalled(loader, iterator, error)
+    if is_shm_error(error):
+        return shm_full(error)
+    return None
+
+
+def named(batches, what: str):
+    """`batches` (a loader other than the train loader: validation, eval.py), a stall or a full /dev/shm in it
+    turned into its one line. No checkpoint from here: the last one stays as it is."""
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if str(e).startswith("DataLoader timed out after"):
+                raise Stalled(
+                    f"loader.timeout: no {what} batch for {str(e).split('after ')[-1]}: a worker is stuck "
+                    "(a hung read, a dead network mount?)"
+                ) from e
+            if is_shm_error(e):
+                raise shm_full(e) from e
+            raise
+        yield batch
+
+
+@contextmanager
+def save_on_failure(run):
+    """Around the loop's batches: a LoaderFailure comes between two steps, so the run is saved as it stands (the
+    last finished step), and the stall's stacks go into the run folder. Under torchrun the other ranks are inside
+    a collective and cannot join a save: the run continues from its last checkpoint instead."""
+    try:
+        yield
+    except LoaderFailure as failure:
+        notes = []
+        if isinstance(failure, Stalled) and failure.stacks and run.world.is_main:
+            path = run.run_dir / STALL_STACKS
+            path.write_text(
+                "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in failure.stacks.items())
+            )
+            notes.append(f"the workers' Python stacks are in {path}")
+        if run.world.distributed:
+            notes.append(
+                "no checkpoint now under torchrun (the other ranks wait in a collective): resume=latest "
+                "goes on from the last one"
+            )
+        else:
+            run.checkpoints.save(run)
+            notes.append(f"checkpoint of step {run.step} saved: {run.checkpoints.last}")
+        failure.saved = "; ".join(notes)
+        raise
+
+
+class BadSampleLog:
+    """`bad_samples.txt` in the run folder: one line per skipped sample, `epoch<TAB>rank<TAB>what`, written when the
+    loop consumes its batch (not when a worker makes it ahead), each (epoch, rank, sample) once: a resumed run
+    that consumes the batch again does not list it twice."""
+
+    def __init__(self, path: Path, rank: int = 0):
+        self.path, self.rank, self.seen = Path(path), rank, None
+
+    def add(self, epoch: int, lines: list[str]) -> None:
+        if self.seen is None:
+            self.seen = set(self.path.read_text().splitlines()) if self.path.exists() else set()
+        new = [f"{epoch}\t{self.rank}\t{line}" for line in lines]
+        new = [line for line in new if line not in self.seen]
+        if new:
+            self.seen.update(new)
+            with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
+                f.write("".join(line + "\n" for line in new))
