@@ -20,10 +20,17 @@ def check_metrics(metrics, target: str) -> list[str]:
             f"task {target}: metrics() returned {', '.join(sorted(metrics))} but no 'count' entry: add "
             "'count' (the number of samples in the batch), by which every other sum is divided"
         )
-    odd = [k for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() != 1]
+    odd = [k for k, v in metrics.items() if not _one_number(v)]
     if odd:
         raise UserError(f"task {target}: metrics()[{odd[0]!r}] must be a 0-dim tensor (a sum over the batch)")
     return [k for k in metrics if k != "count"] + ["count"]
+
+
+def _one_number(value) -> bool:
+    """A 0-dim tensor, or a plain number (a `count` of `len(batch)`, say), which is taken as one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @torch.no_grad()
@@ -41,7 +48,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
         if names is None:
             names = check_metrics(metrics, type(task).__qualname__)
             sums = torch.zeros(len(names), dtype=torch.float64, device=device)
-        sums += torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in names])
+        sums += torch.stack([torch.as_tensor(metrics[k], device=device).detach().reshape(()).double() for k in names])
     if names is None:
         raise UserError("validation: the split holds no samples for this process: give it more data")
     totals = dict(zip(names, sum_and_read(list(sums), device, world)))
