@@ -22,7 +22,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from fnmatch import fnmatch
@@ -162,6 +162,47 @@ class MonitorConfig:
     every_steps: int = key(integer(0))
 
 
+class WandbMode(str, Enum):
+    online = "online"  # to the W&B server (wandb login first)
+    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
+    disabled = "disabled"  # every call a no-op
+
+
+class OnUnreachable(str, Enum):
+    error = "error"  # refuse to start, in one line
+    local = "local"  # log to a database in the run folder instead (mlflow.db), and say so
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = key(text())
+    experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
+    on_unreachable: OnUnreachable = key(typed())
+    log_checkpoints: bool = key(typed())
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = key(typed())
+    project: str = key(text())
+    entity: str | None = key(text(null="your default entity"))
+
+
+def loggers(v):
+    from .tracking import TRACKERS
+
+    if isinstance(v, str) or not isinstance(v, Sequence) or any(name not in TRACKERS for name in v):
+        return f"a list of {', '.join(TRACKERS)}"
+
+
+@dataclass
+class LoggerConfig:
+    use: list[str] = key(loggers)
+    timeout_s: float = key(number(0, above=True))
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
 @dataclass
 class Config:
     seed: int = key(integer(0, SEED_MAX))
@@ -186,6 +227,7 @@ class Config:
     ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING
     optim: Any = MISSING
@@ -244,6 +286,7 @@ SAME_RUN = {
     "checkpoint.*": "when and where checkpoints are written",
     "*every_steps": "how often something is logged or saved",
     "loader.*": "speed and memory of loading, except batch_size",
+    "logger.*": "where the figures are sent",
     # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
     "data.on_bad_sample": "what a bad sample does, from here on",
 }
@@ -296,6 +339,9 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
         return
     unknown(cfg, Config, "")
     ranges(cfg, Config, "")
+    from .tracking import chosen
+
+    chosen(cfg)  # a logger whose package is missing: the line names the extra to install
     for name, rule in OPEN_KEYS.items():
         if OmegaConf.select(cfg, name, default=MISSING) is not MISSING and shipped(cfg, name.split(".")[0]):
             refuse_if(name, OmegaConf.select(cfg, name), rule)

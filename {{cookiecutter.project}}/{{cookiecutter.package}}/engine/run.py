@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from . import checkpoint, config, distributed, failures, memory, resume, rng
+from . import checkpoint, config, distributed, failures, memory, resume, rng, tracking
 from .batch_transform import SeededBatchTransform
 from .device import amp_dtype, device_batches, input_transform
 from .ema import EMA
@@ -188,9 +188,22 @@ def build(
     policy = checkpoint.CheckpointPolicy(
         run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step
     )
-    runlog = cleanup.enter_context(RunLog(run_dir, purge_step=step + 1 if ckpt else None, enabled=world.is_main))
+    purge = step + 1 if ckpt else None
+    trackers = tracking.start(cfg, run_dir, ckpt, purge) if world.is_main else None  # MLflow, W&B, CSV (logger.use)
+    tensorboard = "tensorboard" in tracking.chosen(cfg)
+    runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tensorboard))
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
-    return Run(
+    run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
         optimizer, scheduler, scaler, amp, step, ckpt is not None, runlog, monitor, policy, ema, batch_transform,
     )  # fmt: skip
+    cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
+    return run
+
+
+def end_tracking(run: Run) -> None:
+    """The trackers get the paths of last.pth and best.pth and end their runs (finished, or stopped to resume)."""
+    writer = run.checkpoints.writer
+    files = {"last": run.checkpoints.last, "best": writer.best if writer is not None else None}
+    done = run.train_loader.epoch >= run.cfg.epochs
+    run.runlog.finish({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)

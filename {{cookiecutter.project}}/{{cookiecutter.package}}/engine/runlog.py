@@ -1,5 +1,6 @@
 """What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
-per `log_every_steps` optimizer steps, with the mean loss over them) and TensorBoard event files under `tb/`."""
+per `log_every_steps` optimizer steps, with the mean loss over them), TensorBoard event files under `tb/`, and the
+same figures to the trackers of `logger.use` (MLflow, W&B, CSV: tracking.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,21 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from .device import batch_size, sum_and_read
+from .tracking import Tracking
 
 
 class RunLog:
     """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op."""
 
-    def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(
+        self,
+        run_dir: Path,
+        purge_step: int | None = None,
+        enabled: bool = True,
+        tracking: Tracking | None = None,
+        tensorboard: bool = True,
+    ):
+        self.enabled, self.tracking = enabled, tracking
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -27,7 +36,7 @@ class RunLog:
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.steps = open(run_dir / "steps.jsonl", "a", buffering=1)
         # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step) if tensorboard else None
 
     def __enter__(self) -> RunLog:
         return self
@@ -42,30 +51,50 @@ class RunLog:
             return
         line = {"step": step, "loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         self.steps.write(json.dumps(line) + "\n")
-        for key in ("loss", "lr", "grad_norm"):
-            if key in line:
-                self.tb.add_scalar(f"train/{key}", line[key], step)
+        figures = {f"train/{key}": line[key] for key in ("loss", "lr", "grad_norm") if key in line}
+        for key, value in figures.items():
+            if self.tb is not None:
+                self.tb.add_scalar(key, value, step)
+        if self.tracking is not None:  # the same Python floats, queued: the step does not wait for a server
+            self.tracking.log(step, figures)
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:
             return
         self.metrics.write(json.dumps(record) + "\n")
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("epoch", "step"):
+            if isinstance(value, (int, float)) and key not in ("epoch", "step") and self.tb is not None:
                 self.tb.add_scalar(f"epoch/{key}", value, record["step"])
-        self.tb.flush()
+        if self.tb is not None:
+            self.tb.flush()
+        if self.tracking is not None:  # every number of the line (not mid_epoch's flag nor the worker pids)
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.tracking.log(record["step"], {f"epoch/{k}": v for k, v in numbers.items() if k != "step"})
 
     def scalars(self, group: str, values: dict, step: int) -> None:
         """TensorBoard only, e.g. the loader health samples under `health/`."""
-        if not self.enabled:
+        if not self.enabled or self.tb is None:
             return
         for key, value in values.items():
             self.tb.add_scalar(f"{group}/{key}", value, step)
 
+    def tracking_ids(self) -> dict:
+        """{tracker: its tracked run's id}, for the checkpoint: a resume logs into the same tracked runs."""
+        return self.tracking.ids() if self.enabled and self.tracking is not None else {}
+
+    def finish(self, files: dict, finished: bool) -> None:
+        """The run's end: the trackers get the checkpoint paths (`files`: last, best) and close their runs."""
+        if self.enabled and self.tracking is not None:
+            tracking, self.tracking = self.tracking, None
+            tracking.close(files, finished)
+
     def close(self) -> None:
         if not self.enabled or self.steps.closed:
             return
-        self.tb.close()
+        if self.tracking is not None:  # an end without finish(): an exception; what was queued is still sent
+            self.finish({}, finished=False)
+        if self.tb is not None:
+            self.tb.close()
         self.metrics.close()
         self.steps.close()
 
