@@ -328,3 +328,21 @@ def test_wandb_offline_resume_continues_the_same_run(tmp_path):
     shutil.rmtree(second)
     _, again = stop_and_resume(tmp_path / "control", "logger=wandb", keep_ids=False)
     assert len({run_id for run_id, _ in wandb_records(tmp_path / "control/first") + wandb_records(again)}) == 2
+
+
+@pytest.mark.slow
+def test_a_multirun_gives_one_mlflow_run_per_job_grouped_by_the_sweep(tmp_path, mlflow_server):
+    sweep = tmp_path / "my-sweep"
+    server = f"logger.mlflow.tracking_uri={mlflow_server}"
+    cmd = [sys.executable, "train.py", "-m", "seed=0,1", *RNG_DATA, "epochs=1", "logger=mlflow", server,
+           f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, runs = mlflow_runs(mlflow_server)
+    grouped = [r for r in runs if client.get_experiment(r.info.experiment_id).name == "my-sweep"]
+    assert sorted(r.info.run_name for r in grouped) == sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len(grouped) == 2 and all(r.info.status == "FINISHED" for r in grouped)
+    # a single run is not put in that experiment: the grouping comes from the sweep
+    run_train(tmp_path / "single", *RNG_DATA, "epochs=1", "logger=mlflow", server)
+    _, after = mlflow_runs(mlflow_server)
+    assert len([r for r in after if client.get_experiment(r.info.experiment_id).name == "my-sweep"]) == 2
