@@ -44,6 +44,17 @@ def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 30
     return proc
 
 
+def run_here(cwd: Path, *overrides: str, expect: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python <project>/train.py ...` from another folder, without hydra.run.dir: the run folder as a user gets it
+    (outputs/<date>/<time>_... under `cwd`); asserts the exit code."""
+    cmd = [sys.executable, str(PROJECT / "train.py"), *overrides]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, (
+        f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
 def torchrun_cmd(run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = ()) -> list[str]:
     """`torchrun --standalone --nproc_per_node=2 [launcher_args] train.py ...`, its outputs in `run_dir`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args]

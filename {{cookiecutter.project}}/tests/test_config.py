@@ -10,7 +10,7 @@ from omegaconf import MISSING, OmegaConf
 from {{ cookiecutter.package }} import config
 from {{ cookiecutter.package }}.errors import UserError
 from {{ cookiecutter.package }}.loader import resolve_settings, usable_cpus
-from tests.helpers import PROJECT, RNG_DATA, run_train
+from tests.helpers import PROJECT, RNG_DATA, run_here, run_train
 
 config.register()
 PROFILES = ["memory-tight", "balanced", "throughput"]
@@ -187,14 +187,15 @@ def test_check_passes_every_shipped_choice(tmp_path):
 
 
 def refused(tmp_path, *overrides):
-    """`python train.py` with bad values: exit 2, one `error:` line on stderr, no traceback, nothing of ours written."""
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *overrides, expect=2, timeout=120)
-    lines = proc.stderr.strip().splitlines()
+    """`python train.py` with bad values, run as a user runs it (from a folder of their own, default run folder):
+    exit 2, one `error:` line on stderr and nothing else, nothing written (no outputs/, no data/)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    proc = run_here(cwd, *overrides, expect=2, timeout=120)
+    lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    written = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    assert set(written) <= {".hydra", "train.log"}, written  # Hydra's own record of the command, nothing of the run
+    assert sorted(p.name for p in cwd.iterdir()) == []  # CheckBeforeRun refused before Hydra made the run folder
     return lines[0]
 
 
@@ -216,13 +217,33 @@ def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
     assert "unexpected keyword argument 'sizes'" in line
 
 
-def test_train_py_refuses_in_one_line(tmp_path):
-    proc = run_train(tmp_path / "a", "loader.num_workers=-1", expect=2)
-    assert proc.stderr.strip().splitlines() == ["error: loader.num_workers must be an integer >= 0 or 'auto', got -1"]
-    proc = run_train(tmp_path / "b", "data=imagefolder", "data.root=/no/such/folder", "data.num_classes=3", expect=2)
-    assert "does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    proc = run_train(tmp_path / "c", "loader.num_worker=3", expect=1)
-    assert "num_worker" in proc.stderr
+# What Hydra itself would refuse over several lines (check_command_line), and refusals of the data and of the
+# checkpoint (CheckBeforeRun), through train.py only: (override, words in the line)
+EARLY = [
+    ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
+    ("data=imagefolder data.root=/no/such/folder data.num_classes=3", "data folder '/no/such/folder/train' does not"),
+    ("resume=no/such/last.pth", "resume: no checkpoint at"),
+    pytest.param("epoch=3", "unknown config key epoch (did you mean epochs?)", marks=pytest.mark.slow),
+    pytest.param("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted", marks=pytest.mark.slow),
+    pytest.param("loader=fast", "choose one of balanced, memory-tight, throughput", marks=pytest.mark.slow),
+    pytest.param("checkpoint.monitor=acc", "checkpoint.monitor must be one of", marks=pytest.mark.slow),
+    pytest.param("data.num_classes=5", "data.num_classes=5 but the train data holds 4 classes", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("override, message", EARLY, ids=lambda v: str(v)[:40])
+def test_train_py_refuses_before_hydra_writes(tmp_path, override, message):
+    assert message in refused(tmp_path, *override.split())
+
+
+def test_the_checks_above_can_fail(tmp_path):
+    """Negative controls for `refused()`: Hydra's own report of a typo is several lines, and a refusal that comes
+    from train() (the early check removed) leaves the run folder Hydra made."""
+    proc = run_here(tmp_path, "loader.num_worker=3", "--config-name=config", expect=1)  # an option: left to Hydra
+    assert len(proc.stderr.strip().splitlines()) > 1 and "Could not override 'loader.num_worker'" in proc.stderr
+    proc = run_here(tmp_path, "epochs=0", "~hydra.callbacks.checks", expect=2)
+    assert proc.stderr.strip() == "error: epochs must be an integer >= 1, got 0"
+    assert [p.name for p in (tmp_path / "outputs").glob("*/*")] != []
 
 
 def test_a_refused_command_leaves_an_existing_run_folder_untouched(tmp_path):

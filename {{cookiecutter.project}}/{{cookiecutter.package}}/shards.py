@@ -187,18 +187,8 @@ class ShardDataset(Dataset):
         self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4, max_open: int | None = None
     ):
         self.root, self.transform = Path(root), transform
-        index = read_index(self.root)
+        index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
         self.classes = list(index["classes"])
-        if num_classes is not None and num_classes != len(self.classes):
-            shown = ", ".join(self.classes[:5]) + (", ..." if len(self.classes) > 5 else "")
-            raise UserError(
-                f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
-                f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}"
-            )
-        if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-            raise UserError(
-                f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}"
-            )
         shards = index["shards"]
         counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
@@ -215,8 +205,13 @@ class ShardDataset(Dataset):
         self.opens = 0  # files this process opened: a test and benchmark figure
         self._files: OrderedDict | None = None
         self._pid: int | None = None
-        for shard in range(len(self.paths)):  # now, not hours into the run
-            self._check_size(shard)
+
+    @staticmethod
+    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
+        """The classes of the split, or the UserError the constructor would raise (no index, a wrong
+        data.num_classes or shuffle_window, a missing or truncated shard): train.py checks this before Hydra writes
+        a run folder. It reads the index and stats every shard, as the constructor does."""
+        return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -294,23 +289,40 @@ class ShardDataset(Dataset):
         return f
 
     def _check_size(self, shard: int, size: int | None = None) -> None:
-        path, expected = self.paths[shard], int(self.shard_bytes[shard])
-        if size is None:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise UserError(
-                    f"shard {path} is missing (listed in {self.root / INDEX}): restore it or pack again"
-                ) from None
-        if size != expected:
-            what = "truncated" if size < expected else "changed"
-            raise UserError(
-                f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again"
-            )
+        check_size(self.root, str(self.paths[shard]), int(self.shard_bytes[shard]), size)
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
         return {**self.__dict__, "_files": None, "_pid": None}
+
+
+def check_size(root: Path, path: str, expected: int, size: int | None = None) -> None:
+    """A UserError naming the shard when it is missing, or when its size (stat'ed unless given) is not the index's."""
+    if size is None:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise UserError(f"shard {path} is missing (listed in {root / INDEX}): restore it or pack again") from None
+    if size != expected:
+        what = "truncated" if size < expected else "changed"
+        raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")
+
+
+def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
+    """The split's index, once the arguments fit it and every shard it lists is there at its full size."""
+    index = read_index(root)
+    classes = list(index["classes"])
+    if num_classes is not None and num_classes != len(classes):
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        raise UserError(
+            f"data.num_classes={num_classes} but the shards in {str(root)!r} hold "
+            f"{len(classes)} classes ({shown}): set data.num_classes={len(classes)}"
+        )
+    if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
+        raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
+    for shard in index["shards"]:
+        check_size(root, str(root / shard["name"]), int(shard["bytes"]))
+    return index
 
 
 def read_index(root: Path) -> dict:
