@@ -8,6 +8,8 @@ SSD forgives that, NFS and object storage do not. `pack` writes each split as ta
 `--per-shard` samples, `<key>.<ext>` (the image's bytes as they were) and `<key>.cls` (the label)
 per sample, so the `webdataset` library and `tar` read them too, plus `index.json`: per shard its
 name, size in bytes and, per sample, where each member's data starts and how long the image is.
+The samples are mixed across the shards in a seeded order (`--seed`), so every shard holds about
+every class: the windowed shuffle below then mixes classes as a full shuffle would.
 
 With the index the shards are a map-style data set, so everything TrainLoader does for an image
 folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile under
@@ -22,7 +24,8 @@ rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
   (seed, epoch): the shards in a random order, then the samples of each window of
   `shuffle_window` consecutive shards shuffled together. A batch then touches a few files
   instead of one per sample; the price is a less thorough mix (samples from far-apart shards
-  never share a batch within an epoch).
+  never share a batch within an epoch), harmless when pack mixed the samples, costly when each
+  shard holds few classes (`--in-order`, or shards written sorted by another tool).
 
 `stream.py`'s IterableDataset stays the fallback for data without an index (no exact resume, order
 depends on the worker count).
@@ -55,16 +58,22 @@ BLOCK = tarfile.BLOCKSIZE
 # ---------------------------------------------------------------------------------------------- packing
 
 
-def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
+def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[str, int]:
     """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
 
-    Deterministic: files in sorted order (the order and labels of torchvision's ImageFolder), fixed
-    tar headers (mtime 0, uid/gid 0, no user names, mode 644), keys numbered per split. Everything
-    is checked before the first byte is written; `dst` must be new or empty. Returns samples per split.
+    The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order),
+    as WebDataset advises for shards: in sorted order each shard would hold one class or two, and a
+    shuffle that keeps a batch within a few shards (`shuffle_window`) would train on batches of a few
+    classes. Deterministic: the labels of torchvision's ImageFolder (sorted class folders), the order a
+    function of (seed, the sorted file list), fixed tar headers (mtime 0, uid/gid 0, no user names, mode 644),
+    keys numbered per split in the order written. Everything is checked before the first byte is written;
+    `dst` must be new or empty. Returns samples per split.
     """
     src, dst = Path(src), Path(dst)
     if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
         raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise UserError(f"--seed must be a whole number >= 0, got {seed!r}")
     if not (src / "train").is_dir():
         raise UserError(
             f"{str(src / 'train')!r} is not a folder: pack expects SRC/train/<class>/* (and SRC/val/<class>/*)"
@@ -91,6 +100,9 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
         listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
         if not listing[split]:
             raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
+        if seed is not None:  # each split its own stream, so adding a val/ folder leaves the train shards as they were
+            mix = np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
+            listing[split] = [listing[split][i] for i in mix.permutation(len(listing[split]))]
     dst.mkdir(parents=True, exist_ok=True)
     for split, samples in listing.items():
         folder = dst / split
@@ -103,6 +115,7 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
             "format": FORMAT,
             "classes": classes,
             "per_shard": per_shard,
+            "seed": seed,  # the order the samples were mixed in; null: sorted by class folder and file name
             "samples": len(samples),
             "shards": entries,
         }
@@ -365,9 +378,21 @@ def main(argv=None) -> int:
         default=1000,
         help="samples per tar file (default 1000); aim for files of a few hundred MB",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the samples are mixed across the shards in an order drawn from this seed (default 0)",
+    )
+    p.add_argument(
+        "--in-order",
+        action="store_true",
+        help="keep the sorted file order instead (each shard then holds one class or two: a shuffle_window smaller "
+        "than the number of shards trains on batches of a few classes)",
+    )
     args = parser.parse_args(argv)
     try:
-        pack(args.src, args.dst, args.per_shard)
+        pack(args.src, args.dst, args.per_shard, seed=None if args.in_order else args.seed)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
