@@ -473,8 +473,9 @@ class CheckBeforeRun(Callback):
         if config.hydra.job.name != "train":
             return
         # Hydra calls on_run_start before run_job, and only run_job sets HydraConfig, which the `${hydra:...}` parts of
-        # hydra.run.dir need (hydra-ecosystem/hydra#1301): set it first, as run_job does, or the folder cannot be
-        # resolved, and Hydra turns the error into a UserWarning and skips this check (callbacks.py's _notify).
+        # hydra.run.dir need (hydra-ecosystem/hydra#1301; run-level callbacks run first, #1884): set it first, as
+        # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
+        # check (callbacks.py's _notify).
         # Resolved on Hydra's own config, not a copy: `${now:...}` is cached per config object, so run_job names the
         # same folder a second later.
         HydraConfig.instance().set_config(config)
@@ -541,7 +542,8 @@ def composition_error(e: BaseException, argv: list[str], composed: Callable) -> 
             known = []
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
-        return f"unknown config key {key}{hint}: the schema in config.py has no such key"
+        where = "Hydra's own config" if key.startswith("hydra.") else "the schema in config.py"
+        return f"unknown config key {key}{hint}: {where} has no such key"
     options = getattr(e, "options", None)
     missing = getattr(e, "missing_cfg_file", None)
     if options and missing and "/" in missing:
