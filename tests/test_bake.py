@@ -1,5 +1,6 @@
 """Bake the template and check what comes out: files, names, no leftover Jinja."""
 import ast
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -73,6 +74,8 @@ def test_fully_rendered(bake, tmp_path, answers):
         assert "{{" not in path.name and "{%" not in path.name, path
     for path, text in text_files(project):
         rel = path.relative_to(project)
+        if rel.parts[:2] == (".github", "workflows"):  # GitHub's own `${{ matrix.x }}` expressions are meant to stay
+            text = re.sub(r"\$\{\{ [\w.-]+ \}\}", "", text)
         assert "{{" not in text, f"unrendered '{{{{' in {rel}"
         assert "{%" not in text, f"unrendered '{{%' in {rel}"
         if path.suffix == ".py":
