@@ -199,6 +199,7 @@ def cifar10(root, train: bool, transform=None, download: bool = False):
 
 
 def precheck_cifar10(root, download: bool = False, **_) -> None:
+    """No local copy and no download asked for: refused before the run, as `cifar10()` would refuse it."""
     if not download and not (Path(root) / datasets.CIFAR10.base_folder).is_dir():
         raise UserError(no_cifar(root, f"no {datasets.CIFAR10.base_folder} folder"))
 
