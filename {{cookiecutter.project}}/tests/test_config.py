@@ -1,6 +1,7 @@
 """The Hydra config: every profile composes, the schema refuses typos and wrong types, bad values get one line."""
 
 import dataclasses
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -223,17 +224,53 @@ EARLY = [
     ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
     ("data=imagefolder data.root=/no/such/folder data.num_classes=3", "data folder '/no/such/folder/train' does not"),
     ("resume=no/such/last.pth", "resume: no checkpoint at"),
-    pytest.param("epoch=3", "unknown config key epoch (did you mean epochs?)", marks=pytest.mark.slow),
-    pytest.param("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted", marks=pytest.mark.slow),
-    pytest.param("loader=fast", "choose one of balanced, memory-tight, throughput", marks=pytest.mark.slow),
-    pytest.param("checkpoint.monitor=acc", "checkpoint.monitor must be one of", marks=pytest.mark.slow),
-    pytest.param("data.num_classes=5", "data.num_classes=5 but the train data holds 4 classes", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("override, message", EARLY, ids=lambda v: str(v)[:40])
 def test_train_py_refuses_before_hydra_writes(tmp_path, override, message):
     assert message in refused(tmp_path, *override.split())
+
+
+# What Hydra reports over several lines, in one (in process: check_command_line is what train.py runs first).
+COMPOSITION = [
+    ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?): the schema"),
+    ("epoch=3", "unknown config key epoch (did you mean epochs?)"),
+    ("hydra.run.dri=x", "unknown config key hydra.run.dri (did you mean hydra.run.dir?): Hydra's own config"),
+    ("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted to Integer"),
+    ("device=gpu", "device=gpu: Invalid value 'gpu', expected one of [auto, cpu, cuda]"),
+    ("loader=fast", "loader=fast: there is no conf/loader/fast.yaml; choose one of balanced, memory-tight, throughput"),
+    ("epochs=[1", "cannot read the command line: no viable alternative at input '[1'"),
+    ("epochs=1,2", "Ambiguous value for argument 'epochs=1,2'"),
+]
+
+
+@pytest.mark.parametrize("override, message", COMPOSITION, ids=[c[0] for c in COMPOSITION])
+def test_composition_errors_are_one_line(capsys, override, message):
+    with pytest.raises(SystemExit) as stopped:
+        config.check_command_line([override], PROJECT / "conf")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert message in err, err
+    config.check_command_line(["epochs=3", "loader=throughput"], PROJECT / "conf")  # a good command goes on
+    config.check_command_line([override, "--cfg", "job"], PROJECT / "conf")  # Hydra's own options: left to Hydra
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["checkpoint.monitor=acc"], "checkpoint.monitor must be one of val_acc, val_loss, train_loss"),
+        (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
+        (["+data.train.sizes=3"], "data.train: cannot build {{ cookiecutter.package }}.data.shapes: got an unexpected"),
+    ],
+)
+def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):
+    """The refusals CheckBeforeRun adds to config.check, in process: the shapes folder is never drawn."""
+    cfg = compose_cfg(f"data.root={tmp_path / 'shapes'}", *overrides)
+    with pytest.raises(UserError, match=re.escape(message)):
+        config.before_work(cfg, tmp_path / "run")
+    config.before_work(compose_cfg(f"data.root={tmp_path / 'shapes'}"), tmp_path / "run")  # the defaults pass
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_checks_above_can_fail(tmp_path):

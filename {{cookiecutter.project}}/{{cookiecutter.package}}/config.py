@@ -517,9 +517,9 @@ def check_command_line(argv: list[str], config_dir) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    def composed(overrides):
+    def composed(overrides, hydra_keys: bool = False):
         with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
-            return compose("config", overrides=overrides)
+            return compose("config", overrides=overrides, return_hydra_config=hydra_keys)
 
     try:
         composed(argv)
@@ -535,7 +535,7 @@ def composition_error(e: BaseException, argv: list[str], composed: Callable) -> 
         key = typo[1]
         parent, _, name = key.rpartition(".")
         try:
-            rest = composed([a for a in argv if not a.startswith(key + "=")])
+            rest = composed([a for a in argv if not a.startswith(key + "=")], hydra_keys=True)
             node = OmegaConf.select(rest, parent) if parent else rest
             known = list(node) if OmegaConf.is_dict(node) else []
         except Exception:  # the other overrides fail too: no suggestion, the error still says which key
