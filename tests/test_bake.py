@@ -1,13 +1,23 @@
 """Bake the template and check what comes out: files, names, no leftover Jinja."""
 import ast
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli there
+    import tomli as tomllib
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
+NEWEST_PYTHON = "3.14"  # the newest CPython release; raise it when a new one comes out
 
 
 def text_files(project):
@@ -64,6 +74,8 @@ def test_fully_rendered(bake, tmp_path, answers):
         assert "{{" not in path.name and "{%" not in path.name, path
     for path, text in text_files(project):
         rel = path.relative_to(project)
+        if rel.parts[:2] == (".github", "workflows"):  # GitHub's own `${{ matrix.x }}` expressions are meant to stay
+            text = re.sub(r"\$\{\{ [\w.-]+ \}\}", "", text)
         assert "{{" not in text, f"unrendered '{{{{' in {rel}"
         assert "{%" not in text, f"unrendered '{{%' in {rel}"
         if path.suffix == ".py":
@@ -90,6 +102,44 @@ def test_ci_and_hooks_are_there(bake, tmp_path):
     hooks = (project / ".pre-commit-config.yaml").read_text()
     assert yaml.safe_load(hooks)["repos"]
     assert all(h in hooks for h in ("ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer", "check-yaml"))
+
+
+def test_ci_runs_the_python_range_and_the_newest_dependencies(bake, tmp_path):
+    """The matrix holds the oldest and the newest Python that requires-python admits; a scheduled job installs the
+    newest versions the dependency ranges allow."""
+    project = bake(tmp_path)
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    requires = project_table(project)["requires-python"]
+    admitted = [v for v in ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14") if Version(v) in SpecifierSet(requires)]
+    assert workflow["jobs"]["test"]["strategy"]["matrix"]["python-version"] == [admitted[0], NEWEST_PYTHON]
+    assert workflow[True]["schedule"] and "schedule" in workflow["jobs"]["newest"]["if"]
+    newest = workflow["jobs"]["newest"]
+    assert newest["steps"][1]["with"]["python-version"] == NEWEST_PYTHON
+    install = next(step["run"] for step in newest["steps"] if "pip install" in step.get("run", ""))
+    assert "--upgrade --upgrade-strategy eager" in install and ".[dev]" in install
+
+
+def project_table(project) -> dict:
+    return tomllib.loads((project / "pyproject.toml").read_text())["project"]
+
+
+def test_dependency_ranges_hold_what_the_tests_run_on(bake, template_dir, tmp_path):
+    """Every library the project or its tests import has an upper bound; the versions this repository's tests run
+    on (requirements-dev.txt's pins) are inside those ranges; requirements.txt repeats the project's own."""
+    table = project_table(bake(tmp_path))
+    declared = [Requirement(r) for r in table["dependencies"]]
+    declared += [Requirement(r) for reqs in table["optional-dependencies"].values() for r in reqs]
+    tools = {"pre-commit"}  # run by hand, not imported by the project or its tests
+    unbounded = [str(r) for r in declared if r.name not in tools and not any(s.operator == "<" for s in r.specifier)]
+    assert not unbounded, f"no upper bound: {unbounded}"
+    ranges = {r.name: r.specifier for r in declared}
+    for line in (template_dir / "requirements-dev.txt").read_text().splitlines():
+        pin = line.split("#")[0].strip()
+        if "==" in pin and Requirement(pin).name in ranges:
+            name, version = pin.split("==")
+            assert version in ranges[name], f"the tests run {pin}, outside the declared {name}{ranges[name]}"
+    listed = (tmp_path / "my-trainer/requirements.txt").read_text().splitlines()
+    assert set(table["dependencies"]) <= set(listed), "requirements.txt and pyproject.toml differ"
 
 
 def test_readme_generate_command_works_from_a_clone(template_dir, cookiecutter_config, tmp_path):

@@ -163,4 +163,5 @@ def main(cfg) -> float:
 
 if __name__ == "__main__":
     config.register()  # the schema Hydra checks conf/config.yaml against
+    config.check_command_line(sys.argv[1:], Path(__file__).parent / "conf")  # a typo: one line, not Hydra's report
     main()

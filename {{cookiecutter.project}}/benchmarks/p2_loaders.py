@@ -68,7 +68,7 @@ def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tup
 
 def main() -> None:
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
-    dataset = shapes("data/shapes", "train", transform=train_transform(32))
+    dataset = shapes("data/shapes-600-32", "train", transform=train_transform(32))
     kinds = ["DataLoader", "TrainLoader per_worker", "TrainLoader per_sample"]
     kinds += ["StatefulDataLoader"] if StatefulDataLoader else []
     best = {k: 0.0 for k in kinds}

@@ -26,7 +26,7 @@ def main() -> None:
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         throughput = resolve_settings(compose("config", overrides=["loader=throughput"]).loader, "cpu")
-    dataset = shapes("data/shapes", "train", transform=train_transform(32))
+    dataset = shapes("data/shapes-600-32", "train", transform=train_transform(32))
     cores = usable_cpus()
     threads, single, many = torch.get_num_threads(), 0.0, 0.0
     for _ in range(ROUNDS):

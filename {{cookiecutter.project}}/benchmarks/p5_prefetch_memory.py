@@ -112,7 +112,7 @@ def main() -> None:
     )
     ratios = []
     for name, dtype, workers, prefetch in rows + [("shapes", torch.uint8, 2, 2)]:
-        dataset = Big(dtype) if name == "big" else shapes("data/shapes", "train", transform=train_transform(32))
+        dataset = Big(dtype) if name == "big" else shapes("data/shapes-600-32", "train", transform=train_transform(32))
         plan, held, total = measure(dataset, 32 if name == "big" else 64, workers, prefetch, system=name == "big")
         ratios.append(plan / held)
         system = f"{total:>10.1f} {plan / total:>11.3f}" if total is not None else f"{'-':>10} {'-':>11}"

@@ -1,6 +1,6 @@
 """P6: the same images as an image folder and as tar shards, through TrainLoader, for each loader profile.
 
-    python benchmarks/p6_shards.py            # packs data/shapes into data/shapes-shards-<N> on first use
+    python benchmarks/p6_shards.py            # packs data/shapes-600-32 into data/shapes-shards-<N> on first use
 
 Per profile (conf/loader/*.yaml, as train.py resolves them, rng_mode=per_sample): samples/s and
 files opened per epoch (counted in every process, workers included). Then the shards'
@@ -62,7 +62,7 @@ class CountingShards(ShardDataset):
 
 
 def prepare() -> tuple[Path, Path]:
-    images = PROJECT / "data/shapes"
+    images = PROJECT / f"data/shapes-{PER_CLASS}-{IMAGE_SIZE}"  # the folder `python train.py` draws
     make_shapes(images, per_class=PER_CLASS, image_size=IMAGE_SIZE, data_seed=2026)  # the shapes.yaml defaults
     packed = PROJECT / f"data/shapes-shards-{PER_SHARD}"
     if not (packed / "train" / INDEX).exists():

@@ -1,6 +1,7 @@
 """Shared test helpers: run `train.py` for real (Hydra, DataLoader workers, files on disk) in a subprocess."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,10 +35,33 @@ RNG_DATA = [
 ]
 
 
-def run_train(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code."""
-    cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout)
+def run_train(
+    run_dir: Path,
+    *overrides: str,
+    expect: int = 0,
+    timeout: int = 300,
+    start_method: str | None = None,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code. `start_method`:
+    the workers are started that way (tests/start_method.py) instead of the platform's default; `env`: variables
+    set for this run on top of the environment."""
+    launcher = ["tests/start_method.py", start_method] if start_method else []
+    cmd = [sys.executable, *launcher, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    assert proc.returncode == expect, (
+        f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+def run_here(cwd: Path, *overrides: str, expect: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python <project>/train.py ...` from another folder, without hydra.run.dir: the run folder as a user gets it
+    (outputs/<date>/<time>_... under `cwd`); asserts the exit code."""
+    cmd = [sys.executable, str(PROJECT / "train.py"), *overrides]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, (
         f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )

@@ -1,6 +1,7 @@
 """The Hydra config: every profile composes, the schema refuses typos and wrong types, bad values get one line."""
 
 import dataclasses
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -11,7 +12,7 @@ from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.engine import config
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import resolve_settings, usable_cpus
-from tests.helpers import PROJECT, RNG_DATA, run_train
+from tests.helpers import PROJECT, RNG_DATA, run_here, run_train
 
 config.register()
 PROFILES = ["memory-tight", "balanced", "throughput"]
@@ -197,14 +198,15 @@ def test_check_passes_every_shipped_choice(tmp_path):
 
 
 def refused(tmp_path, *overrides):
-    """`python train.py` with bad values: exit 2, one `error:` line on stderr, no traceback, nothing of ours written."""
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *overrides, expect=2, timeout=120)
-    lines = proc.stderr.strip().splitlines()
+    """`python train.py` with bad values, run as a user runs it (from a folder of their own, default run folder):
+    exit 2, one `error:` line on stderr and nothing else, nothing written (no outputs/, no data/)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    proc = run_here(cwd, *overrides, expect=2, timeout=120)
+    lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    written = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    assert set(written) <= {".hydra", "train.log"}, written  # Hydra's own record of the command, nothing of the run
+    assert sorted(p.name for p in cwd.iterdir()) == []  # CheckBeforeRun refused before Hydra made the run folder
     return lines[0]
 
 
@@ -226,13 +228,69 @@ def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
     assert "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes" in line
 
 
-def test_train_py_refuses_in_one_line(tmp_path):
-    proc = run_train(tmp_path / "a", "loader.num_workers=-1", expect=2)
-    assert proc.stderr.strip().splitlines() == ["error: loader.num_workers must be an integer >= 0 or 'auto', got -1"]
-    proc = run_train(tmp_path / "b", "data=imagefolder", "data.root=/no/such/folder", "data.num_classes=3", expect=2)
-    assert "does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    proc = run_train(tmp_path / "c", "loader.num_worker=3", expect=1)
-    assert "num_worker" in proc.stderr
+# What Hydra itself would refuse over several lines (check_command_line), and refusals of the data and of the
+# checkpoint (CheckBeforeRun), through train.py only: (override, words in the line)
+EARLY = [
+    ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
+    ("data=imagefolder data.root=/no/such/folder data.num_classes=3", "data folder '/no/such/folder/train' does not"),
+    ("resume=no/such/last.pth", "resume: no checkpoint at"),
+]
+
+
+@pytest.mark.parametrize("override, message", EARLY, ids=lambda v: str(v)[:40])
+def test_train_py_refuses_before_hydra_writes(tmp_path, override, message):
+    assert message in refused(tmp_path, *override.split())
+
+
+# What Hydra reports over several lines, in one (in process: check_command_line is what train.py runs first).
+COMPOSITION = [
+    ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?): the schema"),
+    ("epoch=3", "unknown config key epoch (did you mean epochs?)"),
+    ("hydra.run.dri=x", "unknown config key hydra.run.dri (did you mean hydra.run.dir?): Hydra's own config"),
+    ("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted to Integer"),
+    ("device=gpu", "device=gpu: Invalid value 'gpu', expected one of [auto, cpu, cuda]"),
+    ("loader=fast", "loader=fast: there is no conf/loader/fast.yaml; choose one of balanced, memory-tight, throughput"),
+    ("epochs=[1", "cannot read the command line: no viable alternative at input '[1'"),
+    ("epochs=1,2", "Ambiguous value for argument 'epochs=1,2'"),
+]
+
+
+@pytest.mark.parametrize("override, message", COMPOSITION, ids=[c[0] for c in COMPOSITION])
+def test_composition_errors_are_one_line(capsys, override, message):
+    with pytest.raises(SystemExit) as stopped:
+        config.check_command_line([override], PROJECT / "conf")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert message in err, err
+    config.check_command_line(["epochs=3", "loader=throughput"], PROJECT / "conf")  # a good command goes on
+    config.check_command_line([override, "--cfg", "job"], PROJECT / "conf")  # Hydra's own options: left to Hydra
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["checkpoint.monitor=acc"], "checkpoint.monitor must be one of val_acc, val_loss, train_loss"),
+        (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
+        (["+data.train.sizes=3"], "data.train: cannot build {{ cookiecutter.package }}.data.shapes: got an unexpected"),
+    ],
+)
+def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):
+    """The refusals CheckBeforeRun adds to config.check, in process: the shapes folder is never drawn."""
+    cfg = compose_cfg(f"data.root={tmp_path / 'shapes'}", *overrides)
+    with pytest.raises(UserError, match=re.escape(message)):
+        config.before_work(cfg, tmp_path / "run")
+    config.before_work(compose_cfg(f"data.root={tmp_path / 'shapes'}"), tmp_path / "run")  # the defaults pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checks_above_can_fail(tmp_path):
+    """Negative controls for `refused()`: Hydra's own report of a typo is several lines, and a refusal that comes
+    from train() (the early check removed) leaves the run folder Hydra made."""
+    proc = run_here(tmp_path, "loader.num_worker=3", "--config-name=config", expect=1)  # an option: left to Hydra
+    assert len(proc.stderr.strip().splitlines()) > 1 and "Could not override 'loader.num_worker'" in proc.stderr
+    proc = run_here(tmp_path, "epochs=0", "~hydra.callbacks.checks", expect=2)
+    assert proc.stderr.strip() == "error: epochs must be an integer >= 1, got 0"
+    assert [p.name for p in (tmp_path / "outputs").glob("*/*")] != []
 
 
 def test_a_refused_command_leaves_an_existing_run_folder_untouched(tmp_path):

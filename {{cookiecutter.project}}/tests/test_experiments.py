@@ -1,15 +1,13 @@
 """Experiments (conf/experiment/), sweeps (Hydra multirun, Optuna) and run folder names, run for real."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.engine import config
-from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train
+from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_here, run_train
 
 config.register()
 EXPERIMENTS = sorted(p.stem for p in (PROJECT / "conf/experiment").glob("*.yaml"))
@@ -32,19 +30,6 @@ def test_experiments_set_what_they_say():
     resnet = compose_cfg("experiment=resnet18_adamw", "data.root=/x", "data.num_classes=3")
     assert resnet.model._target_.endswith("resnet18") and resnet.optim._target_ == "torch.optim.AdamW"
     assert resnet.data.train._target_.endswith("ImageFiles")
-
-
-def run_here(cwd, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python train.py` from another folder, without hydra.run.dir: folder names as a user gets them."""
-    proc = subprocess.run(
-        [sys.executable, str(PROJECT / "train.py"), *overrides],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.mark.slow

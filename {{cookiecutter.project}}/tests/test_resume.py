@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from {{ cookiecutter.package }}.engine import resume
 from {{ cookiecutter.package }}.engine.schedule import WarmupCosine
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
@@ -163,13 +164,37 @@ def test_resume_latest_takes_the_newest_that_fits(tmp_path):
     assert "fits this run (3 skipped); starting fresh" in proc.stdout + proc.stderr
 
 
+def test_the_closing_command_fits_a_line(tmp_path, monkeypatch):
+    """The default run folder, below where the command runs: a relative path, a real number of epochs (no `<more>`,
+    which a shell reads as a redirection), the command alone on its line and within 120 columns."""
+    run_dir = tmp_path / "outputs/2026-12-01/10-00-00_train_balanced"
+    last = run_dir / "checkpoints/last.pth"
+    last.parent.mkdir(parents=True)
+    torch.save({"config": {"epochs": 8}}, last)
+    monkeypatch.chdir(tmp_path)
+    head, command = resume.where(run_dir, last, 296, True, [], 1).split("\n")
+    assert (
+        head == "finished at step 296; run folder outputs/2026-12-01/10-00-00_train_balanced; to train 8 more epochs:"
+    )
+    rel = "outputs/2026-12-01/10-00-00_train_balanced/checkpoints/last.pth"
+    assert command == f"  python train.py resume={rel} epochs=16 resume_strict=false" and len(command) <= 120
+    head, command = resume.where(run_dir, last, 3, False, ["loader=throughput", "max_steps=3"], 1).split("\n")
+    assert head.endswith("; to continue:") and command == f"  python train.py loader=throughput resume={rel}"
+    # negative control: a run outside the working directory keeps its absolute path
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert f"resume={last} " in resume.where(run_dir, last, 296, True, [], 1)
+
+
 @pytest.mark.slow
 def test_the_closing_line_says_where_and_how_to_continue(tmp_path):
     proc = run_train(tmp_path / "first", *DATA, "epochs=1", "max_steps=3", "log_every_steps=1")
     last = tmp_path / "first/checkpoints/last.pth"
-    line = next(x for x in proc.stdout.splitlines() if "stopped at step 3; run folder" in x)
-    assert f"run folder {tmp_path / 'first'}; checkpoint {last}; to continue: python train.py " in line
-    command = shlex.split(line.split("to continue: ", 1)[1])  # the command as printed, run as is
+    lines = proc.stdout.splitlines()
+    at = next(i for i, x in enumerate(lines) if "stopped at step 3; run folder" in x)
+    assert lines[at].endswith(f"run folder {tmp_path / 'first'}; to continue:")
+    assert lines[at + 1].startswith("  python train.py ") and lines[at + 1].endswith(f" resume={last}")
+    command = shlex.split(lines[at + 1])  # the command as printed, run as is
     done = subprocess.run(
         [sys.executable, *command[1:], f"hydra.run.dir={tmp_path / 'second'}"],
         cwd=PROJECT,
@@ -179,7 +204,7 @@ def test_the_closing_line_says_where_and_how_to_continue(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in read_jsonl(tmp_path / "second/steps.jsonl")] == list(range(4, 13))
-    assert "finished at step 12;" in done.stdout and "to train longer: python train.py" in done.stdout
+    assert "finished at step 12;" in done.stdout and "to train 1 more epoch:\n  python train.py" in done.stdout
 
 
 @pytest.mark.slow

@@ -41,6 +41,16 @@ def test_same_weights_for_every_profile_and_worker_count(per_sample_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_same_weights_when_workers_start_by_spawn_or_forkserver(per_sample_runs, tmp_path, method):
+    """Python 3.14's default on Linux is forkserver (spawn on macOS and Windows): workers get the dataset pickled
+    rather than forked, and must give the weights of the fork runs above, bit for bit."""
+    proc = run_train(tmp_path, *RNG_DATA, "epochs=2", "loader=balanced", start_method=method)
+    assert equal(per_sample_runs[("loader=balanced",)], weights(tmp_path))
+    assert "2 workers" in proc.stdout  # the loader did run workers (the health line names them)
+
+
+@pytest.mark.slow
 def test_same_weights_on_image_files(tmp_path, shapes):
     run_train(tmp_path / "tight", *shapes, "loader=memory-tight", "max_steps=6")
     run_train(tmp_path / "fast", *shapes, "loader=throughput", "max_steps=6")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from torchvision import datasets
+from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
 
 from .engine.errors import UserError
@@ -48,11 +49,7 @@ class ImageFiles(datasets.ImageFolder):
 
     def __init__(self, root, transform=None):
         root = Path(root)
-        if not root.is_dir():
-            raise UserError(
-                f"data folder {str(root)!r} does not exist: point data.root at a folder holding "
-                "train/ and val/, each with one subfolder of images per class"
-            )
+        self.precheck(root)
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as e:
@@ -62,6 +59,23 @@ class ImageFiles(datasets.ImageFolder):
         self.paths = np.array([path for path, _ in self.samples])
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
+
+    @staticmethod
+    def precheck(root, **_) -> list[str]:
+        """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
+        without listing the images (one directory read, however many files there are)."""
+        root = Path(root)
+        if not root.is_dir():
+            raise UserError(
+                f"data folder {str(root)!r} does not exist: point data.root at a folder holding "
+                "train/ and val/, each with one subfolder of images per class"
+            )
+        try:
+            return find_classes(str(root))[0]
+        except FileNotFoundError as e:
+            raise UserError(
+                f"no class folders under {str(root)!r} ({e}): put one subfolder of images per class there"
+            ) from None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -83,25 +97,46 @@ def shapes(root, split: str, transform=None, per_class: int = 600, image_size: i
     return ImageFiles(Path(root) / split, transform=transform)
 
 
+def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, **_) -> list[str]:
+    """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
+    drawn(Path(root), recipe(per_class, image_size, data_seed))
+    return sorted(SHAPES)  # the class folders, in ImageFolder's order
+
+
+shapes.precheck = precheck_shapes  # config.CheckBeforeRun calls a target's `precheck` before Hydra writes anything
+
+
+def recipe(per_class: int, image_size: int, data_seed: int) -> dict:
+    """What a shapes folder was drawn with: stored beside the images as shapes.json and checked on reuse."""
+    return {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
+
+
+def drawn(root: Path, wanted: dict) -> bool:
+    """True when `root` holds shapes drawn with the recipe `wanted`, False when it is not there yet; else UserError."""
+    marker = root / "shapes.json"
+    if marker.exists():
+        if json.loads(marker.read_text()) != wanted:
+            raise UserError(
+                f"{str(root)!r} holds shapes drawn with other settings ({marker.read_text().strip()}): "
+                "delete that folder or set data.root to a new one"
+            )
+        return True
+    if root.exists():
+        raise UserError(
+            f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
+        )
+    return False
+
+
 def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> None:
     """Draw the PNG files once; concurrent callers (DDP ranks, parallel tests) race safely.
 
     The folder is built under a temporary name and renamed into place, so a reader never sees
     half of it; the recipe is stored beside the images and checked on reuse.
     """
-    recipe = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
-    marker = root / "shapes.json"
-    if marker.exists():
-        if json.loads(marker.read_text()) != recipe:
-            raise UserError(
-                f"{str(root)!r} holds shapes drawn with other settings ({marker.read_text().strip()}): "
-                "delete that folder or set data.root to a new one"
-            )
+    marker, wanted = root / "shapes.json", recipe(per_class, image_size, data_seed)
+    if drawn(root, wanted):
         return
-    if root.exists():
-        raise UserError(
-            f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
-        )
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     rng = np.random.default_rng(data_seed)
@@ -111,7 +146,7 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> 
             folder.mkdir(parents=True)
             for i in range(count):
                 draw_shape(name, image_size, rng).save(folder / f"{i:05d}.png")
-    (tmp / "shapes.json").write_text(json.dumps(recipe))
+    (tmp / "shapes.json").write_text(json.dumps(wanted))
     try:
         os.rename(tmp, root)
     except OSError:  # another process finished first
@@ -164,7 +199,20 @@ def cifar10(root, train: bool, transform=None, download: bool = False):
     try:
         return datasets.CIFAR10(str(root), train=train, transform=transform, download=download)
     except RuntimeError as e:
-        raise UserError(
-            f"no CIFAR-10 under {str(root)!r} ({e}): copy cifar-10-batches-py there, or set data.download=true "
-            "on a machine with internet"
-        ) from None
+        raise UserError(no_cifar(root, e)) from None
+
+
+def precheck_cifar10(root, download: bool = False, **_) -> None:
+    """No local copy and no download asked for: refused before the run, as `cifar10()` would refuse it."""
+    if not download and not (Path(root) / datasets.CIFAR10.base_folder).is_dir():
+        raise UserError(no_cifar(root, f"no {datasets.CIFAR10.base_folder} folder"))
+
+
+cifar10.precheck = precheck_cifar10
+
+
+def no_cifar(root, why) -> str:
+    return (
+        f"no CIFAR-10 under {str(root)!r} ({why}): copy cifar-10-batches-py there, or set data.download=true "
+        "on a machine with internet"
+    )

@@ -8,6 +8,8 @@ SSD forgives that, NFS and object storage do not. `pack` writes each split as ta
 `--per-shard` samples, `<key>.<ext>` (the image's bytes as they were) and `<key>.cls` (the label)
 per sample, so the `webdataset` library and `tar` read them too, plus `index.json`: per shard its
 name, size in bytes and, per sample, where each member's data starts and how long the image is.
+The samples are mixed across the shards in a seeded order (`--seed`), so every shard holds about
+every class: the windowed shuffle below then mixes classes as a full shuffle would.
 
 With the index the shards are a map-style data set, so everything TrainLoader does for an image
 folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile under
@@ -22,7 +24,8 @@ rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
   (seed, epoch): the shards in a random order, then the samples of each window of
   `shuffle_window` consecutive shards shuffled together. A batch then touches a few files
   instead of one per sample; the price is a less thorough mix (samples from far-apart shards
-  never share a batch within an epoch).
+  never share a batch within an epoch), harmless when pack mixed the samples, costly when each
+  shard holds few classes (`--in-order`, or shards written sorted by another tool).
 
 `stream.py`'s IterableDataset stays the fallback for data without an index (no exact resume, order
 depends on the worker count).
@@ -55,16 +58,22 @@ BLOCK = tarfile.BLOCKSIZE
 # ---------------------------------------------------------------------------------------------- packing
 
 
-def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
+def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[str, int]:
     """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
 
-    Deterministic: files in sorted order (the order and labels of torchvision's ImageFolder), fixed
-    tar headers (mtime 0, uid/gid 0, no user names, mode 644), keys numbered per split. Everything
-    is checked before the first byte is written; `dst` must be new or empty. Returns samples per split.
+    The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order),
+    as WebDataset advises for shards: in sorted order each shard would hold one class or two, and a
+    shuffle that keeps a batch within a few shards (`shuffle_window`) would train on batches of a few
+    classes. Deterministic: the labels of torchvision's ImageFolder (sorted class folders), the order a
+    function of (seed, the sorted file list), fixed tar headers (mtime 0, uid/gid 0, no user names, mode 644),
+    keys numbered per split in the order written. Everything is checked before the first byte is written;
+    `dst` must be new or empty. Returns samples per split.
     """
     src, dst = Path(src), Path(dst)
     if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
         raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise UserError(f"--seed must be a whole number >= 0, got {seed!r}")
     if not (src / "train").is_dir():
         raise UserError(
             f"{str(src / 'train')!r} is not a folder: pack expects SRC/train/<class>/* (and SRC/val/<class>/*)"
@@ -91,6 +100,9 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
         listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
         if not listing[split]:
             raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
+        if seed is not None:  # each split its own stream, so adding a val/ folder leaves the train shards as they were
+            mix = np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
+            listing[split] = [listing[split][i] for i in mix.permutation(len(listing[split]))]
     dst.mkdir(parents=True, exist_ok=True)
     for split, samples in listing.items():
         folder = dst / split
@@ -103,6 +115,7 @@ def pack(src, dst, per_shard: int, report=print) -> dict[str, int]:
             "format": FORMAT,
             "classes": classes,
             "per_shard": per_shard,
+            "seed": seed,  # the order the samples were mixed in; null: sorted by class folder and file name
             "samples": len(samples),
             "shards": entries,
         }
@@ -187,18 +200,8 @@ class ShardDataset(Dataset):
         self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4, max_open: int | None = None
     ):
         self.root, self.transform = Path(root), transform
-        index = read_index(self.root)
+        index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
         self.classes = list(index["classes"])
-        if num_classes is not None and num_classes != len(self.classes):
-            shown = ", ".join(self.classes[:5]) + (", ..." if len(self.classes) > 5 else "")
-            raise UserError(
-                f"data.num_classes={num_classes} but the shards in {str(self.root)!r} hold "
-                f"{len(self.classes)} classes ({shown}): set data.num_classes={len(self.classes)}"
-            )
-        if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-            raise UserError(
-                f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}"
-            )
         shards = index["shards"]
         counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
@@ -217,8 +220,13 @@ class ShardDataset(Dataset):
         self.opens = 0  # files this process opened: a test and benchmark figure
         self._files: OrderedDict | None = None
         self._pid: int | None = None
-        for shard in range(len(self.paths)):  # now, not hours into the run
-            self._check_size(shard)
+
+    @staticmethod
+    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
+        """The classes of the split, or the UserError the constructor would raise (no index, a wrong
+        data.num_classes or shuffle_window, a missing or truncated shard): train.py checks this before Hydra writes
+        a run folder. It reads the index and stats every shard, as the constructor does."""
+        return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -300,23 +308,40 @@ class ShardDataset(Dataset):
         return f
 
     def _check_size(self, shard: int, size: int | None = None) -> None:
-        path, expected = self.paths[shard], int(self.shard_bytes[shard])
-        if size is None:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise UserError(
-                    f"shard {path} is missing (listed in {self.root / INDEX}): restore it or pack again"
-                ) from None
-        if size != expected:
-            what = "truncated" if size < expected else "changed"
-            raise UserError(
-                f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again"
-            )
+        check_size(self.root, str(self.paths[shard]), int(self.shard_bytes[shard]), size)
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
         return {**self.__dict__, "_files": None, "_pid": None}
+
+
+def check_size(root: Path, path: str, expected: int, size: int | None = None) -> None:
+    """A UserError naming the shard when it is missing, or when its size (stat'ed unless given) is not the index's."""
+    if size is None:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise UserError(f"shard {path} is missing (listed in {root / INDEX}): restore it or pack again") from None
+    if size != expected:
+        what = "truncated" if size < expected else "changed"
+        raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")
+
+
+def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
+    """The split's index, once the arguments fit it and every shard it lists is there at its full size."""
+    index = read_index(root)
+    classes = list(index["classes"])
+    if num_classes is not None and num_classes != len(classes):
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        raise UserError(
+            f"data.num_classes={num_classes} but the shards in {str(root)!r} hold "
+            f"{len(classes)} classes ({shown}): set data.num_classes={len(classes)}"
+        )
+    if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
+        raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
+    for shard in index["shards"]:
+        check_size(root, str(root / shard["name"]), int(shard["bytes"]))
+    return index
 
 
 def read_index(root: Path) -> dict:
@@ -359,9 +384,21 @@ def main(argv=None) -> int:
         default=1000,
         help="samples per tar file (default 1000); aim for files of a few hundred MB",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the samples are mixed across the shards in an order drawn from this seed (default 0)",
+    )
+    p.add_argument(
+        "--in-order",
+        action="store_true",
+        help="keep the sorted file order instead (each shard then holds one class or two: a shuffle_window smaller "
+        "than the number of shards trains on batches of a few classes)",
+    )
     args = parser.parse_args(argv)
     try:
-        pack(args.src, args.dst, args.per_shard)
+        pack(args.src, args.dst, args.per_shard, seed=None if args.in_order else args.seed)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -192,14 +192,18 @@ class CheckpointPolicy:
         return self.writer.last if self.writer is not None and self.writer.last.is_file() else None
 
 
-def load(path: Path) -> dict:
+def load(path: Path, mmap: bool = False) -> dict:
+    """The checkpoint at `path`, or a UserError saying why not. `mmap=True` maps the file instead of reading it: for a
+    look at its config and shapes before the run (tensors are read only when touched)."""
     if not path.is_file():
         raise UserError(
             f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way
+        if mmap:  # torch maps zip archives only: anything else is refused as a plain read refuses it, same message
+            return load(path)
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         # torch's weights_only refusal is a page of advice; the line naming the refused global is the one that matters
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")[:200]

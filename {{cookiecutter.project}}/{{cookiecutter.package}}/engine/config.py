@@ -12,6 +12,11 @@ keys depend on the chosen `_target_` (data, model, optim, task) are open: each n
 against its target's signature, the keys the shipped targets give a meaning are range-checked, and a
 dry step (`dry_step`) runs the task's loss and metrics on two real samples of the configured data, so
 a wrong argument fails here, not mid-run.
+
+Where they run: `CheckBeforeRun` (a Hydra callback) runs `check()` and the data and resume checks that need
+no data set opened (`before_work`) before Hydra creates the run folder; `check_command_line` (train.py,
+before Hydra starts) turns what Hydra reports over several lines (a mistyped key, a wrong type, an unknown
+group option) into the same one line. train() runs `check()` again: a multirun's jobs meet it there.
 """
 
 import dataclasses
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import Any
 
 from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
@@ -498,7 +504,14 @@ def check_data(train_set, val_set, num_classes: int | None) -> None:
     """Before training: data.num_classes (when the data config has one) against the classes a folder data set
     found (its `classes`), so a wrong count is one line here rather than `IndexError: Target 6 is out of bounds`
     mid-run."""
-    found = {name: list(getattr(ds, "classes", None) or []) for name, ds in (("train", train_set), ("val", val_set))}
+    check_classes(
+        {name: getattr(ds, "classes", None) for name, ds in (("train", train_set), ("val", val_set))}, num_classes
+    )
+
+
+def check_classes(found: dict, num_classes: int | None) -> None:
+    """`found`: split -> the class names its data holds, or None where the data set does not say."""
+    found = {name: list(classes or []) for name, classes in found.items()}
     for name, classes in found.items():
         if classes and num_classes is not None and len(classes) != num_classes:
             shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
@@ -506,7 +519,7 @@ def check_data(train_set, val_set, num_classes: int | None) -> None:
                 f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
                 f"({shown}): set data.num_classes={len(classes)}"
             )
-    if found["train"] and found["val"] and found["train"] != found["val"]:
+    if found.get("train") and found.get("val") and found["train"] != found["val"]:
         odd = sorted(set(found["train"]) ^ set(found["val"]))
         raise UserError(
             f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
@@ -514,8 +527,58 @@ def check_data(train_set, val_set, num_classes: int | None) -> None:
         )
 
 
+def precheck_data(cfg) -> None:
+    """The data errors that show without opening the data sets: each `data.<split>._target_` that has a `precheck`
+    (data.shapes, ImageFiles, ShardDataset, cifar10 do) is called with the node's plain arguments and returns the
+    class names it will find, or None. A data set of your own gets the same early refusal by giving it one."""
+    found = {}
+    for split in ("train", "val"):
+        node = cfg.data.get(split)
+        if not OmegaConf.is_dict(node) or "_target_" not in node:
+            continue
+        target = _locate(node._target_)
+        takes(target, [k for k in node if not k.startswith("_")], f"data.{split}: cannot build {node._target_}")
+        precheck = getattr(target, "precheck", None)
+        if precheck is None:
+            continue
+        args = OmegaConf.to_container(node, resolve=True)
+        args = {k: v for k, v in args.items() if k != "_target_" and not (isinstance(v, dict) and "_target_" in v)}
+        found[split] = precheck(**args)
+    check_classes(found, cfg.data.get("num_classes"))
+
+
+def takes(target: Callable, names: list[str], what: str) -> None:
+    """A keyword `target` does not take (`+data.train.sizes=3`) is refused from its signature, before it is called."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature: left to the call
+        return
+    try:
+        signature.bind_partial(**dict.fromkeys(names))
+    except TypeError as e:
+        raise UserError(f"{what}: {e}") from None
+
+
+def precheck_resume(cfg, run_dir: Path) -> None:
+    """A resume that train() would refuse, refused now: no file there, not a checkpoint, another run's config
+    (unless resume_strict=false), another model. The checkpoint is memory-mapped: its tensors are not read."""
+    from . import checkpoint, resume  # they import this module
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    found = resume.locate(cfg.resume, run_dir, cfg, world_size, is_main=False)  # the logging is train()'s to do
+    if found is None:
+        return
+    ckpt = checkpoint.load(found, mmap=True)
+    resume.compare(ckpt, cfg, found, is_main=False)
+    with torch.random.fork_rng(devices=[]):
+        model = instantiate(cfg.model)
+    resume.check_fits(ckpt, cfg, model, world_size)
+
+
 class CheckBeforeRun(Callback):
-    """`hydra.callbacks` in conf/config.yaml: `check()` before Hydra creates the run folder or writes anything.
+    """`hydra.callbacks` in conf/config.yaml: the checks a run can make before Hydra creates the run folder or writes
+    anything, so a refused command leaves nothing behind: `check()` (every key), then the device, the checkpoint
+    monitor, the data sets' `precheck` and a resume's checkpoint.
 
     Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function,
     so a refusal from inside train() would already have overwritten a resumed run's saved config. This runs
@@ -526,15 +589,91 @@ class CheckBeforeRun(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name != "train":
             return
+        # Hydra calls on_run_start before run_job, and only run_job sets HydraConfig, which the `${hydra:...}` parts of
+        # hydra.run.dir need (hydra-ecosystem/hydra#1301; run-level callbacks run first, #1884): set it first, as
+        # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
+        # check (callbacks.py's _notify).
+        # Resolved on Hydra's own config, not a copy: `${now:...}` is cached per config object, so run_job names the
+        # same folder a second later.
+        HydraConfig.instance().set_config(config)
+        run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         config = config.copy()
-        with read_write(config.hydra.runtime):  # as Hydra's run_job sets it next, so `${hydra:...}` values resolve
-            config.hydra.runtime.output_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+        with read_write(config.hydra.runtime):  # as run_job sets it next, so `${hydra:runtime.output_dir}` resolves
+            config.hydra.runtime.output_dir = run_dir
         HydraConfig.instance().set_config(config)
         task = config.copy()
         with open_dict(task):
             del task["hydra"]
         try:
             check(task, config.hydra.runtime.choices, list(config.hydra.overrides.task))
+            before_work(task, Path(run_dir))
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+
+
+def before_work(cfg, run_dir: Path) -> None:
+    """The refusals train() would make once it runs that need no data set opened and no worker started."""
+    from . import checkpoint  # it imports this module
+
+    if cfg.device.value == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value)
+    precheck_data(cfg)
+    if cfg.resume:
+        precheck_resume(cfg, run_dir)
+
+
+def check_command_line(argv: list[str], config_dir) -> None:
+    """Compose once before Hydra does, so that what Hydra reports over several lines and exit code 1 (a mistyped key
+    without `+`, a value of the wrong type, an unknown group option, a syntax error) is one `error:` line and exit
+    code 2 like every other refusal. Commands with Hydra's own options (`-m`, `--cfg`, `--help`...) are left to it."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    def composed(overrides, hydra_keys: bool = False):
+        with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
+            return compose("config", overrides=overrides, return_hydra_config=hydra_keys)
+
+    try:
+        composed(argv)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {composition_error(e, argv, composed)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def composition_error(e: BaseException, argv: list[str], composed: Callable) -> str:
+    """Hydra's composition error in one line; for an unknown key, the nearest known one."""
+    typo = re.match(r"Could not override '([^']+)'", str(e))
+    if typo:
+        key = typo[1]
+        parent, _, name = key.rpartition(".")
+        try:
+            rest = composed([a for a in argv if not a.startswith(key + "=")], hydra_keys=True)
+            node = OmegaConf.select(rest, parent) if parent else rest
+            known = list(node) if OmegaConf.is_dict(node) else []
+        except Exception:  # the other overrides fail too: no suggestion, the error still says which key
+            known = []
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+        where = "Hydra's own config" if key.startswith("hydra.") else "the schema in config.py"
+        return f"unknown config key {key}{hint}: {where} has no such key"
+    options = getattr(e, "options", None)
+    missing = getattr(e, "missing_cfg_file", None)
+    if options and missing and "/" in missing:
+        group, _, choice = missing.rpartition("/")
+        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(options))}"
+    if type(e).__name__ == "OverrideParseException":
+        return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
+    merging = re.match(r"Error merging override (\S+)$", str(e))
+    if merging and e.__cause__ is not None:  # a value of the wrong type: the override, then OmegaConf's reason
+        return f"{merging[1]}: {str(e.__cause__).splitlines()[0]}"
+    noise = ("full_key:", "object_type=", "reference_type=", "Config search path", "provider=", "See https://")
+    parts = []
+    for err in (e, e.__cause__):
+        lines = [line.strip() for line in str(err or "").splitlines()]
+        parts.append(" ".join(line for line in lines if line and not line.startswith(noise)))
+    return ": ".join(part for part in parts if part)[:400]

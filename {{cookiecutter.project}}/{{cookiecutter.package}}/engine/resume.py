@@ -198,19 +198,26 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 
 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:
-    """The closing line of a run: its folder, its last.pth, and the command that continues it."""
+    """The closing lines of a run: where it is, then on a line of its own, to copy as it is, the command that continues
+    it. Paths below the working directory are shown relative to it, which keeps the command about one terminal line."""
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
     launch = (
         ["python", "train.py"]
         if world_size == 1
-        else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(str(run_dir))}"]
+        else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(short(run_dir))}"]
     )
-    resume_from = f"resume={shlex.quote(str(last))}"
-    command = " ".join([*launch, *kept, resume_from])
+    resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
-        longer = " ".join([*launch, *(o for o in kept if not o.startswith("epochs=")), resume_from])
-        return (
-            f"finished at step {step}; run folder {run_dir}; checkpoint {last}; "
-            f"to train longer: {longer} epochs=<more> resume_strict=false"
-        )
-    return f"stopped at step {step}; run folder {run_dir}; checkpoint {last}; to continue: {command}"
+        epochs = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["config"]["epochs"]
+        longer = [o for o in kept if not o.startswith("epochs=")]
+        command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
+        more = f"{epochs} more epoch{'s' * (epochs != 1)}"
+        return f"finished at step {step}; run folder {short(run_dir)}; to train {more}:\n  {command}"
+    command = " ".join([*launch, *kept, resume_from])
+    return f"stopped at step {step}; run folder {short(run_dir)}; to continue:\n  {command}"
+
+
+def short(path: Path) -> str:
+    """`path` relative to the working directory when it lies below it, else as it is."""
+    here, path = Path.cwd().resolve(), Path(path).resolve()
+    return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
