@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.engine import config
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
+from {{ cookiecutter.package }}.engine import config
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT
 

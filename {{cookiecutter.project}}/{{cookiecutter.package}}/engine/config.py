@@ -34,10 +34,12 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra._internal.utils import _locate  # what instantiate uses; hydra.utils.get_object also logs an error
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from .errors import UserError
