@@ -269,7 +269,6 @@ def test_composition_errors_are_one_line(capsys, override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["checkpoint.monitor=acc"], "checkpoint.monitor must be one of val_acc, val_loss, train_loss"),
         (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
         (["+data.train.sizes=3"], "data.train: cannot build {{ cookiecutter.package }}.data.shapes: got an unexpected"),
     ],

@@ -333,7 +333,7 @@ OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 _checked: set[str] = set()  # configs check() passed in this process: the Hydra callback's, then train()'s
 
 
-def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
+def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None, dry: bool = True) -> None:
     """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
     message for a missing value name the file and the command. A config already checked in this process (by the
     Hydra callback, before train() checks it again) is not checked twice: the dry step builds the data sets."""
@@ -368,6 +368,8 @@ def check(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | N
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
     for group in ("data", "model", "optim", "task", "schedule"):
         arguments(raw[group], f"{group}.")
+    if not dry:  # the checks that open nothing; the Hydra callback runs the cheap prechecks before the dry step
+        return
     from .dry_step import dry_step  # it builds what the run builds: datasets, model, task
 
     dry_step(cfg)
@@ -579,8 +581,8 @@ def precheck_resume(cfg, run_dir: Path) -> None:
 
 class CheckBeforeRun(Callback):
     """`hydra.callbacks` in conf/config.yaml: the checks a run can make before Hydra creates the run folder or writes
-    anything, so a refused command leaves nothing behind: `check()` (every key), then the device, the checkpoint
-    monitor, the data sets' `precheck` and a resume's checkpoint.
+    anything, so a refused command leaves nothing behind: `check()` (every key, and the dry step: data, model, task,
+    checkpoint monitor), then the device, the data sets' `precheck` and a resume's checkpoint.
 
     Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function,
     so a refusal from inside train() would already have overwritten a resumed run's saved config. This runs
@@ -607,8 +609,9 @@ class CheckBeforeRun(Callback):
         with open_dict(task):
             del task["hydra"]
         try:
-            check(task, config.hydra.runtime.choices, list(config.hydra.overrides.task))
-            before_work(task, Path(run_dir))
+            check(task, config.hydra.runtime.choices, list(config.hydra.overrides.task), dry=False)
+            before_work(task, Path(run_dir))  # what shows without building anything: no data drawn for a refusal
+            check(task, config.hydra.runtime.choices, list(config.hydra.overrides.task))  # then the dry step
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -616,11 +619,8 @@ class CheckBeforeRun(Callback):
 
 def before_work(cfg, run_dir: Path) -> None:
     """The refusals train() would make once it runs that need no data set opened and no worker started."""
-    from . import checkpoint  # it imports this module
-
     if cfg.device.value == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
-    checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value)
     precheck_data(cfg)
     if cfg.resume:
         precheck_resume(cfg, run_dir)
