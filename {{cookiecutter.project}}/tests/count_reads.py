@@ -4,7 +4,7 @@ A host read is a call that hands a tensor's values to Python: `item`, `tolist`, 
 `int()`, `bool()`, `index` of a tensor. On a GPU each one waits for the device to finish its queued work.
 Only the main process counts (DataLoader workers fork from it and would patch themselves too). Each read is
 charged to the innermost frame in this project's own code (tests excluded), so a read inside torch counts
-for the project line that called into torch: `train.py` for the loop, `{{ cookiecutter.package }}/loader.py`
+for the project line that called into torch: `train.py` for the loop, `{{ cookiecutter.package }}/engine/loader.py`
 for the sampler. OUT.json maps `file` to its count.
 """
 
