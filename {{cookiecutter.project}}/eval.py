@@ -30,7 +30,7 @@ from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
-from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
+from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 
 log = logging.getLogger("eval")
@@ -90,7 +90,7 @@ def evaluate_checkpoint(cfg) -> dict:
     model.to(device)
 
     dataset = instantiate(cfg.data[cfg.split])
-    collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else None
+    collate = collate_of(cfg.data)
     settings = resolve_settings(cfg.loader, device.type)
     loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate)
     channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)

@@ -64,8 +64,9 @@ def train(cfg) -> tuple[int, float]:
             if stopping or run.at_max_steps():
                 break  # mid-epoch: no validation; the checkpoint holds the position in the epoch
             stopping = validate(run, meter)  # and save, best.pth too when this epoch is the best so far
-        if run.world.is_main and run.closing_line():
-            log.info(run.closing_line())
+        closing = run.closing_line() if run.world.is_main else None
+        if closing:
+            log.info(closing)
     best = run.checkpoints.best.value
     if stopping:
         stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk

@@ -270,7 +270,7 @@ def test_composition_errors_are_one_line(capsys, override, message):
     "overrides, message",
     [
         (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
-        (["+data.train.sizes=3"], "data.train: cannot build {{ cookiecutter.package }}.data.shapes: got an unexpected"),
+        (["+data.train.sizes=3"], "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes"),
     ],
 )
 def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):

@@ -51,7 +51,7 @@ from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 from .engine import config, memory, monitor, rng
 from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
-from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
 
 log = logging.getLogger("doctor")
 
@@ -209,7 +209,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     try:
         model = instantiate(cfg.model).to(device)
         task = instantiate(cfg.task)
-        collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else default_collate
+        collate = collate_of(cfg.data) or default_collate
         batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
     finally:
         rng.apply(saved)

@@ -540,27 +540,14 @@ def precheck_data(cfg) -> None:
         node = cfg.data.get(split)
         if not OmegaConf.is_dict(node) or "_target_" not in node:
             continue
-        target = _locate(node._target_)
-        takes(target, [k for k in node if not k.startswith("_")], f"data.{split}: cannot build {node._target_}")
-        precheck = getattr(target, "precheck", None)
+        arguments(OmegaConf.to_container(node, resolve=False), f"data.{split}.")  # before precheck(**) is called
+        precheck = getattr(_locate(node._target_), "precheck", None)
         if precheck is None:
             continue
         args = OmegaConf.to_container(node, resolve=True)
         args = {k: v for k, v in args.items() if k != "_target_" and not (isinstance(v, dict) and "_target_" in v)}
         found[split] = precheck(**args)
     check_classes(found, cfg.data.get("num_classes"))
-
-
-def takes(target: Callable, names: list[str], what: str) -> None:
-    """A keyword `target` does not take (`+data.train.sizes=3`) is refused from its signature, before it is called."""
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # a builtin without a signature: left to the call
-        return
-    try:
-        signature.bind_partial(**dict.fromkeys(names))
-    except TypeError as e:
-        raise UserError(f"{what}: {e}") from None
 
 
 def precheck_resume(cfg, run_dir: Path) -> None:
@@ -619,8 +606,9 @@ class CheckBeforeRun(Callback):
 
 def before_work(cfg, run_dir: Path) -> None:
     """The refusals train() would make once it runs that need no data set opened and no worker started."""
-    if cfg.device.value == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    from .dry_step import run_device  # it imports this module
+
+    run_device(cfg)  # device=cuda with no GPU visible
     precheck_data(cfg)
     if cfg.resume:
         precheck_resume(cfg, run_dir)

@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import IterableDataset, default_collate
 
+from .config import _reason, check_data  # config imports this module only inside check(), once it is loaded
 from .device import input_transform, to_device
 from .errors import UserError
 from .evaluate import check_metrics
@@ -32,8 +33,6 @@ NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementati
 
 
 def dry_step(cfg) -> None:
-    from .config import _reason, check_data
-
     device = run_device(cfg)
     with kept_rng():
         model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
@@ -124,8 +123,6 @@ def strict_determinism(on: bool, device: torch.device):
 @contextlib.contextmanager
 def _named(cfg, target: str, method: str, split: str):
     """An error inside the task or model: one line naming where, and for a missing deterministic kernel, the op."""
-    from .config import _reason
-
     try:
         yield
     except UserError:
@@ -143,8 +140,6 @@ def _named(cfg, target: str, method: str, split: str):
 
 
 def _build(node, name: str):
-    from .config import _reason
-
     try:
         return instantiate(node)
     except UserError:
@@ -158,8 +153,6 @@ def _build(node, name: str):
 
 def _two(dataset, collate, name: str):
     """A batch of the first two samples, through the configured collate."""
-    from .config import _reason
-
     try:
         if isinstance(dataset, IterableDataset):
             samples = [s for s, _ in zip(dataset, range(2))]

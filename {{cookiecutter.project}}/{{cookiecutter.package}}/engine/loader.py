@@ -499,6 +499,16 @@ class TrainLoader:
             self.generation = Generation(self.settings.num_workers, restored)
 
 
+def collate_of(data_cfg):
+    """`data.collate` built (a `_target_`), or None when the data config has none: torch's default_collate."""
+    node = data_cfg.get("collate")
+    if node is None:
+        return None
+    from hydra.utils import instantiate
+
+    return instantiate(node)
+
+
 def eval_loader(
     dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1, worker_init=None, collate_fn=None
 ) -> DataLoader:

@@ -21,7 +21,7 @@ from .batch_transform import SeededBatchTransform
 from .device import amp_dtype, device_batches, input_transform
 from .ema import EMA
 from .init_from import init_weights
-from .loader import TrainLoader, eval_loader, resolve_settings
+from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
 from .monitor import Monitor
 from .optim import build_optimizer
 from .preempt import StopRequest
@@ -50,7 +50,6 @@ class Run:
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None  # autocast dtype, None = float32
     step: int  # optimizer steps done, over the whole run
-    resumed: bool
     runlog: RunLog
     monitor: Monitor
     checkpoints: checkpoint.CheckpointPolicy
@@ -69,11 +68,14 @@ class Run:
             return ddp.no_sync()
         return contextlib.nullcontext()
 
+    def at_epoch_end(self) -> bool:
+        """The batch just taken is the epoch's last."""
+        return self.train_loader.position == self.train_loader.batches_per_epoch
+
     def window_ends(self) -> bool:
         """Whether the micro-batch just taken closes an accumulation window (`accumulate_steps`): its last one,
         or the epoch's last batch. Windows start at each epoch's first batch; stops and saves fall on their ends."""
-        position, per_epoch = self.train_loader.position, self.train_loader.batches_per_epoch
-        return position % self.cfg.accumulate_steps == 0 or position == per_epoch
+        return self.train_loader.position % self.cfg.accumulate_steps == 0 or self.at_epoch_end()
 
     def finished(self) -> bool:
         """All epochs done, or `max_steps` reached."""
@@ -84,15 +86,14 @@ class Run:
 
     def validation_due(self) -> bool:
         """A mid-epoch validation (`val_every_steps`); the epoch's end has its own."""
-        every, epoch_end = self.cfg.val_every_steps, self.train_loader.position == self.train_loader.batches_per_epoch
-        return bool(every) and self.step % every == 0 and not epoch_end
+        every = self.cfg.val_every_steps
+        return bool(every) and self.step % every == 0 and not self.at_epoch_end()
 
     def log_point(self) -> bool:
         """The loss is read to the host (and ranks agree on a stop) only here: each read waits for the device.
         Every save and validation is one too, so a non-finite loss is seen before weights are written."""
-        epoch_end = self.train_loader.position == self.train_loader.batches_per_epoch
         every = self.step % self.cfg.log_every_steps == 0 or self.checkpoints.due(self.step) or self.validation_due()
-        return epoch_end or every or self.at_max_steps()
+        return self.at_epoch_end() or every or self.at_max_steps()
 
     def train_batches(self):
         """This epoch's batches on the device and through `data.normalize`; the first one sets the memory plan."""
@@ -133,7 +134,7 @@ def build(
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     config.check_data(train_set, val_set, cfg.data.get("num_classes"))
-    collate = instantiate(cfg.data.collate) if cfg.data.get("collate") is not None else None  # None: default_collate
+    collate = collate_of(cfg.data)
     settings = resolve_settings(cfg.loader, device.type)
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
@@ -195,7 +196,7 @@ def build(
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-        optimizer, scheduler, scaler, amp, step, ckpt is not None, runlog, monitor, policy, ema, batch_transform,
+        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform,
     )  # fmt: skip
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
     return run
