@@ -38,6 +38,20 @@ class RngDrawingDataset(Dataset):
         return x, label
 
 
+class IndexedDraws(Dataset):
+    """Each item is (its index, what it drew from torch, numpy and python `random`): which sample got which draw."""
+
+    def __init__(self, size: int = 48):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        draws = [float(torch.rand(())), float(np.random.uniform()), random.random()]
+        return index, torch.tensor(draws, dtype=torch.float64)
+
+
 class SlowItems(RngDrawingDataset):
     """RngDrawingDataset whose items take `item_s` seconds each, like slow storage: workers stay busy long enough
     to watch."""
