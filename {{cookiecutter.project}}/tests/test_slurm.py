@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import config
-from tests.helpers import PROJECT, read_jsonl, run_train, same_weights, wait_for_steps
+from tests import helpers
+from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'
 pytest.importorskip("submitit", reason=NEEDS)
@@ -134,6 +135,60 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     steps = [r["step"] for r in read_jsonl(sweep / "0/steps.jsonl")]
     assert steps == sorted(set(steps)) and steps[-1] == total  # one folder, one record: nothing logged twice
     assert not same_weights(sweep / "1/checkpoints/last.pth", sweep / "2/checkpoints/last.pth")  # the check can fail
+
+
+# torchrun sets OMP_NUM_THREADS=1 only with --nproc_per_node > 1, submitit never: CPU kernels with other thread
+# counts differ in the last bits, so every run compared below gets the same one.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_a_two_task_job_is_one_two_rank_run_and_a_preempted_one_resumes_exactly(tmp_path, shapes):
+    sweep, overrides = tmp_path / "multirun", [*shapes, "loader.batch_size=16", "log_every_steps=1"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        *overrides,
+        "resume=latest",
+        "checkpoint.search_dir=${hydra:runtime.output_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=PROJECT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for_steps(sweep / "0", 1, timeout=300)
+        preempt(sweep / "0")  # both tasks, as SLURM signals every task of the job
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    job_id = OmegaConf.load(sweep / "0/.hydra/hydra.yaml").hydra.job.id
+    logs = [(sweep / ".submitit" / job_id / f"{job_id}_{task}_log.out").read_text() for task in (0, 1)]
+    assert "Requeued job" in logs[0] and all(log.count("Starting with JobEnvironment") == 2 for log in logs), logs
+
+    job = sweep / "0"
+    reference = tmp_path / "torchrun"
+    command = helpers.torchrun_cmd(reference, *overrides)
+    ran = subprocess.run(command, cwd=PROJECT, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    alone = tmp_path / "alone"  # what each task trained before its ranks came from the job: a run of its own
+    run_train(alone, *overrides, env={"OMP_NUM_THREADS": "1"})
+
+    per_epoch = [r["step"] for r in read_jsonl(job / "metrics.jsonl")]
+    assert per_epoch == [r["step"] for r in read_jsonl(reference / "metrics.jsonl")]
+    assert -(-read_jsonl(alone / "metrics.jsonl")[0]["step"] // 2) == per_epoch[0]  # half the steps of one process
+    assert len(load_ckpt(job / "checkpoints/last.pth")["ranks"]) == 2  # one checkpoint holds both ranks
+    steps = [r["step"] for r in read_jsonl(job / "steps.jsonl")]
+    assert steps == list(range(1, per_epoch[-1] + 1))  # one line per step: only rank 0 writes, nothing twice
+    resumed = re.findall(r"resumed from step (\d+)", (job / "train.log").read_text())
+    assert len(resumed) == 1 and 0 < int(resumed[0]) < per_epoch[-1], resumed  # the requeue went on from the stop
+    assert same_weights(reference / "checkpoints/last.pth", job / "checkpoints/last.pth")
+    assert not same_weights(alone / "checkpoints/last.pth", job / "checkpoints/last.pth")  # the check can fail
 
 
 # Stand-ins for the three SLURM commands submitit calls; everything else is the real launcher and job.
