@@ -65,8 +65,8 @@ def job_ranks() -> dict[str, str]:
         if int(world) < job.num_tasks:  # then not every task is in this process group
             raise UserError(
                 f"submitit started this job with {job.num_tasks} tasks but WORLD_SIZE={world}: the tasks would "
-                "train in separate process groups; drop torchrun (the ranks come from the job) or give the job "
-                "one task per node"
+                "train in separate process groups; unset WORLD_SIZE and start no torchrun in the tasks (the ranks "
+                "come from the job)"
             )
         return {}
     # MASTER_ADDR: the job's first host (SLURM's node list; the local executor's own host); MASTER_PORT: drawn from
@@ -102,8 +102,9 @@ def join(device: torch.device) -> World:
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UserError(
-                f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: "
-                "lower --nproc_per_node"
+                f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible to it: "
+                "lower torchrun's --nproc_per_node (hydra.launcher.tasks_per_node under submitit), one process per "
+                "GPU, each process seeing all of its node's GPUs"
             )
         torch.cuda.set_device(local_rank)
     # torchrun's env:// rendezvous hands every restart attempt the agent's same store, and the new process group
