@@ -320,6 +320,7 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
         ({"SLURM_JOB_NODELIST": "node-that-does-not-exist.invalid"}, "meet at rank 0's host node-that-does-not"),
         ({"WORLD_SIZE": "1", "RANK": "0"}, "with 2 tasks but WORLD_SIZE=1: the tasks would train in separate"),
     ],
+    ids=["host-does-not-resolve", "smaller-world-size"],
 )
 def test_a_job_of_two_tasks_that_cannot_meet_is_refused_in_one_line(tmp_path, shapes, env, says):
     """Task 0 of a 2-task SLURM job (submitit's variables, as srun sets them): no folder, no training alone."""
