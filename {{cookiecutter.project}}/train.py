@@ -19,7 +19,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from {{ cookiecutter.package }}.engine import config, submit
+from {{ cookiecutter.package }}.engine import config, distributed, submit
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.monitor import worker_death
@@ -33,6 +33,7 @@ submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value,
 
 
 def train(cfg) -> tuple[int, float]:
+    distributed.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     config.check(cfg, hydra_cfg.runtime.choices, overrides)  # every key and a dry step, before any work
