@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.engine.schedule import WarmupCosine, warmup_cosine
+from {{ cookiecutter.package }}.engine.schedule import WarmupCosine, build_schedule, warmup_cosine
 
 
 def test_warmup_rises_linearly_to_the_peak():
@@ -36,3 +37,20 @@ def test_scheduler_steps_the_optimizer_and_round_trips():
     restored.load_state_dict(saved)
     assert restored.get_last_lr() == scheduler.get_last_lr()
     assert restored.get_last_lr()[0] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))
+
+
+def lr_after(schedule_cfg, steps: int) -> float:
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    scheduler = build_schedule(OmegaConf.create(schedule_cfg), optimizer, total_steps=100)  # the planned epochs'
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
+def test_total_steps_sets_the_decay_length_and_null_spans_the_planned_epochs():
+    node = {"_target_": f"{warmup_cosine.__module__}.warmup_cosine", "_partial_": True, "warmup_steps": 0}
+    node["min_lr_ratio"] = 0.1
+    assert lr_after({**node, "total_steps": 40}, 40) == pytest.approx(0.1)  # at the floor after 40 steps
+    assert lr_after({**node, "total_steps": None}, 40) > 0.5  # the control: the 100 planned steps, not yet halfway
+    assert lr_after({**node, "total_steps": None}, 100) == pytest.approx(0.1)

@@ -258,6 +258,7 @@ OPEN_KEYS = {
     "task.label_smoothing": number(0, 0.999),
     "schedule.warmup_steps": integer(0),
     "schedule.min_lr_ratio": number(0, 1),
+    "schedule.total_steps": integer(1, null="the planned epochs' steps"),
 }
 # The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
 LOOP_OPEN_KEYS = {

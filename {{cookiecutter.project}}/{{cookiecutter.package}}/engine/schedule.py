@@ -44,7 +44,8 @@ class Warmup:
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> LambdaLR:
-    # The schedule spans the planned run (epochs), never max_steps: a run stopped early and resumed sees the same lr.
+    # The schedule spans the planned run (epochs) or `schedule.total_steps`, never max_steps: max_steps is where a
+    # run stops and saves, and a run stopped there and resumed must see the lr the run never stopped sees.
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 
@@ -53,8 +54,11 @@ def constant(optimizer, warmup_steps: int = 0) -> LambdaLR:
 
 
 def build_schedule(schedule_cfg, optimizer, total_steps: int):
-    """The configured scheduler on `optimizer`; `total_steps` goes to targets that take it."""
+    """The configured scheduler on `optimizer`; `total_steps` (the planned epochs' optimizer steps) goes to targets
+    that take it, unless the config sets `schedule.total_steps` itself: a schedule of its own length."""
     factory = instantiate(schedule_cfg)
+    if schedule_cfg.get("total_steps") is not None:
+        return factory(optimizer)
     try:
         takes_total = "total_steps" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
