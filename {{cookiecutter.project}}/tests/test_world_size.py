@@ -1,0 +1,171 @@
+"""Resuming on another number of processes (engine/resume.py, EpochBatchSampler's global batches): every global step
+uses the samples it uses in the run that never stopped, each sample once per epoch, the same weights up to the order
+of float sums; always with the run's own command."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler
+from tests.helpers import PROJECT, load_ckpt, read_jsonl, recorded_steps, run_torchrun, run_train, step_sets
+
+# 90 fixed samples (their index alone decides them) with their indices, a linear model (no batch statistics).
+# A global batch of 12: 7 steps per epoch (84 samples; the 6 left over, other ones each epoch, are dropped), 14 in all.
+SAMPLES, GLOBAL, STEPS_PER_EPOCH, EPOCHS = 90, 12, 7, 2
+INDEXED = [
+    "data.train._target_=tests.datasets.IndexedSamples",
+    "data.val._target_=tests.datasets.IndexedSamples",
+    *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform")],
+    "~data.train.image_size",
+    "~data.val.image_size",
+    f"+data.train.size={SAMPLES}",
+    "+data.val.size=16",
+    "data.num_classes=4",
+    "model._target_=tests.datasets.Linear",
+    "~model.width",
+    "+model.in_features=48",
+    "task._target_=tests.datasets.RecordingClassification",
+    "optim.lr=0.5",  # large steps: every batch moves the weights visibly
+    f"epochs={EPOCHS}",
+    "log_every_steps=1",
+    "checkpoint.keep=0",
+    "progress=false",
+]
+
+
+def command(world_size: int, *extra: str) -> list[str]:
+    """The run's own command on `world_size` processes: loader.batch_size is the per-process batch of 2 processes."""
+    return [*INDEXED, f"loader.batch_size={GLOBAL // 2}", *extra]
+
+
+def launch(run_dir, world_size: int, record, *overrides: str, expect: int = 0):
+    """`python train.py` on one process, torchrun otherwise; one intra-op thread each, as torchrun gives its ranks."""
+    env = {"RECORD_SAMPLES": str(record), "OMP_NUM_THREADS": "1"}
+    if world_size == 1:
+        return run_train(run_dir, *overrides, env=env, expect=expect)
+    return run_torchrun(run_dir, *overrides, nproc=world_size, env=env, expect=expect, timeout=600)
+
+
+def requeued(run_dir, world_size: int, record, *extra: str, expect: int = 0):
+    """A requeued job: the same command into the same folder, resume=latest finding the folder's own last.pth."""
+    again = ["resume=latest", f"checkpoint.search_dir={run_dir}", *extra]
+    return launch(run_dir, world_size, record, *command(world_size, *again), expect=expect)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The run that never stopped, on 2 processes: its samples per step and its last checkpoint."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    launch(run_dir, 2, run_dir / "record", *command(2))
+    return step_sets(recorded_steps(run_dir / "record")), load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+
+
+def resumed(run_dir, world_sizes: list[int], stops: list[int]):
+    """The run on `world_sizes[0]` processes, stopped at `stops[0]`, requeued on the next number of processes and
+    stopped at the next stop..., the last one to the end. Returns its samples per step and its last weights."""
+    steps, start = {}, 0
+    for n, (world_size, stop) in enumerate(zip(world_sizes, [*stops, None], strict=True)):
+        record = run_dir / f"record{n}"
+        limit = [f"max_steps={stop}"] if stop else []
+        requeued(run_dir, world_size, record, *limit)
+        segment = recorded_steps(record, start)
+        assert all(len(batches) == world_size for batches in segment.values())  # every rank took every step
+        assert {len(b) for batches in segment.values() for b in batches} == {GLOBAL // world_size}  # global / W'
+        steps.update(segment)
+        start = stop
+    log = (run_dir / "train.log").read_text()
+    for before, after in zip(world_sizes, world_sizes[1:]):
+        if before != after:
+            assert f"resuming a {before}-process run on {after} process" in log
+    return step_sets(steps), load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+
+
+def assert_same_run(sets, weights, straight_sets, straight_weights):
+    assert sorted(sets) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))  # every step once, none replayed
+    assert sets == straight_sets  # each global step the same samples as the run that never stopped
+    for epoch in range(EPOCHS):  # each sample at most once per epoch; 84 of the 90 seen
+        seen = [i for s in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1) for i in sets[s]]
+        assert len(seen) == len(set(seen)) == STEPS_PER_EPOCH * GLOBAL
+    for name, tensor in weights.items():
+        assert torch.allclose(tensor, straight_weights[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_two_then_three_then_one_process_continue_the_same_global_batches(tmp_path, straight):
+    """Stopped mid-epoch 0 on 2 processes, mid-epoch 1 on 3 (across the epoch boundary), ended on 1."""
+    sets, weights = resumed(tmp_path, [2, 3, 1], [4, 10])
+    assert_same_run(sets, weights, *straight)
+
+
+@pytest.mark.slow
+def test_one_then_two_processes_continue_the_same_global_batches(tmp_path, straight):
+    """A run started on 1 process with the global batch as its batch, stopped mid-epoch, ended on 2."""
+    steps = {}
+    record = tmp_path / "record0"
+    launch(tmp_path, 1, record, *INDEXED, f"loader.batch_size={GLOBAL}", "max_steps=5")
+    steps.update(recorded_steps(record))
+    again = ["resume=latest", f"checkpoint.search_dir={tmp_path}"]
+    launch(tmp_path, 2, tmp_path / "record1", *INDEXED, f"loader.batch_size={GLOBAL}", *again)
+    two = recorded_steps(tmp_path / "record1", 5)
+    assert {len(b) for batches in two.values() for b in batches} == {GLOBAL // 2}
+    steps.update(two)
+    assert (
+        "resuming a 1-process run on 2 processes: global batch 12, 6 per process"
+        in (tmp_path / "train.log").read_text()
+    )
+    assert_same_run(step_sets(steps), load_ckpt(tmp_path / "checkpoints/last.pth")["model"], *straight)
+
+
+@pytest.mark.slow
+def test_negative_control_another_seed_is_far_off(tmp_path, straight):
+    """What the comparisons above can tell apart: the same run with another seed has other batches and weights."""
+    launch(tmp_path, 1, tmp_path / "record", *INDEXED, f"loader.batch_size={GLOBAL}", "seed=1")
+    sets = step_sets(recorded_steps(tmp_path / "record"))
+    weights = load_ckpt(tmp_path / "checkpoints/last.pth")["model"]
+    straight_sets, straight_weights = straight
+    assert sum(sets[s] != straight_sets[s] for s in sets) == len(sets)
+    far = max(
+        ((weights[k] - straight_weights[k]).abs().max() / straight_weights[k].abs().max()).item() for k in weights
+    )
+    assert far > 100 * 1e-4, far
+
+
+def test_a_count_that_does_not_split_the_global_batch_is_refused(tmp_path):
+    """5 processes cannot share 12 samples a step: one line naming the counts that can, before any work."""
+    launch(tmp_path, 1, tmp_path / "record", *command(1), "max_steps=1")  # a checkpoint of global batch 6 on 1
+    proc = subprocess.run(
+        [sys.executable, "train.py", *command(5, "resume=latest", f"checkpoint.search_dir={tmp_path}")]
+        + [f"hydra.run.dir={tmp_path}"],
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": "5", "RANK": "0"},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == (
+        "error: resume: its global batch of 6 samples does not split over 5 processes: resume on 1, 2, 3 or 6 "
+        "processes (each then takes global batch / processes)"
+    )
+    assert [r["step"] for r in read_jsonl(tmp_path / "steps.jsonl")] == [1]  # nothing of the run was touched
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("size", [90, 95])
+def test_global_batches_do_not_depend_on_the_number_of_processes(world_size, size):
+    """The sampler alone: global batch i is the same set for any number of processes; the ranks' shares are disjoint."""
+
+    def global_batches(world):
+        ranks = [EpochBatchSampler(size, GLOBAL // world, seed=3, rank=r, world_size=world) for r in range(world)]
+        for sampler in ranks:
+            sampler.set_epoch(1)
+        return [sorted(i for share in shares for i in share) for shares in zip(*ranks, strict=True)]
+
+    one = global_batches(1)
+    assert len(one) == size // GLOBAL and global_batches(world_size) == one
+    flat = [i for batch in one for i in batch]
+    assert len(flat) == len(set(flat))
