@@ -54,7 +54,7 @@ def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tup
 
     Worker scheduling moves whole-loader samples/s by several percent between runs on a small
     machine; timing the fetch itself, alternating the two, isolates what rng_mode adds."""
-    plain, seeded = SeededBatches(dataset, 0, 0, per_sample=False), SeededBatches(dataset, 0, 0, per_sample=True)
+    plain, seeded = SeededBatches(dataset, 0, per_sample=False), SeededBatches(dataset, 0, per_sample=True)
     keys = [BatchIndices(list(range(i * BATCH, (i + 1) * BATCH)), 0, i) for i in range(batches)]
     best = {False: float("inf"), True: float("inf")}
     for _ in range(rounds):

@@ -52,10 +52,7 @@ class IndexedSamples(RngDrawingDataset):
 
 
 class IndexedShards(ShardDataset):
-    """ShardDataset whose samples carry their index: `(image, label, index)`."""
-
-    def __getitems__(self, indices):
-        return [(*sample, i) for sample, i in zip(super().__getitems__(indices), indices, strict=True)]
+    """ShardDataset whose samples carry their index: `(image, label, index)` (its `__getitems__` makes them here)."""
 
     def __getitem__(self, index: int):
         return (*super().__getitem__(index), index)
@@ -98,6 +95,20 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x.flatten(1))
+
+
+class IndexedDraws(Dataset):
+    """Each item is (its index, what it drew from torch, numpy and python `random`): which sample got which draw."""
+
+    def __init__(self, size: int = 48):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        draws = [float(torch.rand(())), float(np.random.uniform()), random.random()]
+        return index, torch.tensor(draws, dtype=torch.float64)
 
 
 class SlowItems(RngDrawingDataset):

@@ -4,7 +4,7 @@ import torch
 
 from {{ cookiecutter.package }}.engine import rng
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
-from tests.datasets import RngDrawingDataset
+from tests.datasets import IndexedDraws, RngDrawingDataset
 from tests.helpers import loader_settings
 
 
@@ -52,6 +52,31 @@ def test_per_sample_batches_do_not_depend_on_workers():
     main_before = torch.get_rng_state()
     epoch_batches(TrainLoader(RngDrawingDataset(48), loader_settings(8, 0), seed=2))
     assert torch.equal(main_before, torch.get_rng_state())  # data randomness leaves the main RNG alone
+
+
+def draws_by_sample(batch_size: int, workers: int, world_size: int, rng_mode: str = "per_sample") -> dict:
+    """sample index -> what it drew in epoch 1 (the second), over every rank of a `world_size`-process layout."""
+    out = {}
+    for rank in range(world_size):
+        loader = TrainLoader(
+            IndexedDraws(48), loader_settings(batch_size, workers), 2, rng_mode, rank=rank, world_size=world_size
+        )
+        for _ in range(2):
+            epoch = [(i, d) for indices, draws in loader for i, d in zip(indices.tolist(), draws, strict=True)]
+        out.update(epoch)
+    return out
+
+
+def test_per_sample_draws_do_not_depend_on_rank_batch_or_worker():
+    """A sample's draws are keyed on (seed, epoch, index): the same whichever rank, worker or batch position makes
+    it. The control, per_worker streams, gives other draws for another layout."""
+    one = draws_by_sample(8, 2, 1)
+    assert len(one) == 48
+    for batch_size, workers, world_size in ((4, 3, 2), (4, 0, 3), (16, 1, 1)):
+        other = draws_by_sample(batch_size, workers, world_size)
+        assert other.keys() == one.keys() and all(torch.equal(one[i], other[i]) for i in one), world_size
+    worker = draws_by_sample(8, 2, 1, "per_worker"), draws_by_sample(4, 2, 2, "per_worker")
+    assert sum(torch.equal(worker[0][i], worker[1][i]) for i in worker[0]) < 4
 
 
 def test_state_dict_mid_epoch_resumes_exactly():

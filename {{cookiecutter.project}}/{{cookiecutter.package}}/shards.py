@@ -219,6 +219,7 @@ class ShardDataset(Dataset):
         self.max_open = max_open or max(1, min(len(self.paths), 2 * window + 2, 256))
         self.opens = 0  # files this process opened: a test and benchmark figure
         self._files: OrderedDict | None = None
+        self._ready: dict[int, bytes] = {}  # bytes `prefetch` read for the samples about to be made
         self._pid: int | None = None
 
     @staticmethod
@@ -232,16 +233,23 @@ class ShardDataset(Dataset):
         return len(self.offset)
 
     def __getitem__(self, index: int):
-        return self._sample(self.read(index), int(self.label[index]))
+        data = self._ready.pop(index, None)
+        return self._sample(self.read(index) if data is None else data, int(self.label[index]))
+
+    def prefetch(self, indices) -> None:
+        """Read a batch's bytes now, in file order (shard, then offset), for the `__getitem__` calls that follow:
+        with rng_mode=per_sample the loader makes samples one by one, each seeded, and still reads each shard
+        in one sweep."""
+        indices = np.asarray(indices, dtype=np.int64)
+        self._ready = {}
+        for j in np.lexsort((self.offset[indices], self.shard[indices])):
+            self._ready[int(indices[j])] = self.read(int(indices[j]))
 
     def __getitems__(self, indices):
-        """A batch: bytes read in file order (shard, then offset), decoded and transformed in the batch's order,
-        so the random draws meet the samples exactly as with `__getitem__` one by one."""
-        indices = np.asarray(indices, dtype=np.int64)
-        data = [b""] * len(indices)
-        for j in np.lexsort((self.offset[indices], self.shard[indices])):
-            data[j] = self.read(int(indices[j]))
-        return [self._sample(d, int(self.label[i])) for d, i in zip(data, indices, strict=True)]
+        """A batch: bytes read in file order, decoded and transformed in the batch's order, so the random draws
+        meet the samples exactly as with `__getitem__` one by one."""
+        self.prefetch(indices)
+        return [self[int(i)] for i in indices]
 
     def sample_source(self, index: int) -> str:
         """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""

@@ -107,12 +107,14 @@ class Samples(list):
         self.skipped = list(skipped)
 
 
-def fetch_guarded(dataset, indices, skip: bool) -> Samples:
-    """The samples of one batch, each fetched under a try: a sample that raises becomes a BadSample naming its
-    index and file (`skip=False`), or is left out and listed (`skip=True`). A batch with no good sample left is
+def fetch_guarded(dataset, indices, skip: bool, before=None) -> Samples:
+    """The samples of one batch, each fetched under a try (after `before(index)`, e.g. its seeding): a sample that
+    raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed (`skip=True`). A batch with no good sample left is
     refused either way: that is a broken transform far more often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
+        if before is not None:
+            before(index)
         try:
             samples.append(dataset[index])
         except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is

@@ -200,16 +200,17 @@ class BatchIndices(list):
 class SeededBatches(torch.utils.data.Dataset):
     """Wraps the user's dataset so a whole batch is fetched at once (`__getitems__`).
 
-    rng_mode=per_sample: before the batch, torch, numpy and python `random` are seeded from
-    (seed, rank, epoch, batch number), so what a sample draws does not depend on which worker, or how
-    many, made it; seeding once per batch (~0.1 ms) rather than per sample keeps the cost small.
+    rng_mode=per_sample: before each sample, torch, numpy and python `random` are seeded from (seed, epoch, sample
+    index) (`rng.sample_seeds`), so what a sample draws depends on neither the worker nor the rank nor the batch
+    that makes it: the same for any worker count, loader profile or number of processes. Samples are then made
+    one by one; a data set with `prefetch(indices)` may read the batch's bytes at once first (shards.py does).
     In the main process (num_workers=0) the main RNG is put back afterwards, untouched by the data.
     rng_mode=per_worker: the worker's own streams run on; TrainLoader saves and restores them.
     A sample that raises is named (data set index, file) or, with `skip`, left out: failures.fetch_guarded.
     """
 
-    def __init__(self, dataset, seed: int, rank: int, per_sample: bool, skip: bool = False):
-        self.dataset, self.seed, self.rank, self.per_sample, self.skip = dataset, seed, rank, per_sample, skip
+    def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
+        self.dataset, self.seed, self.per_sample, self.skip = dataset, seed, per_sample, skip
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -222,10 +223,12 @@ class SeededBatches(torch.utils.data.Dataset):
             return self._fetch(batch)
         in_main = get_worker_info() is None
         saved = rng.capture() if in_main else None
-        key = np.random.SeedSequence([self.seed, self.rank, batch.epoch, batch.number]).generate_state(2, np.uint32)
-        rng.seed_cpu(int(key[0]) << 32 | int(key[1]))
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is not None:
+            prefetch(list(batch))
+        seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
         try:
-            return self._fetch(batch)
+            return failures.fetch_guarded(self.dataset, batch, self.skip, before=lambda i: rng.seed_sample(seeds[i]))
         finally:
             if in_main:
                 rng.apply(saved)
@@ -244,9 +247,10 @@ class SeededBatches(torch.utils.data.Dataset):
 
 @dataclass
 class WorkerSnapshot:
-    """Sent with every batch: the worker's RNG right after making it, the seed base of its generation, its PID."""
+    """Sent with every batch: the worker's RNG right after making it (rng_mode=per_worker only: with per_sample every
+    sample is seeded afresh, so nothing reads it), the seed base of its generation, its PID."""
 
-    rng: tuple
+    rng: tuple | None
     base_seed: int
     pid: int
 
@@ -260,8 +264,8 @@ class CollateWithSnapshot:
     in a feeder thread whose failure (a full /dev/shm) only prints and loses the batch, leaving the loop to
     wait. Here it fails as an exception the main process receives in the batch's place."""
 
-    def __init__(self, collate_fn):
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn, capture_rng: bool = True):
+        self.collate_fn, self.capture_rng = collate_fn, capture_rng
 
     def __call__(self, samples):
         skipped = getattr(samples, "skipped", [])
@@ -270,7 +274,8 @@ class CollateWithSnapshot:
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, None, skipped
         batch = map_tensors(lambda t: t.share_memory_() if t.device.type == "cpu" else t, batch)
-        return batch, WorkerSnapshot(rng.capture(), info.seed - info.id, os.getpid()), skipped
+        state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
+        return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped
 
 
 class SeedWorker:
@@ -309,7 +314,8 @@ class Generation:
     consumed: dict = field(default_factory=dict)  # stream -> its RNG right after the last batch the loop consumed
 
     def consume(self, index: int, snapshot: WorkerSnapshot) -> None:
-        self.consumed[index % self.workers] = snapshot.rng
+        if snapshot.rng is not None:
+            self.consumed[index % self.workers] = snapshot.rng
         if self.base_seed is None:
             self.base_seed = snapshot.base_seed
 
@@ -366,7 +372,7 @@ class TrainLoader:
             raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
         self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
         skip = on_bad_sample == "skip"
-        self.dataset = SeededBatches(dataset, seed, rank, per_sample=rng_mode == "per_sample", skip=skip)
+        self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=skip)
         self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
@@ -384,7 +390,7 @@ class TrainLoader:
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
-        self.collate = CollateWithSnapshot(collate_fn or default_collate)
+        self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
         self.loader: DataLoader | None = None  # the DataLoader reused every epoch (one-off ones are not kept)
         self.epoch = 0  # epochs completed
         self.position = 0  # batches of the current epoch consumed by the loop
@@ -483,7 +489,8 @@ class TrainLoader:
         return self.loader
 
     def state_dict(self) -> dict:
-        streams = self.generation.streams() if self.generation else []
+        # per_sample seeds every sample afresh: the workers' streams carry nothing a resume needs
+        streams = self.generation.streams() if self.generation and self.rng_mode == "per_worker" else []
         return {
             "epoch": self.epoch,
             "position": self.position,
