@@ -41,11 +41,11 @@ class RngDrawingDataset(Dataset):
 
 
 class IndexedSamples(RngDrawingDataset):
-    """RngDrawingDataset's fixed samples (drawn from the index alone), each with its index: `(x, label, index)`, so a
-    batch says which samples it holds (RecordingClassification writes them down)."""
+    """RngDrawingDataset's samples, each with its index: `(x, label, index)`, so a batch says which samples it holds
+    (RecordingClassification writes them down). `draws=False`: fixed samples, drawn from the index alone."""
 
-    def __init__(self, size: int = 96, num_classes: int = 4, image_size: int = 4):
-        super().__init__(size, num_classes, image_size, draws=False)
+    def __init__(self, size: int = 96, num_classes: int = 4, image_size: int = 4, draws: bool = True):
+        super().__init__(size, num_classes, image_size, draws)
 
     def __getitem__(self, index: int):
         return (*super().__getitem__(index), index)

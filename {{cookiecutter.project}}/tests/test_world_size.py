@@ -12,7 +12,8 @@ import torch
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, recorded_steps, run_torchrun, run_train, step_sets
 
-# 90 fixed samples (their index alone decides them) with their indices, a linear model (no batch statistics).
+# 90 samples with their indices, each drawing noise from torch, numpy and python `random` (rng_mode=per_sample keys
+# the draws on (seed, epoch, sample index)), a linear model (no batch statistics), one DataLoader worker per process.
 # A global batch of 12: 7 steps per epoch (84 samples; the 6 left over, other ones each epoch, are dropped), 14 in all.
 SAMPLES, GLOBAL, STEPS_PER_EPOCH, EPOCHS = 90, 12, 7, 2
 INDEXED = [
@@ -32,48 +33,48 @@ INDEXED = [
     f"epochs={EPOCHS}",
     "log_every_steps=1",
     "checkpoint.keep=0",
+    "loader.num_workers=1",
     "progress=false",
 ]
 
 
-def command(world_size: int, *extra: str) -> list[str]:
-    """The run's own command on `world_size` processes: loader.batch_size is the per-process batch of 2 processes."""
+def command(*extra: str) -> list[str]:
+    """The run's own command: loader.batch_size is the per-process batch of the 2 processes it started on."""
     return [*INDEXED, f"loader.batch_size={GLOBAL // 2}", *extra]
 
 
 def launch(run_dir, world_size: int, record, *overrides: str, expect: int = 0):
     """`python train.py` on one process, torchrun otherwise; one intra-op thread each, as torchrun gives its ranks."""
+    record.parent.mkdir(parents=True, exist_ok=True)  # the record is written from the dry step on, before Hydra's
     env = {"RECORD_SAMPLES": str(record), "OMP_NUM_THREADS": "1"}
     if world_size == 1:
         return run_train(run_dir, *overrides, env=env, expect=expect)
     return run_torchrun(run_dir, *overrides, nproc=world_size, env=env, expect=expect, timeout=600)
 
 
-def requeued(run_dir, world_size: int, record, *extra: str, expect: int = 0):
-    """A requeued job: the same command into the same folder, resume=latest finding the folder's own last.pth."""
-    again = ["resume=latest", f"checkpoint.search_dir={run_dir}", *extra]
-    return launch(run_dir, world_size, record, *command(world_size, *again), expect=expect)
+def straight_run(run_dir, overrides: list[str], world_size: int = 2):
+    """The run that never stopped: its samples per step and its last weights."""
+    launch(run_dir, world_size, run_dir / "record", *overrides)
+    return step_sets(recorded_steps(run_dir / "record")), load_ckpt(run_dir / "checkpoints/last.pth")["model"]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The run that never stopped, on 2 processes: its samples per step and its last checkpoint."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    launch(run_dir, 2, run_dir / "record", *command(2))
-    return step_sets(recorded_steps(run_dir / "record")), load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+    return straight_run(tmp_path_factory.mktemp("straight"), command())
 
 
-def resumed(run_dir, world_sizes: list[int], stops: list[int]):
-    """The run on `world_sizes[0]` processes, stopped at `stops[0]`, requeued on the next number of processes and
-    stopped at the next stop..., the last one to the end. Returns its samples per step and its last weights."""
+def resumed(run_dir, overrides: list[str], world_sizes: list[int], stops: list[int], global_batch: int = GLOBAL):
+    """The run on `world_sizes[0]` processes, stopped at `stops[0]`, requeued (the same command into the same folder,
+    resume=latest finding the folder's own last.pth) on the next number of processes and stopped at the next stop...,
+    the last one to the end. Returns its samples per step and its last weights."""
     steps, start = {}, 0
     for n, (world_size, stop) in enumerate(zip(world_sizes, [*stops, None], strict=True)):
         record = run_dir / f"record{n}"
         limit = [f"max_steps={stop}"] if stop else []
-        requeued(run_dir, world_size, record, *limit)
+        launch(run_dir, world_size, record, *overrides, "resume=latest", f"checkpoint.search_dir={run_dir}", *limit)
         segment = recorded_steps(record, start)
         assert all(len(batches) == world_size for batches in segment.values())  # every rank took every step
-        assert {len(b) for batches in segment.values() for b in batches} == {GLOBAL // world_size}  # global / W'
+        assert {len(b) for batches in segment.values() for b in batches} == {global_batch // world_size}
         steps.update(segment)
         start = stop
     log = (run_dir / "train.log").read_text()
@@ -83,12 +84,12 @@ def resumed(run_dir, world_sizes: list[int], stops: list[int]):
     return step_sets(steps), load_ckpt(run_dir / "checkpoints/last.pth")["model"]
 
 
-def assert_same_run(sets, weights, straight_sets, straight_weights):
-    assert sorted(sets) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))  # every step once, none replayed
+def assert_same_run(sets, weights, straight_sets, straight_weights, per_epoch=STEPS_PER_EPOCH, global_batch=GLOBAL):
+    assert sorted(sets) == list(range(1, per_epoch * EPOCHS + 1))  # every step once, none replayed
     assert sets == straight_sets  # each global step the same samples as the run that never stopped
-    for epoch in range(EPOCHS):  # each sample at most once per epoch; 84 of the 90 seen
-        seen = [i for s in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1) for i in sets[s]]
-        assert len(seen) == len(set(seen)) == STEPS_PER_EPOCH * GLOBAL
+    for epoch in range(EPOCHS):  # each sample at most once per epoch (84 of the 90 here)
+        seen = [i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1) for i in sets[s]]
+        assert len(seen) == len(set(seen)) == per_epoch * global_batch
     for name, tensor in weights.items():
         assert torch.allclose(tensor, straight_weights[name], rtol=1e-4, atol=1e-6), name
 
@@ -96,18 +97,19 @@ def assert_same_run(sets, weights, straight_sets, straight_weights):
 @pytest.mark.slow
 def test_two_then_three_then_one_process_continue_the_same_global_batches(tmp_path, straight):
     """Stopped mid-epoch 0 on 2 processes, mid-epoch 1 on 3 (across the epoch boundary), ended on 1."""
-    sets, weights = resumed(tmp_path, [2, 3, 1], [4, 10])
+    sets, weights = resumed(tmp_path, command(), [2, 3, 1], [4, 10])
     assert_same_run(sets, weights, *straight)
 
 
 @pytest.mark.slow
 def test_one_then_two_processes_continue_the_same_global_batches(tmp_path, straight):
-    """A run started on 1 process with the global batch as its batch, stopped mid-epoch, ended on 2."""
+    """A run started on 1 process with the global batch as its batch, stopped mid-epoch, ended on 2 with another
+    loader profile (no workers, then 2 per process)."""
     steps = {}
     record = tmp_path / "record0"
-    launch(tmp_path, 1, record, *INDEXED, f"loader.batch_size={GLOBAL}", "max_steps=5")
+    launch(tmp_path, 1, record, *INDEXED, f"loader.batch_size={GLOBAL}", "loader.num_workers=0", "max_steps=5")
     steps.update(recorded_steps(record))
-    again = ["resume=latest", f"checkpoint.search_dir={tmp_path}"]
+    again = ["resume=latest", f"checkpoint.search_dir={tmp_path}", "loader=throughput", "loader.num_workers=2"]
     launch(tmp_path, 2, tmp_path / "record1", *INDEXED, f"loader.batch_size={GLOBAL}", *again)
     two = recorded_steps(tmp_path / "record1", 5)
     assert {len(b) for batches in two.values() for b in batches} == {GLOBAL // 2}
@@ -133,11 +135,12 @@ def test_negative_control_another_seed_is_far_off(tmp_path, straight):
     assert far > 100 * 1e-4, far
 
 
+@pytest.mark.slow
 def test_a_count_that_does_not_split_the_global_batch_is_refused(tmp_path):
     """5 processes cannot share 12 samples a step: one line naming the counts that can, before any work."""
-    launch(tmp_path, 1, tmp_path / "record", *command(1), "max_steps=1")  # a checkpoint of global batch 6 on 1
+    launch(tmp_path, 1, tmp_path / "record", *command(), "max_steps=1")  # a checkpoint of global batch 6 on 1
     proc = subprocess.run(
-        [sys.executable, "train.py", *command(5, "resume=latest", f"checkpoint.search_dir={tmp_path}")]
+        [sys.executable, "train.py", *command("resume=latest", f"checkpoint.search_dir={tmp_path}")]
         + [f"hydra.run.dir={tmp_path}"],
         cwd=PROJECT,
         capture_output=True,
