@@ -44,10 +44,14 @@ class IndexedSamples(RngDrawingDataset):
     """RngDrawingDataset's samples, each with its index: `(x, label, index)`, so a batch says which samples it holds
     (RecordingClassification writes them down). `draws=False`: fixed samples, drawn from the index alone."""
 
-    def __init__(self, size: int = 96, num_classes: int = 4, image_size: int = 4, draws: bool = True):
+    def __init__(
+        self, size: int = 96, num_classes: int = 4, image_size: int = 4, draws: bool = True, item_s: float = 0
+    ):
         super().__init__(size, num_classes, image_size, draws)
+        self.item_s = item_s  # seconds each item takes, like slow storage: a run long enough to stop mid-way
 
     def __getitem__(self, index: int):
+        time.sleep(self.item_s)
         return (*super().__getitem__(index), index)
 
 

@@ -3,14 +3,27 @@ uses the samples it uses in the run that never stopped, each sample once per epo
 of float sums; always with the run's own command."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler
-from tests.helpers import PROJECT, load_ckpt, read_jsonl, recorded_steps, run_torchrun, run_train, step_sets
+from tests.helpers import (
+    PROJECT,
+    load_ckpt,
+    read_jsonl,
+    recorded_steps,
+    run_torchrun,
+    run_train,
+    step_sets,
+    wait_for_steps,
+)
+from tests.test_distributed import free_port
 
 # 90 samples with their indices, each drawing noise from torch, numpy and python `random` (rng_mode=per_sample keys
 # the draws on (seed, epoch, sample index)), a linear model (no batch statistics), one DataLoader worker per process.
@@ -155,6 +168,69 @@ def test_a_count_that_does_not_split_the_global_batch_is_refused(tmp_path):
         "processes (each then takes global batch / processes)"
     )
     assert [r["step"] for r in read_jsonl(tmp_path / "steps.jsonl")] == [1]  # nothing of the run was touched
+
+
+def agent(run_dir, port: int, node: int) -> subprocess.Popen:
+    """One node's torchrun agent in elastic mode (README's command): 1 to 2 nodes of 1 process, restarts on failure;
+    every attempt resumes from the run folder's own last.pth. Its output goes to node<node>.log."""
+    launcher = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d"]
+    launcher += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"]
+    run = command("resume=latest", f"checkpoint.search_dir={run_dir}", "checkpoint.every_steps=2")
+    run += ["+data.train.item_s=0.01", f"hydra.run.dir={run_dir}"]  # ~60 ms a step: time to kill a node mid-run
+    out = open(run_dir / f"node{node}.log", "w")
+    env = {**os.environ, "RECORD_SAMPLES": str(run_dir / "record"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "train.py", *run]
+    return subprocess.Popen(cmd, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def lose_node(agent: subprocess.Popen) -> None:
+    """SIGKILL to every process group of the node: its agent's, and its workers' (torchrun starts each worker in a
+    session of its own, so killing the agent's group alone would leave the training process running)."""
+    tree = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for group in {os.getpgid(p.pid) for p in tree if p.is_running()}:
+        os.killpg(group, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_node_loss_the_survivor_goes_on_with_the_same_global_batches(tmp_path, straight):
+    """torchrun's elastic mode with two agents on this machine as two nodes; one node is lost (SIGKILL) mid-epoch 1.
+    The survivor's agent re-forms the group as one node, which resumes from the last checkpoint on 1 process with the
+    global batch: every step's samples and the final weights are those of the 2-process run that never stopped."""
+    run_dir, port = tmp_path / "job", free_port()
+    run_dir.mkdir()
+    first = agent(run_dir, port, 0)  # the first to start hosts the rendezvous store: the node that survives
+    time.sleep(2)
+    second = agent(run_dir, port, 1)
+    try:
+        wait_for_steps(run_dir, 9, timeout=240)
+        lost = [second.pid, *(p.pid for p in psutil.Process(second.pid).children(recursive=True))]
+        assert len(lost) >= 3  # the agent, its training process and that one's DataLoader worker
+        lose_node(second)
+        first.wait(timeout=300)
+        log = (run_dir / "node0.log").read_text()
+        assert first.returncode == 0, log[-4000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                lose_node(proc)
+    assert not [pid for pid in lost if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    train_log = (run_dir / "train.log").read_text()
+    assert "resuming a 2-process run on 1 process" in train_log, train_log[-3000:]
+    resumed_at = int(train_log.rsplit("resumed from step ", 1)[1].split()[0])
+    assert 2 <= resumed_at <= 12 and resumed_at % 2 == 0  # a checkpoint every 2 steps, the last before the loss
+    assert [r["step"] for r in read_jsonl(run_dir / "steps.jsonl")] == list(range(1, 15))
+    # the survivor's own record: its last process is the one that resumed; its steps from the checkpoint on
+    lines = read_jsonl(run_dir / "record-rank0.jsonl")
+    last_pid = lines[-1]["pid"]
+    last_task = max(line["task"] for line in lines if line["pid"] == last_pid)
+    after = [line["indices"] for line in lines if line["pid"] == last_pid and line["task"] == last_task]
+    straight_sets, straight_weights = straight
+    assert {resumed_at + n + 1: sorted(b) for n, b in enumerate(after)} == {
+        s: straight_sets[s] for s in range(resumed_at + 1, 15)
+    }
+    weights = load_ckpt(run_dir / "checkpoints/last.pth")["model"]
+    for name, tensor in weights.items():
+        assert torch.allclose(tensor, straight_weights[name], rtol=1e-4, atol=1e-6), name
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])

@@ -337,7 +337,8 @@ class Generation:
 class TrainLoader:
     """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
 
-    State: `epoch`, `position` (batches of this epoch consumed), `generator` (draws worker base seeds) and
+    State: `epoch`, `position` (batches of this epoch consumed: global batches, the same on every rank and for any
+    number of processes sharing the global batch), `generator` (draws worker base seeds) and
     `generation`, the workers that serve (or last served) the loop. Invariants, with W workers:
     - `generation.streams()` are the workers' RNGs as the loop has consumed them: what a checkpoint saves and
       what the next generation starts from. Batches still prefetched never count.

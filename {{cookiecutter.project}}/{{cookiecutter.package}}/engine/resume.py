@@ -82,8 +82,8 @@ def locate(
     """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
 
     `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
-    newest last.pth under `checkpoint.search_dir` that *fits this run*: written by as many processes,
-    with the same values for every key that changes the run (`config.changes_run`). Newer ones that
+    newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
+    changes the run (`config.changes_run`) and a global batch this run's `world_size` processes can share. Newer ones that
     do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
     eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
     `world_size=None` (any number of processes).
@@ -114,7 +114,7 @@ def locate(
 
 def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = None) -> str | None:
     """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
-    tensors are not read, only the config and the per-rank list."""
+    tensors are not read, only the config and the progress."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         saved = ckpt["config"]
@@ -195,7 +195,8 @@ def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
-    """Refuse a checkpoint from another model, head size, optimizer or world size, saying what differs."""
+    """Refuse a checkpoint from another model, head size or optimizer, or whose global batch `world_size` processes
+    cannot share, saying what differs."""
     saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
@@ -222,7 +223,10 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
 
 
 def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
-    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step."""
+    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
+
+    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
+    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes."""
     world_size = train_loader.sampler.world_size
     check_fits(ckpt, cfg, model, world_size)
     model.load_state_dict(ckpt["model"])
