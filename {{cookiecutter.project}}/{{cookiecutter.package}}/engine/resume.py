@@ -83,8 +83,8 @@ def locate(
 
     `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
     newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
-    changes the run (`config.changes_run`) and a global batch this run's `world_size` processes can share. Newer ones that
-    do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
+    changes the run (`config.changes_run`) and a global batch this run's `world_size` processes can share. Newer
+    ones that do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
     eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
     `world_size=None` (any number of processes).
     """
