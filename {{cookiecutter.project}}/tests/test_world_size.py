@@ -12,10 +12,12 @@ import psutil
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler
+from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
+from tests.datasets import IndexedSamples
 from tests.helpers import (
     PROJECT,
     load_ckpt,
+    loader_settings,
     read_jsonl,
     recorded_steps,
     run_torchrun,
@@ -248,3 +250,33 @@ def test_global_batches_do_not_depend_on_the_number_of_processes(world_size, siz
     assert len(one) == size // GLOBAL and global_batches(world_size) == one
     flat = [i for batch in one for i in batch]
     assert len(flat) == len(set(flat))
+
+
+def test_a_loader_state_goes_on_over_another_number_of_processes():
+    """TrainLoader alone: 2 ranks stop after 3 batches of epoch 0; 3 ranks loaded from rank 0's state (reseeded, as
+    resume.restore does) serve the rest of the epoch and the next as 1 process with the global batch does."""
+    data = IndexedSamples(SAMPLES, draws=False)
+
+    def loaders(world):
+        settings = loader_settings(batch_size=GLOBAL // world, workers=0)
+        return [TrainLoader(data, settings, seed=4, rank=r, world_size=world) for r in range(world)]
+
+    def global_steps(ranks, epochs=1):
+        out = []
+        for _ in range(epochs):
+            for shares in zip(*ranks, strict=True):
+                out.append(sorted(int(i) for _, _, index in shares for i in index))
+        return out
+
+    one = global_steps(loaders(1), epochs=2)
+    two = loaders(2)
+    first = [iter(loader) for loader in two]
+    for _ in range(3):
+        for it in first:
+            next(it)
+    state = two[0].state_dict()
+    assert state["position"] == 3 and state["global_batch"] == GLOBAL
+    three = loaders(3)
+    for rank, loader in enumerate(three):
+        loader.load_state_dict(state, reseed=100 + rank)
+    assert global_steps(three, epochs=2) == one[3:]
