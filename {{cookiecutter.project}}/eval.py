@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from {{ cookiecutter.package }}.engine import checkpoint, config, dry_step, resume
+from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
 from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
@@ -78,7 +79,7 @@ def evaluate_checkpoint(cfg) -> dict:
 
     device = dry_step.run_device(cfg)
     if cfg.deterministic:  # the same kernels as the training run's validation
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        use_deterministic_kernels()
     model_cfg = cfg.model
     model = instantiate(model_cfg)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged

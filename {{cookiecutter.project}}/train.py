@@ -10,7 +10,6 @@ that runs them lives in {{ cookiecutter.package }}/engine/ (run.py builds everyt
 
 import contextlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from {{ cookiecutter.package }}.engine import config, submit
+from {{ cookiecutter.package }}.engine import config, distributed, submit
+from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.monitor import worker_death
@@ -33,6 +33,7 @@ submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value,
 
 
 def train(cfg) -> tuple[int, float]:
+    distributed.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     config.check(cfg, hydra_cfg.runtime.choices, overrides)  # every key and a dry step, before any work
@@ -139,10 +140,7 @@ def pick_device(choice, deterministic: bool) -> torch.device:
         raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
     device = torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
     if deterministic:  # the same inputs give the same bits: what makes an exact resume checkable
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: the config check's dry step has already refused, in one line, an op without a deterministic kernel
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_kernels()
     return device
 
 

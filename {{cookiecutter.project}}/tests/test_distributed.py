@@ -95,6 +95,14 @@ def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
 
 
+def test_several_slurm_tasks_without_submitit_or_torchrun_are_refused_in_one_line(tmp_path):
+    """`srun -n 2 python train.py`: SLURM says 2 tasks, and nothing says where they meet; each would train alone."""
+    env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}
+    proc = run_train(tmp_path / "run", *DATA, expect=2, env=env, timeout=120)
+    assert proc.stderr.startswith("error: this process is one of 2 SLURM tasks") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder
+
+
 def test_slurm_launcher_config_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     config.register()

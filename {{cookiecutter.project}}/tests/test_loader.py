@@ -1,9 +1,12 @@
 """The train loader's pieces, with real worker processes: batch order, worker seeding and RNG snapshots."""
 
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
 import torch
 
 from {{ cookiecutter.package }}.engine import rng
-from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import INLINE_BYTES, EpochBatchSampler, InlineTensor, TrainLoader
 from tests.datasets import IndexedDraws, RngDrawingDataset
 from tests.helpers import loader_settings
 
@@ -116,3 +119,17 @@ def test_loop_that_breaks_and_goes_on_in_the_same_process_stays_exact():
             break
     got += epoch_batches(loader) + epoch_batches(loader)
     assert len(got) == len(expected) and all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+
+
+def test_small_tensors_travel_by_value_and_arrive_as_they_left():
+    """Labels and other small tensors skip the shared-memory file (a file, a mapping and an fd handover each);
+    what arrives is the same tensor: values, dtype and shape. Larger ones still go through shared memory."""
+    small = [torch.tensor(7), torch.arange(5), torch.ones(2, 3, dtype=torch.bfloat16), torch.tensor([True, False])]
+    for t in small:
+        back = pickle.loads(ForkingPickler.dumps(InlineTensor(t)))
+        assert torch.equal(back, t) and back.dtype == t.dtype and back.shape == t.shape and not back.is_shared()
+    assert not InlineTensor.fits(torch.zeros(INLINE_BYTES + 1, dtype=torch.uint8))
+    loader = TrainLoader(RngDrawingDataset(32, image_size=64), loader_settings(8, 2), seed=1)
+    for images, labels in loader:  # 8 x 3 x 64 x 64 floats: 384 KiB
+        assert images.is_shared() and not labels.is_shared() and labels.dtype == torch.int64
+        assert labels.shape == (8,) and 0 <= labels.min() and labels.max() < 4

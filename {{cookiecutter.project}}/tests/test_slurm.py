@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import config
-from tests.helpers import PROJECT, read_jsonl, run_train, same_weights, wait_for_steps
+from tests import helpers
+from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'
 pytest.importorskip("submitit", reason=NEEDS)
@@ -136,6 +137,70 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     assert not same_weights(sweep / "1/checkpoints/last.pth", sweep / "2/checkpoints/last.pth")  # the check can fail
 
 
+# torchrun sets OMP_NUM_THREADS=1 only with --nproc_per_node > 1, submitit never: CPU kernels with other thread
+# counts differ in the last bits, so every run compared below gets the same one.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+STRAIGHT: dict[tuple, object] = {}  # (processes, overrides) -> the run folder: the tests below share them
+
+
+def straight_run(tmp_path_factory, processes: int, overrides: list[str]):
+    """The run never stopped, as one plain process or under `torchrun --nproc_per_node=2`; its folder."""
+    key = (processes, *overrides)
+    if key not in STRAIGHT:
+        run_dir = tmp_path_factory.mktemp("straight")
+        if processes == 1:
+            run_train(run_dir, *overrides, env=ONE_THREAD)
+        else:
+            command = helpers.torchrun_cmd(run_dir, *overrides)
+            ran = subprocess.run(command, cwd=PROJECT, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
+            assert ran.returncode == 0, ran.stderr[-3000:]
+        STRAIGHT[key] = run_dir
+    return STRAIGHT[key]
+
+
+@pytest.mark.slow
+def test_a_two_task_job_is_one_two_rank_run_and_a_preempted_one_resumes_exactly(tmp_path, tmp_path_factory, shapes):
+    sweep, overrides = tmp_path / "multirun", [*shapes, "loader.batch_size=16", "log_every_steps=1"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        *overrides,
+        "resume=latest",
+        "checkpoint.search_dir=${hydra:runtime.output_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=PROJECT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for_steps(sweep / "0", 1, timeout=300)
+        preempt(sweep / "0")  # both tasks, as SLURM signals every task of the job
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    job_id = OmegaConf.load(sweep / "0/.hydra/hydra.yaml").hydra.job.id
+    logs = [(sweep / ".submitit" / job_id / f"{job_id}_{task}_log.out").read_text() for task in (0, 1)]
+    assert "Requeued job" in logs[0] and all(log.count("Starting with JobEnvironment") == 2 for log in logs), logs
+
+    job, reference = sweep / "0", straight_run(tmp_path_factory, 2, overrides)
+    alone = straight_run(tmp_path_factory, 1, overrides)  # what each task trained before: a run of its own
+    per_epoch = [r["step"] for r in read_jsonl(job / "metrics.jsonl")]
+    assert per_epoch == [r["step"] for r in read_jsonl(reference / "metrics.jsonl")]
+    assert -(-read_jsonl(alone / "metrics.jsonl")[0]["step"] // 2) == per_epoch[0]  # half the steps of one process
+    assert len(load_ckpt(job / "checkpoints/last.pth")["ranks"]) == 2  # one checkpoint holds both ranks
+    steps = [r["step"] for r in read_jsonl(job / "steps.jsonl")]
+    assert steps == list(range(1, per_epoch[-1] + 1))  # one line per step: only rank 0 writes, nothing twice
+    resumed = re.findall(r"resumed from step (\d+)", (job / "train.log").read_text())
+    assert len(resumed) == 1 and 0 < int(resumed[0]) < per_epoch[-1], resumed  # the requeue went on from the stop
+    assert same_weights(reference / "checkpoints/last.pth", job / "checkpoints/last.pth")
+    assert not same_weights(alone / "checkpoints/last.pth", job / "checkpoints/last.pth")  # the check can fail
+
+
 # Stand-ins for the three SLURM commands submitit calls; everything else is the real launcher and job.
 FAKE_SLURM = {
     "sbatch": 'echo "Submitted batch job 4242"',  # submitit keeps the script it hands over as <id>_submission.sh
@@ -162,31 +227,50 @@ def slurm_commands(bin_dir):
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def run_slurm_task(command, env, log, stop_after_steps=None, job_dir=None):
-    """The job's task as srun starts it on a node; with stop_after_steps, preempted (USR2) once it trained that far."""
+def slurm_task_env(tasks: int, rank: int) -> dict:
+    """What srun sets for task `rank` of a job of `tasks` tasks on one node."""
+    counts = {"SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks)}
+    return {**SLURM_TASK_ENV, **counts, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+
+
+def run_slurm_task(command, env, log, stop_after_steps=None, job_dir=None, tasks=1) -> list[int]:
+    """The job's tasks as srun starts them on a node; with stop_after_steps, preempted (USR2 to every task) once they
+    trained that far. Returns the tasks' exit codes."""
     with open(log, "a") as out:
-        env = {**env, **SLURM_TASK_ENV}
-        proc = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs = [
+            subprocess.Popen(
+                command, cwd=PROJECT, env={**env, **slurm_task_env(tasks, rank)}, stdout=out, stderr=subprocess.STDOUT
+            )
+            for rank in range(tasks)
+        ]
         try:
             if stop_after_steps:
                 wait_for_steps(job_dir, stop_after_steps, timeout=300)
-                for p in (psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)):
-                    p.send_signal(signal.SIGUSR2)
-            return proc.wait(timeout=600)
+                for task in procs:
+                    for p in (psutil.Process(task.pid), *psutil.Process(task.pid).children(recursive=True)):
+                        p.send_signal(signal.SIGUSR2)
+            return [proc.wait(timeout=600) for proc in procs]
         finally:
-            proc.kill()
+            for proc in procs:
+                proc.kill()
 
 
 @pytest.mark.slow
-def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resumes_exactly(tmp_path, shapes):
-    sweep, env = tmp_path / "multirun", slurm_commands(tmp_path / "bin")
-    overrides = [*shapes, "loader.batch_size=16"]
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resumes_exactly(
+    tmp_path, tmp_path_factory, shapes, tasks
+):
+    """With 2 tasks the job is one 2-rank run: its ranks from SLURM's variables through submitit, rank 0's host
+    from the node list, the port from the job id (the same after the requeue)."""
+    sweep, env = tmp_path / "multirun", {**slurm_commands(tmp_path / "bin"), "OMP_NUM_THREADS": "1"}
+    overrides = [*shapes, "loader.batch_size=16", "log_every_steps=1"]  # a stop at the next step: mid-epoch
     submit = subprocess.Popen(
         [
             sys.executable,
             "train.py",
             "-m",
             "hydra/launcher=slurm",
+            f"hydra.launcher.tasks_per_node={tasks}",
             f"hydra.sweep.dir={sweep}",
             "hydra.sweep.subdir=${hydra.job.num}",
             *overrides,
@@ -209,18 +293,37 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
     assert (folder / "4242_submitted.pkl").exists(), submit.communicate()[0][-3000:]
     script = (folder / "4242_submission.sh").read_text()
     assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --time=240" in script, script
+    assert f"#SBATCH --ntasks-per-node={tasks}" in script, script
     srun = shlex.split(script.strip().splitlines()[-1].replace("%j", "4242"))
     assert srun[0] == "srun"
     command = srun[srun.index("--error") + 2 :]  # what srun runs: python -u -m submitit.core._submit <folder>
     assert command[-3:] == ["-m", "submitit.core._submit", str(folder)]
 
     log = tmp_path / "task.log"
-    assert run_slurm_task(command, env, log, stop_after_steps=1, job_dir=sweep / "0") == 255, log.read_text()[-3000:]
+    codes = run_slurm_task(command, env, log, stop_after_steps=1, job_dir=sweep / "0", tasks=tasks)
+    assert codes[0] == 255, log.read_text()[-3000:]  # rank 0 requeues the job and exits; the others just end
     assert (tmp_path / "bin/scontrol.calls").read_text() == "requeue 4242\n"  # submitit asked SLURM to requeue it
-    assert run_slurm_task(command, env, log) == 0, log.read_text()[-3000:]  # the requeued job: the same command again
-    assert pickle.loads((folder / "4242_0_result.pkl").read_bytes())[0] == "success"
+    codes = run_slurm_task(command, env, log, tasks=tasks)  # the requeued job: the same command again
+    assert codes == [0] * tasks, log.read_text()[-3000:]
+    assert all(pickle.loads((folder / f"4242_{k}_result.pkl").read_bytes())[0] == "success" for k in range(tasks))
 
     resumed = re.findall(r"resumed from step (\d+)", (sweep / "0/train.log").read_text())
     assert len(resumed) == 1 and 0 < int(resumed[0]) < read_jsonl(sweep / "0/metrics.jsonl")[-1]["step"]
-    run_train(tmp_path / "straight", *overrides)
-    assert same_weights(tmp_path / "straight/checkpoints/last.pth", sweep / "0/checkpoints/last.pth")
+    straight = straight_run(tmp_path_factory, tasks, overrides)
+    assert len(load_ckpt(sweep / "0/checkpoints/last.pth")["ranks"]) == tasks
+    assert same_weights(straight / "checkpoints/last.pth", sweep / "0/checkpoints/last.pth")
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"SLURM_JOB_NODELIST": "node-that-does-not-exist.invalid"}, "meet at rank 0's host node-that-does-not"),
+        ({"WORLD_SIZE": "1", "RANK": "0"}, "with 2 tasks but WORLD_SIZE=1: the tasks would train in separate"),
+    ],
+    ids=["host-does-not-resolve", "smaller-world-size"],
+)
+def test_a_job_of_two_tasks_that_cannot_meet_is_refused_in_one_line(tmp_path, shapes, env, says):
+    """Task 0 of a 2-task SLURM job (submitit's variables, as srun sets them): no folder, no training alone."""
+    proc = run_train(tmp_path / "run", *shapes, expect=2, env={**slurm_task_env(2, 0), **env}, timeout=120)
+    assert proc.stderr.startswith("error: ") and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder

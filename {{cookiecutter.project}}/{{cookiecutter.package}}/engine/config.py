@@ -42,6 +42,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
+from .distributed import job_ranks
 from .errors import UserError
 
 SEED_MAX = 2**32 - 1  # numpy's np.random.seed takes 0 .. 2**32 - 1; torch and python take at least that
@@ -609,6 +610,7 @@ def before_work(cfg, run_dir: Path) -> None:
     """The refusals train() would make once it runs that need no data set opened and no worker started."""
     from .dry_step import run_device  # it imports this module
 
+    job_ranks()  # N SLURM tasks that cannot meet
     run_device(cfg)  # device=cuda with no GPU visible
     precheck_data(cfg)
     if cfg.resume:

@@ -1,11 +1,14 @@
 """Data-parallel processes with PyTorch's own engine: `torchrun` sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR,
-we join the process group (gloo on CPU, nccl on CUDA). Without torchrun every helper here is a
+we join the process group (gloo on CPU, nccl on CUDA). A submitit job of several tasks (Hydra's
+`hydra/launcher=slurm` or `submitit_local`) gets the same variables from submitit's job environment
+(`adopt_job_ranks`), so its N tasks are one N-rank run. Without either every helper here is a
 no-op, so `python train.py` stays one plain process."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -39,12 +42,59 @@ class World:
         return self.world_size > 1
 
 
-def join(device: torch.device) -> World:
-    if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        # Several SLURM tasks started by submitit (hydra/launcher=slurm): it knows the rendezvous, torchrun is not used.
-        import submitit
+def job_ranks() -> dict[str, str]:
+    """torchrun's variables for this process when submitit started it as one of N > 1 tasks, {} when there is
+    nothing to add (one task, torchrun, a plain process). N tasks that cannot meet are refused (UserError): without
+    a rendezvous each task would train alone, all of them into the same run folder and checkpoint files."""
+    world = os.environ.get("WORLD_SIZE")
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+        if tasks > 1 and world is None:  # srun -n N python train.py, or the batch step of an N-task allocation
+            raise UserError(
+                f"this process is one of {tasks} SLURM tasks (SLURM_NTASKS) but neither submitit nor torchrun "
+                "started it, so there is no rendezvous and each task would train alone into the same folder: "
+                "use hydra/launcher=slurm, or one task per node running torchrun, or --ntasks=1"
+            )
+        return {}
+    import submitit  # it started this process (SUBMITIT_EXECUTOR: "slurm" or "local")
 
-        submitit.helpers.TorchDistributedEnvironment().export()
+    job = submitit.JobEnvironment()
+    if job.num_tasks == 1:
+        return {}
+    if world is not None:  # exported already (a second call), or torchrun inside each task
+        if int(world) < job.num_tasks:  # then not every task is in this process group
+            raise UserError(
+                f"submitit started this job with {job.num_tasks} tasks but WORLD_SIZE={world}: the tasks would "
+                "train in separate process groups; unset WORLD_SIZE and start no torchrun in the tasks (the ranks "
+                "come from the job)"
+            )
+        return {}
+    # MASTER_ADDR: the job's first host (SLURM's node list; the local executor's own host); MASTER_PORT: drawn from
+    # the job id, so a requeued job meets on the same port, unless MASTER_PORT is set.
+    env = submitit.helpers.TorchDistributedEnvironment()
+    try:
+        socket.getaddrinfo(env.master_addr, env.master_port)
+    except OSError as e:
+        raise UserError(
+            f"the {job.num_tasks} tasks of submitit job {job.job_id} meet at rank 0's host {env.master_addr}, "
+            f"which does not resolve here ({e.strerror}): fix the host name, or run the job with 1 task"
+        ) from None
+    ranks = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank}
+    ranks.update(LOCAL_WORLD_SIZE=env.local_world_size, MASTER_ADDR=env.master_addr, MASTER_PORT=env.master_port)
+    return {name: str(value) for name, value in ranks.items()}
+
+
+def adopt_job_ranks() -> None:
+    """Export `job_ranks()`: first thing in train(), as everything after reads torchrun's variables (join, the
+    dry step's device, the share of /dev/shm per host, preempt.py's exit message).
+
+    Not submitit's own `export()`: it also narrows CUDA_VISIBLE_DEVICES to the local rank's number, after which
+    `cuda:<local rank>` does not exist on any rank but 0; here, as under torchrun, each rank takes
+    `cuda:<local rank>` of the GPUs the job sees."""
+    os.environ.update(job_ranks())
+
+
+def join(device: torch.device) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return World()
@@ -52,8 +102,9 @@ def join(device: torch.device) -> World:
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UserError(
-                f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible: "
-                "lower --nproc_per_node"
+                f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible to it: "
+                "lower torchrun's --nproc_per_node (hydra.launcher.tasks_per_node under submitit), one process per "
+                "GPU, each process seeing all of its node's GPUs"
             )
         torch.cuda.set_device(local_rank)
     # torchrun's env:// rendezvous hands every restart attempt the agent's same store, and the new process group

@@ -108,9 +108,10 @@ class Samples(list):
 
 
 def fetch_guarded(dataset, indices, skip: bool, before=None) -> Samples:
-    """The samples of one batch, each fetched under a try (after `before(index)`, e.g. its seeding): a sample that
-    raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed (`skip=True`). A batch with no good sample left is
-    refused either way: that is a broken transform far more often than a broken data set."""
+    """The samples of one batch, each fetched under a try (after `before(index)`, e.g. its seeding): a sample
+    that raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed
+    (`skip=True`). A batch with no good sample left is refused either way: that is a broken transform far more
+    often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
         if before is not None:

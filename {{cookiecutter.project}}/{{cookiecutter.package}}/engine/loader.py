@@ -255,14 +255,48 @@ class WorkerSnapshot:
     pid: int
 
 
+# A CPU tensor up to this size (labels, a few scalars) travels inside the pickled batch: a shared-memory file costs
+# the worker a file, a mapping and an fd handed over a socket, and the main process ~80 us per tensor to receive.
+INLINE_BYTES = 64 * 1024
+
+
+class InlineTensor:
+    """A small tensor pickled by value (its bytes), so the worker queue's pickler does not move it to shared
+    memory; it arrives in the main process as a plain tensor again."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @staticmethod
+    def fits(t: torch.Tensor) -> bool:
+        return 0 < t.nbytes <= INLINE_BYTES and t.is_contiguous() and t.layout == torch.strided and not t.is_quantized
+
+    def __reduce__(self):
+        t = self.tensor.detach()
+        return _from_bytes, (t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.dtype, tuple(t.shape))
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _for_the_queue(t: torch.Tensor):
+    if t.device.type != "cpu":
+        return t
+    return InlineTensor(t) if InlineTensor.fits(t) else t.share_memory_()
+
+
 class CollateWithSnapshot:
     """Runs the real collate_fn in the worker, then captures the worker's RNG (after any RNG the collate used).
 
     Returns (batch, snapshot, skipped): `skipped` lists the samples data.on_bad_sample=skip left out. In a
-    worker, every tensor of the batch is moved to shared memory here, inside the fetch: torch would otherwise
-    do it for tensors the collate did not allocate there (labels) while the worker's queue sends the batch,
+    worker, every larger tensor of the batch is moved to shared memory here, inside the fetch: torch would
+    otherwise do it for tensors the collate did not allocate there while the worker's queue sends the batch,
     in a feeder thread whose failure (a full /dev/shm) only prints and loses the batch, leaving the loop to
-    wait. Here it fails as an exception the main process receives in the batch's place."""
+    wait. Here it fails as an exception the main process receives in the batch's place. Small tensors (labels)
+    go by value instead (InlineTensor)."""
 
     def __init__(self, collate_fn, capture_rng: bool = True):
         self.collate_fn, self.capture_rng = collate_fn, capture_rng
@@ -273,7 +307,7 @@ class CollateWithSnapshot:
         info = get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, None, skipped
-        batch = map_tensors(lambda t: t.share_memory_() if t.device.type == "cpu" else t, batch)
+        batch = map_tensors(_for_the_queue, batch)
         state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
         return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped
 
