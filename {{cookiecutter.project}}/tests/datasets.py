@@ -1,5 +1,6 @@
 """Small datasets for the tests, plugged in through `data.train._target_` like a user's own."""
 
+import json
 import os
 import random
 import threading
@@ -12,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from {{ cookiecutter.package }}.shards import ShardDataset
 from {{ cookiecutter.package }}.stream import ShardedStream
 from {{ cookiecutter.package }}.tasks import Classification
 
@@ -36,6 +38,67 @@ class RngDrawingDataset(Dataset):
             return x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(index)), label
         x = x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)) + random.gauss(0.0, 0.1)
         return x, label
+
+
+class IndexedSamples(RngDrawingDataset):
+    """RngDrawingDataset's samples, each with its index: `(x, label, index)`, so a batch says which samples it holds
+    (RecordingClassification writes them down). `draws=False`: fixed samples, drawn from the index alone."""
+
+    def __init__(
+        self, size: int = 96, num_classes: int = 4, image_size: int = 4, draws: bool = True, item_s: float = 0
+    ):
+        super().__init__(size, num_classes, image_size, draws)
+        self.item_s = item_s  # seconds each item takes, like slow storage: a run long enough to stop mid-way
+
+    def __getitem__(self, index: int):
+        time.sleep(self.item_s)
+        return (*super().__getitem__(index), index)
+
+
+class IndexedShards(ShardDataset):
+    """ShardDataset whose samples carry their index: `(image, label, index)` (its `__getitems__` makes them here)."""
+
+    def __getitem__(self, index: int):
+        return (*super().__getitem__(index), index)
+
+
+class RecordingClassification(Classification):
+    """Classification of `(inputs, labels, indices)` batches that appends, per training batch, the sample indices to
+    `$RECORD_SAMPLES-rank<RANK>.jsonl` with its process id and the task object's number in that process (the config
+    check builds a task too, for its dry step: the run's is the last one a process builds). The place comes from the
+    environment, so a resumed run's command stays the run's own."""
+
+    built = 0  # task objects this process has built
+
+    def __init__(self, label_smoothing: float = 0.0):
+        super().__init__(label_smoothing)
+        RecordingClassification.built += 1
+        self.record, self.number = os.environ.get("RECORD_SAMPLES"), RecordingClassification.built
+
+    def loss(self, model, batch):
+        inputs, labels, indices = batch
+        if self.record is None:
+            return super().loss(model, (inputs, labels))
+        line = {"pid": os.getpid(), "task": self.number, "indices": indices.tolist()}
+        with open(f"{self.record}-rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return super().loss(model, (inputs, labels))
+
+    def metrics(self, model, batch):
+        inputs, labels, _ = batch
+        return super().metrics(model, (inputs, labels))
+
+
+class Linear(torch.nn.Module):
+    """A linear classifier of flattened inputs: no batch statistics, so a step over one global batch is the same
+    computation (up to the order of float sums) however many processes share the batch."""
+
+    def __init__(self, num_classes: int, in_features: int):
+        super().__init__()
+        self.head = torch.nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.flatten(1))
 
 
 class IndexedDraws(Dataset):

@@ -68,19 +68,47 @@ def run_here(cwd: Path, *overrides: str, expect: int = 0, timeout: int = 600) ->
     return proc
 
 
-def torchrun_cmd(run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = ()) -> list[str]:
-    """`torchrun --standalone --nproc_per_node=2 [launcher_args] train.py ...`, its outputs in `run_dir`."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher_args]
+def torchrun_cmd(run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = (), nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=<nproc> [launcher_args] train.py ...`, its outputs in `run_dir`."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher += launcher_args
     return [*launcher, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
 
 
-def run_torchrun(run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Two ranks of train.py under torchrun, to the end; asserts the exit code."""
+def run_torchrun(
+    run_dir: Path, *overrides: str, expect: int = 0, timeout: int = 300, nproc: int = 2, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`nproc` ranks (two unless told) of train.py under torchrun, to the end; asserts the exit code. `env`: variables
+    set for this run on top of the environment."""
     proc = subprocess.run(
-        torchrun_cmd(run_dir, *overrides), cwd=PROJECT, capture_output=True, text=True, timeout=timeout
+        torchrun_cmd(run_dir, *overrides, nproc=nproc),
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def recorded_steps(record: Path, first_step: int = 0) -> dict[int, list[list[int]]]:
+    """Global step -> each rank's sample indices, as tests.datasets.RecordingClassification wrote them for one
+    command (`record` its RECORD_SAMPLES) that began at `first_step` (the checkpoint's step; 0 when fresh). Of each
+    process only the run's task counts (the last one it built); a rank's n-th batch is step first_step + n + 1."""
+    steps: dict[int, list[list[int]]] = {}
+    for path in sorted(record.parent.glob(f"{record.name}-rank*.jsonl"), key=lambda p: int(p.stem.rsplit("rank")[1])):
+        lines = read_jsonl(path)
+        last = {line["pid"]: line["task"] for line in lines}  # the newest task number of each process
+        mine = [line["indices"] for line in lines if line["task"] == last[line["pid"]]]
+        for n, indices in enumerate(mine):
+            steps.setdefault(first_step + n + 1, []).append(indices)
+    return steps
+
+
+def step_sets(steps: dict[int, list[list[int]]]) -> dict[int, list[int]]:
+    """Global step -> its samples, sorted: the union of the ranks' batches."""
+    return {step: sorted(i for batch in batches for i in batch) for step, batches in steps.items()}
 
 
 def last_logged_step(run_dir: Path) -> int:

@@ -65,9 +65,13 @@ def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
 
 
 @pytest.mark.slow
-def test_world_size_mismatch_is_refused(tmp_path, straight):
-    proc = run_train(tmp_path, *DATA, f"resume={straight}/checkpoints/step-00000006.pth", expect=2)
-    assert "written by 2 processes, this run has 1" in proc.stderr
+def test_two_rank_checkpoint_resumes_on_one_process(tmp_path, straight):
+    """A 2-process checkpoint goes on in one process with the global batch (exactness: tests/test_world_size.py)."""
+    proc = run_train(tmp_path, *DATA, f"resume={straight}/checkpoints/step-00000006.pth", "log_every_steps=1")
+    assert "resuming a 2-process run on 1 process: global batch 32, 32 per process" in proc.stderr + _text(
+        tmp_path / "train.log"
+    )
+    assert [r["step"] for r in read_jsonl(tmp_path / "steps.jsonl")] == list(range(7, 13))
 
 
 @pytest.mark.slow

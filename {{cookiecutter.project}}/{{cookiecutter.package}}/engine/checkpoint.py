@@ -1,7 +1,8 @@
 """Checkpoint files: what goes into one, how it is written (atomically) and how it is read (safely).
 
-Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, per rank the train loader
-(position in the epoch, its generator, every worker's RNG stream as of the last consumed batch) and
+Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (global
+batches and samples consumed, the global batch: what a resume on another number of processes continues), per rank
+the train loader (position in the epoch, its generator, every worker's RNG stream as of the last consumed batch) and
 the main process RNG (python, numpy, torch CPU, every CUDA device), the resolved config and library
 versions. Everything is tensors, numbers, strings and containers, so it loads with
 `torch.load(weights_only=True)`: a checkpoint cannot run code. How a run continues from one is in resume.py.
@@ -27,6 +28,8 @@ REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks
 
 def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
     """The whole checkpoint; `ranks` holds `rank_state()` of every process, indexed by rank."""
+    from .resume import progress  # resume.py imports this module
+
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -35,6 +38,7 @@ def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, 
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "epoch": train_loader.epoch,
         "step": step,
+        "progress": progress(train_loader),
         "ranks": ranks,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "versions": {

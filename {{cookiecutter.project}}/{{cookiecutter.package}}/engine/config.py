@@ -554,7 +554,8 @@ def precheck_data(cfg) -> None:
 
 def precheck_resume(cfg, run_dir: Path) -> None:
     """A resume that train() would refuse, refused now: no file there, not a checkpoint, another run's config
-    (unless resume_strict=false), another model. The checkpoint is memory-mapped: its tensors are not read."""
+    (unless resume_strict=false), another model, a number of processes that does not divide its global batch. The
+    checkpoint is memory-mapped: its tensors are not read."""
     from . import checkpoint, resume  # they import this module
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

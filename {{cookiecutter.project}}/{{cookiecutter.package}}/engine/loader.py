@@ -94,7 +94,17 @@ class EpochBatchSampler(Sampler):
     It keeps no RNG of its own, so its whole state is (epoch, start); sharding by rank makes it
     stand in for DistributedSampler. A data set with `epoch_order(seed, epoch)` (a pure function
     returning a permutation, e.g. shards.py's, which keeps reads local) passes it as `order_fn`
-    and it replaces the uniform permutation; padding and the split by rank stay the same.
+    and it replaces the uniform permutation.
+
+    Training (`pad=True`) is defined over the *global* batch `g = batch_size * world_size`: global
+    batch `i` of an epoch is entries `[i*g, (i+1)*g)` of the epoch's permutation and rank `r` takes
+    every `world_size`-th of them from entry `r` on. The set of samples of a global step then does
+    not depend on how many processes share it, which is what lets a run resume on another number of
+    processes. An epoch has `size // g` steps; the `size % g` samples left over (other ones each
+    epoch, the permutation changing) are dropped, as DistributedSampler's drop_last drops them, and
+    no sample is padded in twice. (With drop_last=False the last global batch is short, padded to a
+    multiple of world_size with the epoch's first samples, as DistributedSampler pads.) Evaluation
+    (`pad=False`) splits the samples over the ranks, each one once.
     """
 
     def __init__(
@@ -111,41 +121,56 @@ class EpochBatchSampler(Sampler):
     ):
         self.size, self.batch_size, self.seed, self.order_fn = size, batch_size, seed, order_fn
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
-        self.pad = pad  # training pads so every rank takes as many steps; evaluation counts each sample once
+        self.pad = pad  # training: whole global batches, every rank as many steps; evaluation: each sample once
         self.epoch, self.start = 0, 0
         if self.batches_per_epoch() < 1:
+            per = f"a global batch of {self.global_batch} ({batch_size} per process x {world_size} processes)"
             raise UserError(
-                f"the data set has {size} samples, too few for one batch of {batch_size} per process: "
-                "lower loader.batch_size"
+                f"the data set has {size} samples, too few for "
+                f"{per if world_size > 1 else f'one batch of {batch_size}'}: lower loader.batch_size"
             )
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
-    def samples_per_rank(self) -> int:
-        if not self.pad:
-            return len(range(self.rank, self.size, self.world_size))
-        return -(-self.size // self.world_size)  # padded like DistributedSampler
-
     def batches_per_epoch(self) -> int:
-        n = self.samples_per_rank()
+        if self.pad and self.drop_last:
+            return self.size // self.global_batch
+        n = self.used() // self.world_size if self.pad else len(range(self.rank, self.size, self.world_size))
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    def order(self) -> np.ndarray:
+    def used(self) -> int:
+        """Entries of the (padded) permutation the epoch's batches take, with `pad`: whole global batches, or
+        with drop_last=False every sample, padded to a multiple of world_size as DistributedSampler pads."""
+        if self.drop_last:
+            return self.batches_per_epoch() * self.global_batch
+        return -(-self.size // self.world_size) * self.world_size
+
+    def permutation(self) -> np.ndarray:
+        """The epoch's order of all samples, the same on every rank."""
         if self.shuffle and self.order_fn is not None:
             order = np.asarray(self.order_fn(self.seed, self.epoch))
             if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
                 raise UserError(
                     f"{self.order_fn.__qualname__} must return a permutation of the {self.size} sample numbers"
                 )
-        elif self.shuffle:
+            return order
+        if self.shuffle:
             seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
-        else:
-            order = np.arange(self.size)
-        if self.pad:
-            order = np.resize(order, self.samples_per_rank() * self.world_size)
-        return order[self.rank :: self.world_size]
+            return torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
+        return np.arange(self.size)
+
+    def order(self) -> np.ndarray:
+        """This rank's samples of the epoch, batch after batch."""
+        order = self.permutation()
+        if not self.pad:
+            return order[self.rank :: self.world_size]
+        # global batch i is order[i*g:(i+1)*g]; rank r's share of it, every world_size-th entry, is its [i*b:(i+1)*b]
+        return np.resize(order, self.used())[self.rank :: self.world_size]
 
     def __len__(self) -> int:
         return self.batches_per_epoch() - self.start
@@ -346,7 +371,8 @@ class Generation:
 class TrainLoader:
     """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
 
-    State: `epoch`, `position` (batches of this epoch consumed), `generator` (draws worker base seeds) and
+    State: `epoch`, `position` (batches of this epoch consumed: global batches, the same on every rank and for any
+    number of processes sharing the global batch), `generator` (draws worker base seeds) and
     `generation`, the workers that serve (or last served) the loop. Invariants, with W workers:
     - `generation.streams()` are the workers' RNGs as the loop has consumed them: what a checkpoint saves and
       what the next generation starts from. Batches still prefetched never count.
@@ -505,6 +531,7 @@ class TrainLoader:
             "position": self.position,
             "batches_per_epoch": self.batches_per_epoch,
             "batch_size": self.settings.batch_size,
+            "global_batch": self.sampler.global_batch,
             "num_workers": self.settings.num_workers,
             "persistent_workers": self.settings.persistent_workers,
             "world_size": self.sampler.world_size,
@@ -514,11 +541,15 @@ class TrainLoader:
             "skipped": self.skipped,
         }
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
+        """Continue from `state`, a rank's `state_dict()`. `reseed`: the run had another number of processes, so
+        no rank's generator and worker streams carry over: the generator is seeded from `reseed` and the workers
+        start fresh; the position (global batches of the epoch) carries over as it is."""
         # The batch order depends on these; with per_worker streams, so does which worker serves what.
-        must_match = ["batches_per_epoch", "batch_size", "world_size", "rng_mode"]
-        if self.rng_mode == "per_worker":
+        must_match = ["batches_per_epoch", "global_batch", "rng_mode"]
+        if self.rng_mode == "per_worker" and reseed is None:
             must_match += ["num_workers", "persistent_workers"]
+        state = {"global_batch": state["batch_size"] * state["world_size"], **state}  # older checkpoints: derived
         mine = {k: v for k, v in self.state_dict().items() if k in must_match}
         changed = [f"{k} {state[k]} -> {v}" for k, v in mine.items() if state[k] != v]
         streams = state["worker_streams"] if state["num_workers"] == self.settings.num_workers else None
@@ -527,14 +558,18 @@ class TrainLoader:
             if strict:
                 raise UserError(
                     f"resume: the checkpoint's loader differs from this run's ({what}): resume with the same loader "
-                    "settings and world size to stay exact, or set resume_strict=false to go on with freshly "
+                    "settings and global batch to stay exact, or set resume_strict=false to go on with freshly "
                     "seeded workers"
                 )
             log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
             streams = None
         self.epoch, self.position = state["epoch"], min(state["position"], self.batches_per_epoch)
         self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
-        self.generator.set_state(state["generator"])
+        if reseed is None:
+            self.generator.set_state(state["generator"])
+        else:  # each rank its own, as a fresh run's ranks have; a function of (seed, rank, step)
+            self.generator.manual_seed(reseed)
+            streams = None
         if self.settings.num_workers:  # no workers yet: the next epoch starts a generation from these streams
             restored = [rng.from_saved(s) for s in streams] if streams else None
             self.generation = Generation(self.settings.num_workers, restored)

@@ -25,15 +25,66 @@ def rank_state(train_loader) -> dict:
     return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
 
 
+def progress(train_loader) -> dict:
+    """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
+    batches = train_loader.epoch * train_loader.batches_per_epoch + train_loader.position
+    g = train_loader.sampler.global_batch
+    return {
+        "epoch": train_loader.epoch,
+        "position": train_loader.position,  # global batches of this epoch consumed
+        "batches": batches,  # global batches consumed over the run
+        "samples": batches * g,
+        "global_batch": g,
+        "world_size": train_loader.sampler.world_size,
+    }
+
+
+def written_by(ckpt: dict) -> int:
+    """How many processes wrote the checkpoint."""
+    return len(ckpt["ranks"])
+
+
+def global_batch(ckpt: dict) -> int:
+    """The checkpoint's global batch: samples per step over all processes (older checkpoints: derived)."""
+    if "progress" in ckpt:
+        return int(ckpt["progress"]["global_batch"])
+    first = ckpt["ranks"][0]["loader"]
+    return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
+
+
+def splits(batch: int, world_size: int) -> str | None:
+    """Why `world_size` processes cannot share a global batch of `batch` samples, or None when they can."""
+    if batch % world_size == 0:
+        return None
+    fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
+    counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+    return (
+        f"its global batch of {batch} samples does not split over {world_size} processes: resume on {counts} "
+        "processes (each then takes global batch / processes)"
+    )
+
+
+def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
+    """This process's batch on resuming: the checkpoint's global batch over `world_size` processes, so the steps, the
+    LR schedule and the optimizer stay those of the run. The command keeps the run's own `loader.batch_size` (the
+    per-process batch as the run started); a different one (resume_strict=false) is taken as it is."""
+    if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
+        return cfg.loader.batch_size
+    why = splits(global_batch(ckpt), world_size)
+    if why:
+        raise UserError(f"resume: {why}")
+    return global_batch(ckpt) // world_size
+
+
 def locate(
     value: str, run_dir: Path, cfg, world_size: int | None, is_main: bool = True, only: list[str] | None = None
 ) -> Path | None:
     """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
 
     `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
-    newest last.pth under `checkpoint.search_dir` that *fits this run*: written by as many processes,
-    with the same values for every key that changes the run (`config.changes_run`). Newer ones that
-    do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
+    newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
+    changes the run (`config.changes_run`) and a global batch this run's `world_size` processes can share. Newer
+    ones that do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
     eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
     `world_size=None` (any number of processes).
     """
@@ -63,10 +114,10 @@ def locate(
 
 def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = None) -> str | None:
     """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
-    tensors are not read, only the config and the per-rank list."""
+    tensors are not read, only the config and the progress."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        saved, ranks = ckpt["config"], len(ckpt["ranks"])
+        saved = ckpt["config"]
     except Exception as e:
         return f"not a readable checkpoint ({type(e).__name__})"
     changed = [c for c in differences(saved, cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
@@ -74,8 +125,8 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    if world_size is not None and ranks != world_size:
-        return f"written by {ranks} processes, this run has {world_size}"
+    if world_size is not None and ckpt["config"]["loader"]["batch_size"] == cfg.loader.batch_size:
+        return splits(global_batch(ckpt), world_size)  # another number of processes is fine when it splits the batch
     return None
 
 
@@ -144,7 +195,8 @@ def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
-    """Refuse a checkpoint from another model, head size, optimizer or world size, saying what differs."""
+    """Refuse a checkpoint from another model, head size or optimizer, or whose global batch `world_size` processes
+    cannot share, saying what differs."""
     saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
@@ -167,17 +219,16 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
                 f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
                 "resume with the same model and data"
             )
-    if len(ckpt["ranks"]) != world_size and cfg.resume_strict:
-        raise UserError(
-            f"resume: the checkpoint was written by {len(ckpt['ranks'])} processes, this run has {world_size}: "
-            "use the same number, or resume_strict=false to go on without exactness"
-        )
+    per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
 
 
 def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
-    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step."""
-    check_fits(ckpt, cfg, model, train_loader.sampler.world_size)
-    mine = ckpt["ranks"][rank % len(ckpt["ranks"])]  # another world size only gets here with resume_strict=false
+    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
+
+    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
+    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes."""
+    world_size = train_loader.sampler.world_size
+    check_fits(ckpt, cfg, model, world_size)
     model.load_state_dict(ckpt["model"])
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -192,9 +243,20 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
         scheduler.load_state_dict(ckpt["scheduler"])
     if scaler.is_enabled() and ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
-    rng.restore_main(mine["rng"])
-    return ckpt["step"]
+    if written_by(ckpt) == world_size:  # every rank as it was: its loader, its worker streams, its main RNG
+        mine = ckpt["ranks"][rank]
+        train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
+        rng.restore_main(mine["rng"])
+        return ckpt["step"]
+    # Another number of processes: the position in the epoch is global (every rank's is the same), the per-rank
+    # randomness outside the data (dropout, the loader's worker seeds) cannot be mapped onto other ranks, so it is
+    # derived from (seed, rank, step): the same on every resume of this step with this many processes.
+    step = ckpt["step"]
+    train_loader.load_state_dict(
+        ckpt["ranks"][0]["loader"], strict=cfg.resume_strict, reseed=rng.derived(cfg.seed, rank, step, 1)
+    )
+    rng.seed_everything(rng.derived(cfg.seed, rank, step, 0))
+    return step
 
 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:

@@ -76,6 +76,13 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def derived(*key: int) -> int:
+    """A 63-bit seed that is a pure function of the integers `key` (e.g. seed, rank, step): well mixed, so
+    neighbouring keys give unrelated streams."""
+    words = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
 def to_saved(raw: RawState) -> dict:
     torch_bytes, (name, key, pos, has_gauss, cached_gaussian), (version, internal, gauss_next) = raw
     return {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -136,6 +136,14 @@ def build(
     config.check_data(train_set, val_set, cfg.data.get("num_classes"))
     collate = collate_of(cfg.data)
     settings = resolve_settings(cfg.loader, device.type)
+    if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
+        settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
+        if resume.written_by(ckpt) != world.world_size and world.is_main:
+            log.info(
+                "resuming a %d-process run on %d process%s: global batch %d, %d per process (loader.batch_size=%d "
+                "as the run started)", resume.written_by(ckpt), world.world_size, "es" * (world.world_size != 1),
+                resume.global_batch(ckpt), settings.batch_size, cfg.loader.batch_size,
+            )  # fmt: skip
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
