@@ -145,9 +145,9 @@ def fix_buckets(net: torch.nn.parallel.DistributedDataParallel) -> None:
     DDP starts with one bucket in parameter order and, at the start of its second step, rebuilds the buckets once in
     the order the gradients became ready in its first (Reducer::rebuild_buckets, called from DDP's forward). A
     resumed process takes its first step in the start layout where the uninterrupted one has rebuilt already. With
-    3 or more ranks gloo's and NCCL's ring all-reduce add the ranks' values in an order that depends on an element's
-    place in the flat bucket, so the layout changes the last bits of the averaged gradients (pytorch/pytorch#30509:
-    the bucket size changes the gradients' bits); with 2 ranks a + b == b + a hides it.
+    3 or more ranks gloo's ring all-reduce (NCCL's too splits a bucket into chunks) adds the ranks' values in an
+    order that depends on an element's place in the flat bucket, so the layout changes the last bits of the averaged
+    gradients (pytorch/pytorch#30509: the bucket size changes the gradients' bits); with 2 ranks a + b == b + a.
 
     Here a throwaway backward of zeros, through no module, makes the gradients ready in reverse definition order
     (output layers first, as a real backward roughly does, so the all-reduces still overlap the backward), and the
