@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 COLLECTIVE_GRACE_S = 10.0
 # Off only to show, in the tests, what the elastic-restart fixes below prevent.
 WORKAROUNDS = os.environ.get("ELASTIC_WORKAROUNDS", "on") != "off"
+# Off only to show, in the tests, the resumed steps that differ in the last bits with 3 or more ranks (fix_buckets).
+BUCKET_WORKAROUND = os.environ.get("DDP_BUCKET_WORKAROUND", "on") != "off"
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,46 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
     if not world.distributed:
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if BUCKET_WORKAROUND:
+        fix_buckets(net)
+    return net
+
+
+def fix_buckets(net: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Give DDP its final gradient buckets now, before the first step, so that every process of a run, fresh or
+    resumed, all-reduces each step's gradients in the same layout.
+
+    DDP starts with one bucket in parameter order and, at the start of its second step, rebuilds the buckets once in
+    the order the gradients became ready in its first (Reducer::rebuild_buckets, called from DDP's forward). A
+    resumed process takes its first step in the start layout where the uninterrupted one has rebuilt already. With
+    3 or more ranks gloo's ring all-reduce (NCCL's too splits a bucket into chunks) adds the ranks' values in an
+    order that depends on an element's place in the flat bucket, so the layout changes the last bits of the averaged
+    gradients (pytorch/pytorch#30509: the bucket size changes the gradients' bits); with 2 ranks a + b == b + a.
+
+    Here a throwaway backward of zeros, through no module, makes the gradients ready in reverse definition order
+    (output layers first, as a real backward roughly does, so the all-reduces still overlap the backward), and the
+    reducer rebuilds from that order at once. Weights, buffers, RNG and data are not touched; gradients are put back
+    as they were. It costs one all-reduce of the model's size here and nothing per step. A collective: every rank
+    calls it, inside `wrap`."""
+    sparse = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    if any(isinstance(m, sparse) and m.sparse for m in net.module.modules()):  # a dense zero grad would be refused
+        log.warning(
+            "DDP: sparse embeddings, gradient buckets left to DDP: a resume with 3+ ranks may differ in the last bits"
+        )
+        return
+    params = [p for p in net.module.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # the reducer would write the averaged zeros into an existing gradient in place
+    chain = params[0].new_zeros(())
+    for p in params:  # autograd runs the newest node first: the last parameter's gradient is ready first
+        chain = chain + p.sum() * 0
+    net.reducer.prepare_for_backward([])  # what DDP's forward does: the reducer now expects every parameter's hook
+    chain.backward()  # the hooks record the order, all-reduce the zeros and finish the backward
+    for p, grad in zip(params, kept):
+        p.grad = grad
+    net.reducer._rebuild_buckets()  # in that order, from rank 0's; DDP's forward never rebuilds again
 
 
 def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
