@@ -141,6 +141,7 @@ def pick_device(choice, deterministic: bool) -> torch.device:
     device = torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
     if deterministic:  # the same inputs give the same bits: what makes an exact resume checkable
         use_deterministic_kernels()
+        torch.backends.cudnn.benchmark = False
     return device
 
 

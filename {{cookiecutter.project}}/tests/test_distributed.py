@@ -68,7 +68,7 @@ def test_interrupted_two_rank_run_resumes_exactly(tmp_path, straight):
 def test_two_rank_checkpoint_resumes_on_one_process(tmp_path, straight):
     """A 2-process checkpoint goes on in one process with the global batch (exactness: tests/test_world_size.py)."""
     proc = run_train(tmp_path, *DATA, f"resume={straight}/checkpoints/step-00000006.pth", "log_every_steps=1")
-    assert "resuming a 2-process run on 1 process: global batch 32, 32 per process" in proc.stderr + _text(
+    assert "resuming a 2-process run on 1 processes: global batch 32, 32 per process" in proc.stderr + _text(
         tmp_path / "train.log"
     )
     assert [r["step"] for r in read_jsonl(tmp_path / "steps.jsonl")] == list(range(7, 13))

@@ -217,7 +217,7 @@ def test_node_loss_the_survivor_goes_on_with_the_same_global_batches(tmp_path, s
                 lose_node(proc)
     assert not [pid for pid in lost if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     train_log = (run_dir / "train.log").read_text()
-    assert "resuming a 2-process run on 1 process" in train_log, train_log[-3000:]
+    assert "resuming a 2-process run on 1 processes" in train_log, train_log[-3000:]
     resumed_at = int(train_log.rsplit("resumed from step ", 1)[1].split()[0])
     assert 2 <= resumed_at <= 12 and resumed_at % 2 == 0  # a checkpoint every 2 steps, the last before the loss
     assert [r["step"] for r in read_jsonl(run_dir / "steps.jsonl")] == list(range(1, 15))

@@ -21,4 +21,3 @@ def use_deterministic_kernels(fill_uninitialized: bool = False) -> None:
     # warn_only: the config check's dry step has already refused, in one line, an op without a deterministic kernel
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized
-    torch.backends.cudnn.benchmark = False

@@ -140,8 +140,9 @@ def build(
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
         if resume.written_by(ckpt) != world.world_size and world.is_main:
             log.info(
-                "resuming a %d-process run on %d process%s: global batch %d, %d per process (loader.batch_size=%d "
-                "as the run started)", resume.written_by(ckpt), world.world_size, "es" * (world.world_size != 1),
+                # one wording whatever the counts ("on 1 processes" too), so one log search finds every such resume
+                "resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
+                "as the run started)", resume.written_by(ckpt), world.world_size,
                 resume.global_batch(ckpt), settings.batch_size, cfg.loader.batch_size,
             )  # fmt: skip
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
