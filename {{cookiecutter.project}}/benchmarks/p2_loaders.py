@@ -1,8 +1,8 @@
 """P2: samples/s of TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
 TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: its
-ratio to DataLoader is the cost of exact resume) and per_sample (also reseeding the three
-generators before every batch: its ratio to per_worker is the cost of that seeding).
+ratio to DataLoader is the cost of exact resume) and per_sample (reseeding the three generators
+before every sample instead: its ratio to per_worker is the cost of that seeding).
 
     python -m benchmarks.p2_loaders            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
 
@@ -15,11 +15,13 @@ does not decide the result.
 import time
 import warnings
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.common import samples_per_s
 from {{ cookiecutter.package }}.data import shapes, train_transform
+from {{ cookiecutter.package }}.engine import rng
 from {{ cookiecutter.package }}.engine.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
 
 try:
@@ -49,21 +51,36 @@ def build(kind: str, dataset):
     )
 
 
-def fetch_cost_of_per_sample(dataset, batches: int = 30, rounds: int = 5) -> tuple[float, float]:
-    """Seconds per batch to fetch the same batches in this process without and with the per-batch seeding.
+class PerBatchSeeding(SeededBatches):
+    """The keying per_sample had before it keyed each sample: the three generators seeded once per batch from
+    (seed, rank, epoch, batch number). Cheaper, but a sample's draws then depend on its batch and rank."""
+
+    def __getitems__(self, batch: BatchIndices):
+        key = np.random.SeedSequence([self.seed, 0, batch.epoch, batch.number]).generate_state(2, np.uint32)
+        rng.seed_cpu(int(key[0]) << 32 | int(key[1]))
+        return self._fetch(batch)
+
+
+def fetch_cost_of_seeding(dataset, batches: int = 30, rounds: int = 5) -> dict:
+    """Seconds per batch to fetch the same batches in this process: unseeded (per_worker), seeded once per batch
+    (per_sample's former keying) and seeded per sample (per_sample now).
 
     Worker scheduling moves whole-loader samples/s by several percent between runs on a small
-    machine; timing the fetch itself, alternating the two, isolates what rng_mode adds."""
-    plain, seeded = SeededBatches(dataset, 0, per_sample=False), SeededBatches(dataset, 0, per_sample=True)
+    machine; timing the fetch itself, the three in turns, isolates what the seeding adds."""
+    variants = {
+        "unseeded": SeededBatches(dataset, 0, per_sample=False),
+        "per batch": PerBatchSeeding(dataset, 0, per_sample=False),
+        "per sample": SeededBatches(dataset, 0, per_sample=True),
+    }
     keys = [BatchIndices(list(range(i * BATCH, (i + 1) * BATCH)), 0, i) for i in range(batches)]
-    best = {False: float("inf"), True: float("inf")}
+    best = dict.fromkeys(variants, float("inf"))
     for _ in range(rounds):
-        for per_sample, wrapped in ((False, plain), (True, seeded)):
+        for name, wrapped in variants.items():
             began = time.perf_counter()
             for key in keys:
                 wrapped.__getitems__(key)
-            best[per_sample] = min(best[per_sample], time.perf_counter() - began)
-    return best[False] / batches, best[True] / batches
+            best[name] = min(best[name], time.perf_counter() - began)
+    return {name: seconds / batches for name, seconds in best.items()}
 
 
 def main() -> None:
@@ -84,11 +101,13 @@ def main() -> None:
         print(f"{kind:<24} {best[kind]:>10.0f} {best[kind] / best['DataLoader']:>13.3f}")
     ratio = best["TrainLoader per_sample"] / best["TrainLoader per_worker"]
     print(f"rng_mode cost: per_sample / per_worker samples/s = {ratio:.3f} (whole loader; 1.0: seeding costs nothing)")
-    plain, seeded = fetch_cost_of_per_sample(dataset)
-    print(
-        f"rng_mode cost: batch fetch time per_sample / per_worker = {seeded / plain:.4f} "
-        f"({(seeded - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)"
-    )
+    cost = fetch_cost_of_seeding(dataset)
+    plain = cost["unseeded"]
+    for name in ("per batch", "per sample"):
+        print(
+            f"rng_mode cost: batch fetch time seeded {name} / unseeded = {cost[name] / plain:.4f} "
+            f"({(cost[name] - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)"
+        )
     if StatefulDataLoader is None:
         print(f"{'StatefulDataLoader':<24} skipped: torchdata cannot be imported here ({STATEFUL_WHY})")
 

@@ -13,6 +13,7 @@ health samples, checkpoints and exact-resume bookkeeping cost next to nothing pe
 """
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def main() -> None:
         out = subprocess.run(
             [sys.executable, "-m", "benchmarks.p3_train_overhead", "--bare"],
             cwd=ROOT,
+            env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ},  # train.py's thread policy: only the loop differs
             check=True,
             capture_output=True,
             text=True,
