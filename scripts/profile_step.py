@@ -3,11 +3,13 @@
     .venv/bin/python scripts/profile_step.py                      # bakes the template, default config
     .venv/bin/python scripts/profile_step.py rng_mode=per_worker  # any train.py overrides
 
-py-spy (a template development requirement) samples every process of one `train.py epochs=EPOCHS` run RATE times a
-second, without pausing it, and leaves out threads blocked in the kernel (a loop waiting for a batch, a worker
-waiting for indices): what remains is CPU time. Each sample is put in the first category whose marker its stack
-holds, and the table gives CPU milliseconds per optimizer step (samples / RATE / steps) for the main process and
-for the workers together. On two cores every worker millisecond is taken from the training process.
+Main process: py-spy (a template development requirement) samples one `train.py epochs=EPOCHS` run RATE times a
+second without pausing it, leaving out threads blocked in the kernel (the loop waiting for a batch); each sample
+goes to the first category whose marker its stack holds, and the table gives milliseconds per optimizer step
+(samples / RATE / steps). A worker's share: py-spy does not follow the DataLoader's forked workers, so each part of
+making one batch (decode, transforms, seeding, collate, the hand-over, the RNG snapshot) is timed on its own in one
+process, on the same data and transforms, best of ROUNDS. On two cores every worker millisecond is taken from the
+training process.
 """
 
 from __future__ import annotations
@@ -32,32 +34,69 @@ MAIN = [
     ("optimizer step (SGD)", ("Optimizer", "SGD.step", "GradScaler.step")),
     ("schedule step", ("LRScheduler.step", "lr_scheduler")),
     ("forward + loss", ("Classification.loss", "Module._call_impl")),
-    ("receiving batches (unpickle, fds)", ("rebuild_storage", "_rebuild", "recv_handle", "resource_sharer", "_get_data")),
+    ("receiving batches (unpickle, fds)", ("rebuild_storage", "_rebuild", "recv_handle", "resource_sharer")),
+    ("waiting for the next batch", ("TrainLoader.__iter__", "_next_data", "device_batches")),
     ("normalize (uint8 -> float)", ("Normalize.__call__", "PrepareBatch")),
     ("bookkeeping: meter, monitor, log points", ("EpochMeter", "Monitor", "log_step", "RunLog", "health-sample")),
     ("sampler and index queue", ("EpochBatchSampler", "_try_put_index", "Queue._feed", "queues.py")),
 ]
-WORKER = [
-    ("decode (PIL)", ("PIL/", "Image.open", "ImageFile.load", "Image.convert")),
-    ("transforms (torchvision v2)", ("torchvision/transforms",)),
-    ("per-sample seeding", ("seed_sample", "sample_seeds")),
-    ("RNG snapshot (per_worker)", ("rng.py", "capture (")),
-    ("collate + shared memory", ("collate", "share_memory_", "_for_the_queue", "InlineTensor")),
-    ("sending batches (pickle, fds)", ("Queue.put", "_feed", "ForkingPickler", "reduce_storage", "resource_sharer")),
-    ("index queue", ("_worker_loop", "Queue.get")),
-]
+ROUNDS, BATCHES = 5, 10
 
 
-def categorise(stack: str, table) -> str:
-    if table is MAIN and "Thread._bootstrap" not in stack and "train (train.py" not in stack:
+def worker_parts(project: Path, overrides: list[str]) -> dict:
+    """Milliseconds per batch of each part of a worker's work on the configured training data (run in the project)."""
+    import pickle
+    import time
+    from multiprocessing.reduction import ForkingPickler
+
+    sys.path.insert(0, str(project))
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from torch.utils.data import default_collate
+
+    package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
+    engine = __import__(f"{package}.engine", fromlist=["config", "loader", "rng"])
+    engine.config.register()
+    with initialize_config_dir(str(project / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    data, size = instantiate(cfg.data.train), cfg.loader.batch_size
+    batches = [list(range(i * size, (i + 1) * size)) for i in range(BATCHES)]
+    images = [[data.loader(str(data.paths[i])) for i in b] for b in batches]
+    samples = [[(data.transform(im), int(data.labels[i])) for im, i in zip(ims, b)] for ims, b in zip(images, batches)]
+    parts = {
+        "decode (PIL)": lambda k: [data.loader(str(data.paths[i])) for i in batches[k]],
+        "transforms (torchvision v2)": lambda k: [data.transform(im) for im in images[k]],
+        "per-sample seeding (rng_mode=per_sample)": lambda k: [
+            engine.rng.seed_sample(x) for x in engine.rng.sample_seeds(0, 0, batches[k])
+        ],
+        "collate": lambda k: default_collate(samples[k]),
+        "hand-over: shared memory + pickling": lambda k: ForkingPickler.dumps(
+            engine.loader.map_tensors(engine.loader._for_the_queue, default_collate(samples[k]))
+        ),
+        "RNG snapshot (rng_mode=per_worker)": lambda k: pickle.dumps(engine.rng.capture()),
+    }
+    best = dict.fromkeys(parts, float("inf"))
+    for _ in range(ROUNDS):
+        for name, part in parts.items():
+            began = time.perf_counter()
+            for k in range(BATCHES):
+                part(k)
+            best[name] = min(best[name], (time.perf_counter() - began) / BATCHES * 1000)
+    best["collate"] = max(0.0, best["collate"])
+    best["hand-over: shared memory + pickling"] -= best["collate"]  # it collated again to have fresh tensors
+    return best
+
+
+def categorise(stack: str) -> str:
+    if "Thread._bootstrap" not in stack and "train (train.py" not in stack:
         return "outside train(): imports, Hydra, exit"
-    for name, markers in table:
+    for name, markers in MAIN:
         if any(m in stack for m in markers):
             return name
     return "other"
 
 
-def profile(project: Path, overrides: list[str]) -> tuple[Counter, Counter, int, int]:
+def profile(project: Path, overrides: list[str]) -> tuple[Counter, int]:
     with tempfile.TemporaryDirectory() as tmp:
         raw, run_dir = Path(tmp) / "raw.txt", Path(tmp) / "run"
         command = ["train.py", f"epochs={EPOCHS}", "progress=false", f"hydra.run.dir={run_dir}", *overrides]
@@ -69,16 +108,11 @@ def profile(project: Path, overrides: list[str]) -> tuple[Counter, Counter, int,
             capture_output=True,
         )
         steps = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-        main, workers, main_pid = Counter(), Counter(), None
+        main = Counter()
         for line in raw.read_text().splitlines():
             stack, count = line.rsplit(" ", 1)
-            process = stack.split(";", 1)[0]
-            main_pid = main_pid or process  # the first process py-spy reports is the one it started
-            if process == main_pid:
-                main[categorise(stack, MAIN)] += int(count)
-            else:
-                workers[categorise(stack, WORKER)] += int(count)
-        return main, workers, steps, RATE
+            main[categorise(stack)] += int(count)
+        return main, steps
 
 
 def bake(into: Path) -> Path:
@@ -94,16 +128,28 @@ def bake(into: Path) -> Path:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--worker-parts"]:
+        print(json.dumps(worker_parts(Path(sys.argv[2]), sys.argv[3:])))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(sys.argv[1]) if sys.argv[1:2] and Path(sys.argv[1]).is_dir() else bake(Path(tmp) / "bake")
         overrides = [a for a in sys.argv[1:] if "=" in a]
-        main_counts, worker_counts, steps, rate = profile(project, overrides)
-    print(f"CPU ms per optimizer step, {steps} steps ({EPOCHS} epochs), py-spy at {rate} Hz; overrides: {overrides}")
-    for title, counts in (("main process", main_counts), ("loader workers (together)", worker_counts)):
-        total = sum(counts.values())
-        print(f"\n{title}: {total / rate / steps * 1000:.1f} ms per step")
-        for name, n in counts.most_common():
-            print(f"  {name:<48} {n / rate / steps * 1000:8.2f} ms  {100 * n / total:5.1f}%")
+        counts, steps = profile(project, overrides)
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker-parts", str(project), *overrides],
+            cwd=project,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        parts = json.loads(out.stdout.strip().splitlines()[-1])
+    total = sum(counts.values())
+    print(f"main process, ms per optimizer step: {steps} steps ({EPOCHS} epochs), py-spy at {RATE} Hz; {overrides}")
+    for name, n in counts.most_common():
+        print(f"  {name:<48} {n / RATE / steps * 1000:8.2f} ms  {100 * n / total:5.1f}%")
+    print("a worker, ms per batch, each part timed alone in one process (best of 5 rounds of 10 batches)")
+    for name, ms in parts.items():
+        print(f"  {name:<48} {ms:8.2f} ms")
 
 
 if __name__ == "__main__":
