@@ -115,6 +115,25 @@ class IndexedDraws(Dataset):
         return index, torch.tensor(draws, dtype=torch.float64)
 
 
+class SometimesDraws(IndexedDraws):
+    """Every item draws from torch; from numpy only every 5th index and from python `random` only every 7th (as a
+    transform that draws from them on some branch): the -1 marks a draw not taken."""
+
+    def __getitem__(self, index: int):
+        draws = [float(torch.rand(())), -1.0, -1.0]
+        if index % 5 == 3:
+            draws[1] = float(np.random.uniform())
+        if index % 7 == 2:
+            draws[2] = random.random()
+        return index, torch.tensor(draws, dtype=torch.float64)
+
+
+def collate_with_numpy_draw(samples):
+    """default_collate, plus one numpy draw per batch: a collate that draws from a global generator."""
+    indices, draws = torch.utils.data.default_collate(samples)
+    return indices, draws, torch.tensor(np.random.uniform(), dtype=torch.float64)
+
+
 class SlowItems(RngDrawingDataset):
     """RngDrawingDataset whose items take `item_s` seconds each, like slow storage: workers stay busy long enough
     to watch."""

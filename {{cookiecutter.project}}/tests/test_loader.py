@@ -3,11 +3,12 @@
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import torch
 
 from {{ cookiecutter.package }}.engine import rng
 from {{ cookiecutter.package }}.engine.loader import INLINE_BYTES, EpochBatchSampler, InlineTensor, TrainLoader
-from tests.datasets import IndexedDraws, RngDrawingDataset
+from tests.datasets import IndexedDraws, RngDrawingDataset, SometimesDraws, collate_with_numpy_draw
 from tests.helpers import loader_settings
 
 
@@ -133,3 +134,44 @@ def test_small_tensors_travel_by_value_and_arrive_as_they_left():
     for images, labels in loader:  # 8 x 3 x 64 x 64 floats: 384 KiB
         assert images.is_shared() and not labels.is_shared() and labels.dtype == torch.int64
         assert labels.shape == (8,) and 0 <= labels.min() and labels.max() < 4
+
+
+def eager_reference(dataset, batches, seed: int, epoch: int) -> tuple[dict, list]:
+    """What seeding torch, numpy and python before every sample gives: each sample's draws, and each batch's collate
+    draw (numpy, after the batch's last sample)."""
+    saved, by_sample, collated = rng.capture(), {}, []
+    for batch in batches:
+        for index, key in zip(batch, rng.sample_seeds(seed, epoch, batch)):
+            rng.seed_sample(key)
+            by_sample[index] = dataset[index][1]
+        collated.append(float(np.random.uniform()))
+    rng.apply(saved)
+    return by_sample, collated
+
+
+def lazy_run(workers: int) -> tuple[dict, list, list]:
+    loader = TrainLoader(SometimesDraws(48), loader_settings(8, workers), 4, collate_fn=collate_with_numpy_draw)
+    by_sample, collated, batches = {}, [], []
+    for indices, draws, drawn in loader:
+        by_sample.update(zip(indices.tolist(), draws))
+        collated.append(float(drawn))
+        batches.append(indices.tolist())
+    return by_sample, collated, batches
+
+
+def test_numpy_and_python_seeded_only_once_drawn_from_give_the_eager_result(monkeypatch):
+    """rng.SampleSeeding leaves numpy and python `random` unseeded until a sample or the collate draws from one,
+    makes that sample (or batch) again, and seeds it from then on: bit for bit what seeding all three before every
+    sample gives, with workers and without (where the collate runs in the main process, on its RNG). The control:
+    never noticing the draws gives other numbers."""
+    assert set(rng.SampleSeeding().watched) == {"numpy", "python"}  # this numpy and Python: the fast path is on
+    for workers in (0, 2):
+        by_sample, collated, batches = lazy_run(workers)
+        want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
+        assert all(torch.equal(by_sample[i], want[i]) for i in want), workers
+        assert collated == want_collated or workers == 0  # without workers the collate draws on the main RNG
+    monkeypatch.setattr(rng.SampleSeeding, "check", lambda self: False)
+    by_sample, collated, batches = lazy_run(2)
+    want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
+    differ = [i for i in want if not torch.equal(by_sample[i], want[i])]
+    assert differ and all(i % 5 == 3 or i % 7 == 2 for i in differ) and collated != want_collated

@@ -107,17 +107,15 @@ class Samples(list):
         self.skipped = list(skipped)
 
 
-def fetch_guarded(dataset, indices, skip: bool, before=None) -> Samples:
-    """The samples of one batch, each fetched under a try (after `before(index)`, e.g. its seeding): a sample
-    that raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed
+def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
+    """The samples of one batch, each fetched under a try (by `fetch(index)`, e.g. seeded, else `dataset[index]`):
+    a sample that raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed
     (`skip=True`). A batch with no good sample left is refused either way: that is a broken transform far more
     often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
-        if before is not None:
-            before(index)
         try:
-            samples.append(dataset[index])
+            samples.append(dataset[index] if fetch is None else fetch(index))
         except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
             raise
         except Exception as e:

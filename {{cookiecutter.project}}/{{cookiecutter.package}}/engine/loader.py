@@ -211,6 +211,8 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.per_sample, self.skip = dataset, seed, per_sample, skip
+        self._seeding_state: rng.SampleSeeding | None = None
+        self._seeding_pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -223,15 +225,38 @@ class SeededBatches(torch.utils.data.Dataset):
             return self._fetch(batch)
         in_main = get_worker_info() is None
         saved = rng.capture() if in_main else None
+        seeding = self._seeding()
+        seeding.begin()
         prefetch = getattr(self.dataset, "prefetch", None)
         if prefetch is not None:
             prefetch(list(batch))
         seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
+
+        def make(index):
+            seeding.seed(seeds[index])
+            sample = self.dataset[index]
+            while seeding.check():  # it drew from a generator not seeded yet, which now is: again (twice at most)
+                seeding.seed(seeds[index])
+                sample = self.dataset[index]
+            return sample
+
         try:
-            return failures.fetch_guarded(self.dataset, batch, self.skip, before=lambda i: rng.seed_sample(seeds[i]))
+            samples = failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
         finally:
             if in_main:
                 rng.apply(saved)
+        samples.remake = lambda: self.__getitems__(batch)  # for a collate that drew from an unseeded generator
+        samples.check = seeding.check
+        return samples
+
+    def _seeding(self) -> rng.SampleSeeding:
+        """This process's seeding state (made in each worker: it watches that process's generators)."""
+        if self._seeding_pid != os.getpid():
+            self._seeding_state, self._seeding_pid = rng.SampleSeeding(), os.getpid()
+        return self._seeding_state
+
+    def __getstate__(self) -> dict:  # spawn / forkserver workers: each makes its own seeding state
+        return {**self.__dict__, "_seeding_state": None, "_seeding_pid": None}
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -307,6 +332,10 @@ class CollateWithSnapshot:
         info = get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, None, skipped
+        check = getattr(samples, "check", None)
+        if check is not None and check():  # the collate drew from numpy or python `random`, not seeded yet
+            samples = samples.remake()  # they are now: the batch again, the collate on the last sample's streams
+            batch = self.collate_fn(list(samples))
         batch = map_tensors(_for_the_queue, batch)
         state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
         return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped

@@ -252,6 +252,12 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     # randomness outside the data (dropout, the loader's worker seeds) cannot be mapped onto other ranks, so it is
     # derived from (seed, rank, step): the same on every resume of this step with this many processes.
     step = ckpt["step"]
+    if train_loader.rng_mode == "per_worker" and rank == 0:
+        log.warning(
+            "resume: rng_mode=per_worker on %d processes instead of %d: the workers' RNG streams start afresh "
+            "(from seed, rank and step), so the augmentations differ from the run that never stopped; "
+            "rng_mode=per_sample keeps them", world_size, written_by(ckpt),
+        )  # fmt: skip
     train_loader.load_state_dict(
         ckpt["ranks"][0]["loader"], strict=cfg.resume_strict, reseed=rng.derived(cfg.seed, rank, step, 1)
     )
