@@ -282,7 +282,8 @@ class WorkerSnapshot:
 
 # A CPU tensor up to this size (labels, a few scalars) travels inside the pickled batch: a shared-memory file costs
 # the worker a file, a mapping and an fd handed over a socket, and the main process ~80 us per tensor to receive.
-INLINE_BYTES = 64 * 1024
+# Small, so that the batches in flight stay far below a pipe's 64 KiB: the images still go through shared memory.
+INLINE_BYTES = 4 * 1024
 
 
 class InlineTensor:

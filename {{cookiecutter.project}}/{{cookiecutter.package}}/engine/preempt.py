@@ -98,6 +98,7 @@ class StopRequest:
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
+        _die_with_parent()
 
     def hand_over(self) -> None:
         """After saving: pass the signal to the handler we replaced, if it was a Python one (submitit's requeue)."""
@@ -110,6 +111,23 @@ def _exit_now(why: str) -> None:
     sys.stderr.write(f"rank {os.environ.get('RANK', 0)}: {why}: exiting now\n")
     sys.stderr.flush()
     os._exit(128 + signal.SIGTERM)  # what a SIGTERM left to its default would give
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker (SIGKILL) when the process that forked it dies.
+
+    Otherwise a worker whose parent was killed with SIGKILL notices within 5 s (PyTorch's watchdog) and exits, but
+    its exit joins the result queue's feeder thread, and that thread waits for ever to write batches nobody reads
+    once the pipe is full: the worker itself holds the pipe's read end, inherited at fork, so the write never
+    fails. The worker would live on as an orphan, holding its parent's stdout (a job runner then waits for ever)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call: no death signal will come
+        os._exit(0)
 
 
 def _exit_on_sigterm_from_parent() -> None:
