@@ -27,25 +27,20 @@ import tempfile
 import time
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[1]
+from baked_project import bake, engine_and_config
+
 EPOCHS, ROUNDS = int(os.environ.get("BENCH_EPOCHS", "4")), int(os.environ.get("BENCH_ROUNDS", "5"))
 
 
 def lightning_run(project: Path, overrides: list[str]) -> float:
     """In the baked project: Lightning's Trainer on what train.py's config composes to; returns the best rate."""
-    sys.path.insert(0, str(project))
     import lightning as L
     import torch
     import torch.nn.functional as F
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
-    package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
-    engine = __import__(f"{package}.engine", fromlist=["config", "device", "schedule"])
-    engine.config.register()
-    with initialize_config_dir(str(project / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"epochs={EPOCHS}", *overrides])
+    engine, cfg = engine_and_config(project, [f"epochs={EPOCHS}", *overrides])
     torch.manual_seed(cfg.seed)
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     prepare = engine.device.input_transform(cfg.data, torch.device("cpu"))
@@ -131,20 +126,6 @@ def lightning_in_process(project: Path, overrides: list[str]) -> float:
         text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def bake(into: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(into)], check=True
-    )
-    (project,) = into.iterdir()
-    subprocess.run(  # data generation and the first imports, before any side is timed
-        [sys.executable, "train.py", "max_steps=1", "progress=false", f"hydra.run.dir={into}/warmup"],
-        cwd=project,
-        check=True,
-        capture_output=True,
-    )
-    return project
 
 
 def main() -> None:

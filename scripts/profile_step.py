@@ -21,7 +21,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[1]
+from baked_project import bake, engine_and_config
+
 EPOCHS, RATE = 3, 250
 
 # (category, markers): a stack goes to the first category one of whose markers it contains
@@ -49,16 +50,10 @@ def worker_parts(project: Path, overrides: list[str]) -> dict:
     import time
     from multiprocessing.reduction import ForkingPickler
 
-    sys.path.insert(0, str(project))
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from torch.utils.data import default_collate
 
-    package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
-    engine = __import__(f"{package}.engine", fromlist=["config", "loader", "rng"])
-    engine.config.register()
-    with initialize_config_dir(str(project / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    engine, cfg = engine_and_config(project, overrides)
     data, size = instantiate(cfg.data.train), cfg.loader.batch_size
     batches = [list(range(i * size, (i + 1) * size)) for i in range(BATCHES)]
     images = [[data.loader(str(data.paths[i])) for i in b] for b in batches]
@@ -113,18 +108,6 @@ def profile(project: Path, overrides: list[str]) -> tuple[Counter, int]:
             stack, count = line.rsplit(" ", 1)
             main[categorise(stack)] += int(count)
         return main, steps
-
-
-def bake(into: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(into)], check=True)
-    (project,) = into.iterdir()
-    subprocess.run(  # data generation, before the profiled run
-        [sys.executable, "train.py", "max_steps=1", "progress=false", f"hydra.run.dir={into}/warmup"],
-        cwd=project,
-        check=True,
-        capture_output=True,
-    )
-    return project
 
 
 def main() -> None:
