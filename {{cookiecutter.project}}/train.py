@@ -26,6 +26,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from {{ cookiecutter.package }}.engine import config, distributed, submit
+from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory
 from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
@@ -41,6 +42,7 @@ submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value,
 
 def train(cfg) -> tuple[int, float]:
     distributed.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
+    keep_freed_memory()  # no page faults to take back what the last step freed: engine/allocator.py
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     config.check(cfg, hydra_cfg.runtime.choices, overrides)  # every key and a dry step, before any work
@@ -130,8 +132,8 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
         "epoch_time_s": train_time,
         "worker_pids": sorted(run.train_loader.worker_pids),
     }
-    if epoch_end:  # worker_count, rss_mib, pss_mib, fds, data_wait_share
-        record.update(run.monitor.epoch(meter.data_wait, train_time))
+    if epoch_end:  # worker_count, rss_mib, pss_mib, fds, data_wait_share, page_faults_per_batch
+        record.update(run.monitor.epoch(meter.data_wait, train_time, meter.page_faults_per_batch))
     else:
         record["mid_epoch"] = True
     run.runlog.epoch(record)

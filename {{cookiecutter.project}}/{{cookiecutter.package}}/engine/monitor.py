@@ -281,8 +281,9 @@ class Monitor:
         left = self.loader.batches_per_epoch - self.loader.position
         return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
-    def epoch(self, data_wait: float, train_time: float) -> dict:
-        """The epoch's keys for metrics.jsonl: the reading at its last batch, and its data wait share."""
+    def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
+        """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main
+        process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
         reading = self._epoch_sample or sample(self.loader.worker_pids)
         record = {
@@ -292,11 +293,12 @@ class Monitor:
             "fds": reading["fds"],
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
             "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
+            "page_faults_per_batch": None if page_faults_per_batch is None else round(page_faults_per_batch, 1),
         }
         if self.runlog.enabled:
             log.info(
                 "health: %d workers, PSS %.0f MiB (main %.0f + workers %.0f), RSS %.0f MiB, %d fds, "
-                "%.1f MiB batches in shared memory, data wait %.0f%% of the epoch",
+                "%.1f MiB batches in shared memory, data wait %.0f%% of the epoch%s",
                 record["worker_count"],
                 reading["pss_mib"],
                 reading["main_pss_mib"],
@@ -305,6 +307,7 @@ class Monitor:
                 record["fds"],
                 reading["shm_mib"],
                 100 * record["data_wait_share"],
+                "" if page_faults_per_batch is None else f", {page_faults_per_batch:.0f} page faults per batch",
             )
         return record
 

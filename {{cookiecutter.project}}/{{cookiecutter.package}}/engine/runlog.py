@@ -8,6 +8,11 @@ import json
 import time
 from pathlib import Path
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
@@ -111,8 +116,11 @@ class EpochMeter:
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
         self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
         self.window_batches, self.window_norms, self.samples, self.data_wait = 0, 0, 0, 0.0
+        self.batches = 0
         self.started = time.perf_counter()
         self.train_time: float | None = None  # the epoch's training seconds, set by end_training()
+        self._faults_at_start = minor_page_faults()
+        self.page_faults_per_batch: float | None = None  # this process's, set by end_training()
 
     def timed(self, batches):
         """`batches`, adding the time the loop stood still waiting for each one to `data_wait`."""
@@ -133,7 +141,7 @@ class EpochMeter:
         if grad_norm is not None:
             self.window_norm += grad_norm.double()
             self.window_norms += 1
-        self.window_batches, self.samples = self.window_batches + 1, self.samples + n
+        self.window_batches, self.samples, self.batches = self.window_batches + 1, self.samples + n, self.batches + 1
 
     def read_window(self, stop_requested: bool, world) -> tuple[dict, int, bool]:
         """({loss, grad_norm when clipping is on}: means since the last read, over ranks; the first step with a
@@ -154,6 +162,9 @@ class EpochMeter:
     def end_training(self) -> float:
         """Stop the epoch's clock (before validation) and return its training seconds."""
         self.train_time = time.perf_counter() - self.started
+        faults = minor_page_faults()
+        if faults is not None and self._faults_at_start is not None and self.batches:
+            self.page_faults_per_batch = (faults - self._faults_at_start) / self.batches
         return self.train_time
 
     def read_epoch(self, stop_requested: bool, world) -> tuple[float, float, bool]:
@@ -169,3 +180,9 @@ def drop_records_from(path: Path, step: int) -> None:
     if path.exists():
         lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in lines))
+
+
+def minor_page_faults() -> int | None:
+    """This process's minor page faults so far, all threads (None where there is no getrusage): a step that
+    faults thousands of times is taking back memory its allocator gave away (allocator.py)."""
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,0 +1,99 @@
+"""engine/allocator.py: a step's freed memory stays with the process, so the next step does not fault it back in."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from {{ cookiecutter.package }}.engine import allocator
+from tests.helpers import PROJECT, read_jsonl, run_train
+
+pytestmark = pytest.mark.skipif(
+    not (hasattr(os, "confstr") and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")),
+    reason="the thresholds are glibc's",
+)
+
+USER_KEYS = (*allocator._USER_KEYS, "GLIBC_TUNABLES")
+
+# A convolution step's forward and backward, timed in page faults once the heap has grown to what a step needs.
+# One OpenMP thread: every allocation then comes from the main heap, whose trimming is what is measured.
+STEP_FAULTS = """
+import resource, sys
+import torch
+import torch.nn.functional as F
+from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+elif sys.argv[1] == "try":
+    keep_freed_memory()
+x = torch.randn(64, 3, 32, 32)
+w1, w2 = torch.randn(32, 3, 3, 3, requires_grad=True), torch.randn(64, 32, 3, 3, requires_grad=True)
+def step():
+    F.conv2d(F.max_pool2d(F.relu(F.conv2d(x, w1, padding=1)), 2), w2, padding=1).square().mean().backward()
+for _ in range(5):
+    step()
+windows = []  # faults per step over 9 windows of 5 steps: the median window, so a one-off growth does not count
+for _ in range(9):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    windows.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+print(sorted(windows)[4])
+"""
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in USER_KEYS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def faults_per_step(mode: str, **env) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_FAULTS, mode], cwd=PROJECT, env=clean_env(**env), capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip())
+
+
+def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
+    kept, default = faults_per_step("keep"), faults_per_step("default")
+    # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step
+    assert default > 500, default
+    assert kept < 0.01 * default, (kept, default)
+
+
+def test_settings_of_the_user_are_left_to_take_effect():
+    probe = "from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory as k; import os; " \
+        "print(k(), os.environ.get('MALLOC_TRIM_THRESHOLD_'))"  # fmt: skip
+    runs = {
+        "fresh": {},
+        "user": {"MALLOC_TRIM_THRESHOLD_": "0"},
+        "tunables": {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+        "inherited": {k: str(v) for k, v in allocator._ENV.items()},  # a process the run started
+    }
+    seen = {}
+    for name, env in runs.items():
+        out = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, env=clean_env(**env), capture_output=True,
+                             text=True)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[name] = out.stdout.split()
+    assert seen["fresh"] == ["True", str(allocator.TRIM_THRESHOLD)]  # and handed on to processes it starts
+    assert seen["user"] == ["False", "0"]
+    assert seen["tunables"] == ["False", "None"]
+    assert seen["inherited"] == ["True", str(allocator.TRIM_THRESHOLD)]
+    # the user's own threshold really rules: the step faults as glibc's default would have it, or worse
+    assert faults_per_step("try", MALLOC_TRIM_THRESHOLD_="0") > 500
+
+
+def test_train_py_keeps_freed_memory_and_reports_page_faults(tmp_path):
+    """metrics.jsonl's page_faults_per_batch (main process): a handful once the heap has grown (an epoch that grows
+    it faults more); the negative control has glibc map and trim everything above 128 KiB, as its default starts."""
+    figures = {}
+    for name, env in (("kept", {}), ("given back", {"MALLOC_MMAP_THRESHOLD_": "131072",
+                                                    "MALLOC_TRIM_THRESHOLD_": "131072"})):  # fmt: skip
+        run_dir = tmp_path / name.replace(" ", "_")
+        run_train(run_dir, "experiment=debug", "epochs=3", env=env)
+        figures[name] = [line["page_faults_per_batch"] for line in read_jsonl(run_dir / "metrics.jsonl")]
+    assert all(isinstance(f, float) for fs in figures.values() for f in fs), figures
+    assert min(figures["kept"][1:]) < 0.05 * min(figures["given back"][1:]), figures
