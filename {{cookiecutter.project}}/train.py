@@ -11,8 +11,8 @@ that runs them lives in {{ cookiecutter.package }}/engine/ (run.py builds everyt
 import os
 
 # The loader's workers share the CPUs with this process's OpenMP threads, which by default spin while they wait
-# for each other: spinning takes the cores the workers decode on, and the step waits for both (README: "Threads and
-# deterministic kernels on the CPU"). OpenMP reads this once, as torch loads: so it comes before any import.
+# for each other: spinning takes the cores the workers decode on, and the step waits for both (README: "Threads,
+# memory and deterministic kernels on the CPU"). OpenMP reads this once, as torch loads: so it comes before any import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import contextlib
