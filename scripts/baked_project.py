@@ -1,7 +1,9 @@
-"""What the template's benchmark scripts share: a baked project with its data made, and its config composed."""
+"""What the template's benchmark scripts share: a baked project with its data made, its config composed, and a
+part of a script run in a process of its own inside it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +53,25 @@ def engine_and_config(project: Path, overrides: list[str]):
     engine.config.register()
     with initialize_config_dir(str(project / "conf"), version_base="1.3"):
         return engine, compose("config", overrides=overrides)
+
+
+def run_apart(script: str, flag: str, project: Path, overrides: list[str]):
+    """`script flag project overrides...` in a fresh process, in the project (its own imports, its own threads and
+    allocator): what `serve_apart` there printed, as JSON, on its last line."""
+    out = subprocess.run(
+        [sys.executable, script, flag, str(project), *overrides],
+        cwd=project,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def serve_apart(flag: str, part) -> bool:
+    """The other end of `run_apart`: when this process was started with `flag`, print `part(project, overrides)` as
+    JSON and return True (the script then stops)."""
+    if sys.argv[1:2] != [flag]:
+        return False
+    print(json.dumps(part(Path(sys.argv[2]), sys.argv[3:])))
+    return True

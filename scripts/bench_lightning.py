@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from baked_project import bake, engine_and_config
+from baked_project import bake, engine_and_config, run_apart, serve_apart
 
 EPOCHS, ROUNDS = int(os.environ.get("BENCH_EPOCHS", "4")), int(os.environ.get("BENCH_ROUNDS", "5"))
 
@@ -117,20 +117,12 @@ def train_py_run(project: Path, overrides: list[str]) -> float:
         return max(json.loads(line)["samples_per_s"] for line in lines[1:])
 
 
-def lightning_in_process(project: Path, overrides: list[str]) -> float:
-    out = subprocess.run(
-        [sys.executable, __file__, "--lightning", str(project), *overrides],
-        cwd=project,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def lightning_apart(project: Path, overrides: list[str]) -> float:
+    return run_apart(__file__, "--lightning", project, overrides)  # Lightning in its own process, as train.py runs
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--lightning"]:
-        print(json.dumps(lightning_run(Path(sys.argv[2]), sys.argv[3:])))
+    if serve_apart("--lightning", lightning_run):
         return
     overrides = sys.argv[1:]
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +130,7 @@ def main() -> None:
         ratios = []
         print(f"train.py vs Lightning, {EPOCHS} epochs, best epoch after the first, samples/s; overrides: {overrides}")
         for r in range(ROUNDS):
-            sides = [("train.py", train_py_run), ("lightning", lightning_in_process)]
+            sides = [("train.py", train_py_run), ("lightning", lightning_apart)]
             rates = {name: run(project, overrides) for name, run in (sides if r % 2 == 0 else sides[::-1])}
             ratios.append(rates["train.py"] / rates["lightning"])
             print(

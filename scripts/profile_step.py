@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from baked_project import bake, engine_and_config
+from baked_project import bake, engine_and_config, run_apart, serve_apart
 
 EPOCHS, RATE = 3, 250
 
@@ -111,21 +111,13 @@ def profile(project: Path, overrides: list[str]) -> tuple[Counter, int]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker-parts"]:
-        print(json.dumps(worker_parts(Path(sys.argv[2]), sys.argv[3:])))
+    if serve_apart("--worker-parts", worker_parts):
         return
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(sys.argv[1]) if sys.argv[1:2] and Path(sys.argv[1]).is_dir() else bake(Path(tmp) / "bake")
         overrides = [a for a in sys.argv[1:] if "=" in a]
         counts, steps = profile(project, overrides)
-        out = subprocess.run(
-            [sys.executable, __file__, "--worker-parts", str(project), *overrides],
-            cwd=project,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        parts = json.loads(out.stdout.strip().splitlines()[-1])
+        parts = run_apart(__file__, "--worker-parts", project, overrides)
     total = sum(counts.values())
     print(f"main process, ms per optimizer step: {steps} steps ({EPOCHS} epochs), py-spy at {RATE} Hz; {overrides}")
     for name, n in counts.most_common():
