@@ -9,10 +9,7 @@ import pytest
 from {{ cookiecutter.package }}.engine import allocator
 from tests.helpers import PROJECT, read_jsonl, run_train
 
-pytestmark = pytest.mark.skipif(
-    not (hasattr(os, "confstr") and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")),
-    reason="the thresholds are glibc's",
-)
+pytestmark = pytest.mark.skipif(not allocator.on_glibc(), reason="the thresholds are glibc's")
 
 USER_KEYS = (*allocator._USER_KEYS, "GLIBC_TUNABLES")
 

@@ -28,15 +28,23 @@ _ENV = {"MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_": MMAP
 _USER_KEYS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc these thresholds are for."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError):  # no confstr (Windows), a name it does not know (macOS)
+        return False
+
+
 def keep_freed_memory() -> bool:
     """Apply the thresholds above to this process (glibc only); True when the process now runs with them."""
     if any(key in os.environ for key in _USER_KEYS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return all(os.environ.get(key) == str(value) for key, value in _ENV.items())  # ours, inherited; or theirs
+    if not on_glibc():
+        return False
     try:
-        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
-            return False
         mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, ValueError):  # no confstr (Windows), an unknown name (macOS), no mallopt
+    except (AttributeError, OSError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB

@@ -163,7 +163,7 @@ class EpochMeter:
         """Stop the epoch's clock (before validation) and return its training seconds."""
         self.train_time = time.perf_counter() - self.started
         faults = minor_page_faults()
-        if faults is not None and self._faults_at_start is not None and self.batches:
+        if faults is not None and self.batches:  # None at the start too, then: no getrusage here
             self.page_faults_per_batch = (faults - self._faults_at_start) / self.batches
         return self.train_time
 
