@@ -25,20 +25,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from {{ cookiecutter.package }}.engine import checkpoint, config, dry_step, resume
-from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
-from {{ cookiecutter.package }}.engine.device import input_transform
+from {{ cookiecutter.package }}.engine import checkpoint, resume, schema
+from {{ cookiecutter.package }}.engine.device import input_transform, pick_device
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
+from {{ cookiecutter.package }}.engine.process import use_deterministic_kernels
 
 log = logging.getLogger("eval")
 
 
 @dataclass
-class EvalConfig(config.Config):
+class EvalConfig(schema.Config):
     ckpt: Optional[str] = None  # a checkpoint path (relative to where you run), or "latest"
     split: str = "val"  # the node of the data config to evaluate on
     ema: Any = None  # false: the raw weights even when the checkpoint holds EMA weights (which are used otherwise)
@@ -77,7 +77,7 @@ def evaluate_checkpoint(cfg) -> dict:
     if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
-    device = dry_step.run_device(cfg)
+    device = pick_device(cfg.device)
     if cfg.deterministic:  # the same kernels as the training run's validation
         use_deterministic_kernels()
     model_cfg = cfg.model
@@ -128,6 +128,6 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    config.register()
+    schema.register()
     ConfigStore.instance().store(name="schema", node=EvalConfig)  # train.py's schema plus ckpt and split
     main()

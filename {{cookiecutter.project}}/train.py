@@ -8,26 +8,22 @@ The problem is the task (conf/task/, {{ cookiecutter.package }}/tasks.py), the d
 that runs them lives in {{ cookiecutter.package }}/engine/ (run.py builds everything this loop uses).
 """
 
-import os
-
-# The loader's workers share the CPUs with this process's OpenMP threads, which by default spin while they wait
-# for each other: spinning takes the cores the workers decode on, and the step waits for both (README: "Threads,
-# memory and deterministic kernels on the CPU"). OpenMP reads this once, as torch loads: so it comes before any import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import contextlib
 import logging
 import sys
 import time
 from pathlib import Path
 
+from {{ cookiecutter.package }}.engine import process
+
+# OpenMP reads its wait policy once, as torch loads: `process.omp_wait_policy` is applied around this import.
+with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"):
+    import torch
+
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 
-from {{ cookiecutter.package }}.engine import config, distributed, submit
-from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory
-from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
+from {{ cookiecutter.package }}.engine import preflight, schema, slurm
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.monitor import worker_death
@@ -37,19 +33,16 @@ from {{ cookiecutter.package }}.engine.run import Run, build
 from {{ cookiecutter.package }}.engine.runlog import EpochMeter
 
 log = logging.getLogger("train")
-submit.picklable_modules()  # `-m hydra/launcher=slurm` pickles main() by value, torch.backends.cudnn too: see submit.py
 
 
 def train(cfg) -> tuple[int, float]:
-    distributed.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
-    keep_freed_memory()  # no page faults to take back what the last step freed: engine/allocator.py
-    hydra_cfg = HydraConfig.get()
+    slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
+    process.apply(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
+    hydra_cfg = HydraConfig.get()  # the config was checked before this ran (engine/preflight.py)
     overrides = list(hydra_cfg.overrides.task)
-    config.check(cfg, hydra_cfg.runtime.choices, overrides)  # every key and a dry step, before any work
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
-    device = pick_device(cfg.device, cfg.deterministic)
     with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened
-        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, device, stop, cleanup)
+        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup)
         stopping = False  # a signal asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():
             run.model.train()
@@ -144,16 +137,6 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
     return signalled
 
 
-def pick_device(choice, deterministic: bool) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
-    device = torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
-    if deterministic:  # the same inputs give the same bits: what makes an exact resume checkable
-        use_deterministic_kernels()
-        torch.backends.cudnn.benchmark = False
-    return device
-
-
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> float:
     """Returns the best checkpoint.monitor value of the run: what a sweeper (Optuna) optimizes."""
@@ -171,6 +154,5 @@ def main(cfg) -> float:
 
 
 if __name__ == "__main__":
-    config.register()  # the schema Hydra checks conf/config.yaml against
-    config.check_command_line(sys.argv[1:], Path(__file__).parent / "conf")  # a typo: one line, not Hydra's report
-    main()
+    schema.register()  # the schema Hydra checks conf/config.yaml against
+    preflight.one_line_errors(main, sys.argv[1:], Path(__file__).parent / "conf")  # a typo: one line, not a report

@@ -48,7 +48,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
-from .engine import config, memory, monitor, rng
+from .engine import memory, monitor, rng, schema
 from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
@@ -405,7 +405,7 @@ def main() -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    config.register()  # the schema conf/config.yaml lists first
+    schema.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 
 

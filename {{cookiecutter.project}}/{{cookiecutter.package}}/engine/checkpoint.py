@@ -20,16 +20,20 @@ import torch
 import torchvision
 from omegaconf import OmegaConf
 
+from . import distributed, rng
 from .errors import UserError
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
 
 
+def rank_state(train_loader) -> dict:
+    """What differs between data-parallel processes: each one's main RNG and train loader (its worker streams)."""
+    return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
+
+
 def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
     """The whole checkpoint; `ranks` holds `rank_state()` of every process, indexed by rank."""
-    from .resume import progress  # resume.py imports this module
-
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -38,7 +42,7 @@ def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, 
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "epoch": train_loader.epoch,
         "step": step,
-        "progress": progress(train_loader),
+        "progress": train_loader.progress(),
         "ranks": ranks,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "versions": {
@@ -164,9 +168,7 @@ class CheckpointPolicy:
 
     def save(self, run, record: dict | None = None) -> None:
         """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line."""
-        from . import distributed, resume
-
-        ranks = distributed.gather_to_main(resume.rank_state(run.train_loader), self.world)
+        ranks = distributed.gather_to_main(rank_state(run.train_loader), self.world)
         if self.world.is_main:
             state = snapshot(
                 run.cfg, run.step, run.model, run.optimizer, run.scheduler, run.scaler, run.train_loader, ranks

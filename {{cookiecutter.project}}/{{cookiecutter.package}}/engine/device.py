@@ -12,12 +12,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
+from hydra.utils import instantiate
 
 from . import distributed
 from .errors import UserError
+
+
+def pick_device(choice) -> torch.device:
+    """The device for `device` (auto | cpu | cuda): under torchrun, this rank's GPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    if choice != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def map_tensors(fn, batch):
@@ -177,6 +188,4 @@ def input_transform(data_cfg, device: torch.device, channels_last: bool = False)
     node = data_cfg.get("normalize")
     if node is None:
         return PrepareBatch(Normalize(device=device, channels_last=channels_last))
-    from hydra.utils import instantiate
-
     return PrepareBatch(instantiate(node, device=device, channels_last=channels_last))

@@ -21,8 +21,8 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import IterableDataset, default_collate
 
-from .config import _reason, check_data  # config imports this module only inside check(), once it is loaded
-from .device import input_transform, to_device
+from .checks import check_data, reason
+from .device import input_transform, pick_device, to_device
 from .errors import UserError
 from .evaluate import check_metrics
 from .init_from import init_weights
@@ -33,7 +33,7 @@ NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementati
 
 
 def dry_step(cfg) -> None:
-    device = run_device(cfg)
+    device = pick_device(cfg.device)
     with kept_rng():
         model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
         if not isinstance(model, torch.nn.Module):
@@ -43,7 +43,7 @@ def dry_step(cfg) -> None:
         try:
             optimizer = build_optimizer(cfg.optim, model)
         except Exception as e:
-            raise UserError(f"optim: cannot build {cfg.optim._target_}: {_reason(e)}") from None
+            raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
         task = _build(cfg.task, "task")
         train_set = _build(cfg.data.train, "data.train")
         val_set = _build(cfg.data.val, "data.val")
@@ -78,15 +78,6 @@ def dry_step(cfg) -> None:
             f"checkpoint.monitor={cfg.checkpoint.monitor} is not reported by task {target}: "
             f"pick one of {', '.join(reported)}"
         )
-
-
-def run_device(cfg) -> torch.device:
-    """The device train.py will pick (under torchrun, this rank's GPU)."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
-    if cfg.device != "cpu" and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -131,11 +122,11 @@ def _named(cfg, target: str, method: str, split: str):
         op = NONDETERMINISTIC.search(str(e))
         if op:
             raise UserError(
-                f"deterministic=true but {op[1]} (in {cfg.model._target_} on {run_device(cfg).type}) has no "
+                f"deterministic=true but {op[1]} (in {cfg.model._target_} on {pick_device(cfg.device).type}) has no "
                 "deterministic kernel: set deterministic=false (resume is then not bit-exact), or use another op"
             ) from None
         raise UserError(
-            f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}: {_reason(e)}"
+            f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}: {reason(e)}"
         ) from None
 
 
@@ -148,7 +139,7 @@ def _build(node, name: str):
         cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
         if cause is not None:  # a data set's own one-line refusal (a missing folder), raised through Hydra
             raise cause from None
-        raise UserError(f"{name}: cannot build {node._target_}: {_reason(e)}") from None
+        raise UserError(f"{name}: cannot build {node._target_}: {reason(e)}") from None
 
 
 def _two(dataset, collate, name: str):
@@ -164,4 +155,4 @@ def _two(dataset, collate, name: str):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{name}: reading its first samples fails: {_reason(e)}") from None
+        raise UserError(f"{name}: reading its first samples fails: {reason(e)}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hydra.errors import InstantiationException
+
 
 class UserError(Exception):
     """Bad input from the user (config, checkpoint, data path): the message says what is wrong and what to do."""
@@ -22,8 +24,6 @@ def find_user_error(exc: BaseException) -> UserError | None:
     A `_target_` that cannot be found, or that is called with arguments it does not take (a typo in
     `+data.train.sizes=10`), is a config error too; anything else a target raises keeps its traceback.
     """
-    from hydra.errors import InstantiationException
-
     for e in causes(exc):
         if isinstance(e, UserError):
             return e

@@ -33,10 +33,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
+from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
 EXIT_RETRY = 75  # sysexits' EX_TEMPFAIL: the run can go on from its checkpoint (resume=latest) once restarted
-MiB = 2**20
 STALL_STACKS = "stall_stacks.txt"  # in the run folder: every train worker's Python stack when a stall fired
 BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sample=skip dropped
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
@@ -220,8 +220,6 @@ def is_shm_error(error: BaseException) -> bool:
 
 
 def shm_full(error: BaseException) -> ShmFull:
-    from .memory import SHM_DIR, shm_space
-
     space = shm_space()
     if space is None:
         how = "shared memory is exhausted"

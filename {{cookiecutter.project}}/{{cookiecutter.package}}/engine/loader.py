@@ -25,25 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
 from . import failures, rng
 from .device import map_tensors
 from .errors import UserError
+from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoaderSettings:
-    """A loader profile after validation: what actually reaches the DataLoader."""
-
-    batch_size: int
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
-    persistent_workers: bool
-    timeout: float
 
 
 def usable_cpus() -> int:
@@ -211,8 +201,6 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.per_sample, self.skip = dataset, seed, per_sample, skip
-        self._seeding_state: rng.SampleSeeding | None = None
-        self._seeding_pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -225,38 +213,20 @@ class SeededBatches(torch.utils.data.Dataset):
             return self._fetch(batch)
         in_main = get_worker_info() is None
         saved = rng.capture() if in_main else None
-        seeding = self._seeding()
-        seeding.begin()
         prefetch = getattr(self.dataset, "prefetch", None)
         if prefetch is not None:
             prefetch(list(batch))
         seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
 
         def make(index):
-            seeding.seed(seeds[index])
-            sample = self.dataset[index]
-            while seeding.check():  # it drew from a generator not seeded yet, which now is: again (twice at most)
-                seeding.seed(seeds[index])
-                sample = self.dataset[index]
-            return sample
+            rng.seed_sample(seeds[index])  # the collate after the batch's last sample draws on its streams too
+            return self.dataset[index]
 
         try:
-            samples = failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
+            return failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
         finally:
             if in_main:
                 rng.apply(saved)
-        samples.remake = lambda: self.__getitems__(batch)  # for a collate that drew from an unseeded generator
-        samples.check = seeding.check
-        return samples
-
-    def _seeding(self) -> rng.SampleSeeding:
-        """This process's seeding state (made in each worker: it watches that process's generators)."""
-        if self._seeding_pid != os.getpid():
-            self._seeding_state, self._seeding_pid = rng.SampleSeeding(), os.getpid()
-        return self._seeding_state
-
-    def __getstate__(self) -> dict:  # spawn / forkserver workers: each makes its own seeding state
-        return {**self.__dict__, "_seeding_state": None, "_seeding_pid": None}
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -333,10 +303,6 @@ class CollateWithSnapshot:
         info = get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, None, skipped
-        check = getattr(samples, "check", None)
-        if check is not None and check():  # the collate drew from numpy or python `random`, not seeded yet
-            samples = samples.remake()  # they are now: the batch again, the collate on the last sample's streams
-            batch = self.collate_fn(list(samples))
         batch = map_tensors(_for_the_queue, batch)
         state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
         return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped
@@ -553,6 +519,19 @@ class TrainLoader:
             self.loader = self._dataloader(seeding, self.generator, persistent)
         return self.loader
 
+    def progress(self) -> dict:
+        """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
+        batches = self.epoch * self.batches_per_epoch + self.position
+        g = self.sampler.global_batch
+        return {
+            "epoch": self.epoch,
+            "position": self.position,  # global batches of this epoch consumed
+            "batches": batches,  # global batches consumed over the run
+            "samples": batches * g,
+            "global_batch": g,
+            "world_size": self.sampler.world_size,
+        }
+
     def state_dict(self) -> dict:
         # per_sample seeds every sample afresh: the workers' streams carry nothing a resume needs
         streams = self.generation.streams() if self.generation and self.rng_mode == "per_worker" else []
@@ -610,8 +589,6 @@ def collate_of(data_cfg):
     node = data_cfg.get("collate")
     if node is None:
         return None
-    from hydra.utils import instantiate
-
     return instantiate(node)
 
 

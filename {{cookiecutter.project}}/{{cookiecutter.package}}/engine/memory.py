@@ -33,13 +33,24 @@ from torch.utils.data import default_collate
 
 from . import rng
 from .errors import UserError
-from .loader import LoaderSettings
 
 MiB = 2**20
 SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open names files there)
 # Beyond the batches counted in shm_need: tmpfs rounds every tensor file up to whole pages (a label
 # tensor of 512 bytes takes 4 KiB), and a batch of the validation set may be larger than a train batch.
 SHM_MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """A loader profile after validation: what actually reaches the DataLoader."""
+
+    batch_size: int
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    timeout: float
 
 
 def batch_bytes(batch) -> int:

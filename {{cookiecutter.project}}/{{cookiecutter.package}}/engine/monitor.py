@@ -26,6 +26,7 @@ import time
 import psutil
 
 from .errors import causes
+from .failures import shm_full
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ def worker_death(exc: BaseException) -> str | None:
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Bus error" in text or "SIGBUS" in text:  # a shared-memory page that could not be had
-                from .failures import shm_full
-
                 return f"{text.split('. ')[0].rstrip('. ')}: {shm_full(link)}"
             if "Killed" in text or "SIGKILL" in text:
                 return (

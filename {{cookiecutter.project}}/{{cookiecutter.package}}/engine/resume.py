@@ -1,4 +1,5 @@
-"""Resuming: find the checkpoint to continue from, check it fits this run, and load it into the live objects.
+"""Resuming: what makes a run the same run, find the checkpoint to continue from, check it fits this run, and load
+it into the live objects.
 
 The file format and its atomic writing are in checkpoint.py.
 """
@@ -6,37 +7,52 @@ The file format and its atomic writing are in checkpoint.py.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
-from hydra.utils import to_absolute_path
+from hydra.utils import instantiate, to_absolute_path
 from omegaconf import OmegaConf
 
-from . import config, rng
+from . import checkpoint, rng
 from .errors import UserError
 from .schedule import fast_forward
 
 log = logging.getLogger(__name__)
 
 
-def rank_state(train_loader) -> dict:
-    """What differs between data-parallel processes: each one's main RNG and train loader (its worker streams)."""
-    return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
+# Which keys, when changed, make a resumed run a different run (`compare`). The rule: every key
+# does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
+# loader.num_workers and loader.persistent_workers do too (each worker's own RNG stream feeds the data).
+SAME_RUN = {
+    "resume": "where to start from",
+    "resume_strict": "how to treat changes",
+    "max_steps": "a stop point, not a change of the run",
+    "progress": "display only",
+    "device": "the same run on other hardware (bits may differ)",
+    "monitor.*": "health sampling",
+    "checkpoint.*": "when and where checkpoints are written",
+    "*every_steps": "how often something is logged or saved",
+    "loader.*": "speed and memory of loading, except batch_size",
+    "logger.*": "where the figures are sent",
+    # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
+    "data.on_bad_sample": "what a bad sample does, from here on",
+}
+RUN_KEYS_UNDER_SAME = {
+    "loader.batch_size": None,
+    "loader.num_workers": "per_worker",
+    "loader.persistent_workers": "per_worker",
+}
 
 
-def progress(train_loader) -> dict:
-    """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
-    batches = train_loader.epoch * train_loader.batches_per_epoch + train_loader.position
-    g = train_loader.sampler.global_batch
-    return {
-        "epoch": train_loader.epoch,
-        "position": train_loader.position,  # global batches of this epoch consumed
-        "batches": batches,  # global batches consumed over the run
-        "samples": batches * g,
-        "global_batch": g,
-        "world_size": train_loader.sampler.world_size,
-    }
+def changes_run(name: str, rng_mode: str) -> bool:
+    """True when a different value of `name` makes a different run (so a resume must not change it silently)."""
+    if name in RUN_KEYS_UNDER_SAME:
+        only = RUN_KEYS_UNDER_SAME[name]
+        return only is None or only == rng_mode
+    return not any(fnmatch(name, pattern) for pattern in SAME_RUN)
 
 
 def written_by(ckpt: dict) -> int:
@@ -83,7 +99,7 @@ def locate(
 
     `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
     newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
-    changes the run (`config.changes_run`) and a global batch this run's `world_size` processes can share. Newer
+    changes the run (`changes_run`) and a global batch this run's `world_size` processes can share. Newer
     ones that do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
     eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
     `world_size=None` (any number of processes).
@@ -120,7 +136,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         saved = ckpt["config"]
     except Exception as e:
         return f"not a readable checkpoint ({type(e).__name__})"
-    changed = [c for c in differences(saved, cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
+    changed = [c for c in differences(saved, cfg) if changes_run(c[0], cfg.rng_mode.value)]
     if only is not None:
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
@@ -164,16 +180,23 @@ def describe(changes) -> str:
 
 def run_changes(ckpt: dict, cfg) -> list:
     """The differences between the checkpoint's config and this one that make a different run."""
-    return [c for c in differences(ckpt["config"], cfg) if config.changes_run(c[0], cfg.rng_mode.value)]
+    return [c for c in differences(ckpt["config"], cfg) if changes_run(c[0], cfg.rng_mode.value)]
+
+
+def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
+    """(the first step this run logs, what a tracked run is told: the step, with resume_strict=false what changed)."""
+    changes = run_changes(ckpt, cfg)
+    said = f"resumed at step {ckpt['step'] + 1}"
+    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(changes)}" if changes else said
 
 
 def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
     """Refuse (resume_strict) or log a resume whose config changes the run; log the changes that do not.
 
-    What counts as changing the run is decided by one rule, `config.changes_run`.
+    What counts as changing the run is decided by one rule, `changes_run`.
     """
     changes = differences(ckpt["config"], cfg)
-    run = [c for c in changes if config.changes_run(c[0], cfg.rng_mode.value)]
+    run = [c for c in changes if changes_run(c[0], cfg.rng_mode.value)]
     same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
     if run and cfg.resume_strict:
         raise UserError(
@@ -192,6 +215,21 @@ def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
         )
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
+
+
+def precheck(cfg, run_dir: Path) -> None:
+    """A resume that train() would refuse, refused before the run folder is written: no file there, not a checkpoint,
+    another run's config (unless resume_strict=false), another model, a number of processes that does not divide its
+    global batch. The checkpoint is memory-mapped: its tensors are not read."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    found = locate(cfg.resume, run_dir, cfg, world_size, is_main=False)  # the logging is train()'s to do
+    if found is None:
+        return
+    ckpt = checkpoint.load(found, mmap=True)
+    compare(ckpt, cfg, found, is_main=False)
+    with torch.random.fork_rng(devices=[]):
+        model = instantiate(cfg.model)
+    check_fits(ckpt, cfg, model, world_size)
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:

@@ -8,7 +8,6 @@ The *saved* form holds only tensors, ints, floats and None, so a checkpoint load
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import numpy as np
@@ -53,81 +52,12 @@ def sample_seeds(seed: int, epoch: int, indices) -> list[int]:
 
 
 def seed_sample(seed: int) -> None:
-    """Seed python, numpy and torch's CPU generator for one sample: ~6 us, against ~14 us for `seed_cpu`, because
-    numpy takes one 32-bit word here (its two-word seeding runs a longer initialisation)."""
+    """Seed python, numpy and torch's CPU generator for one sample (rng_mode=per_sample), through their public
+    seeding calls: ~6 us, against ~14 us for `seed_cpu`, because numpy takes one 32-bit word here (its two-word
+    seeding runs a longer initialisation). What that costs a real data set is in the README's rng_mode section."""
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed >> 32)
     random.seed(seed)
-
-
-class _Twister:
-    """Two fields of a Mersenne Twister's state read in place: its position and its first key word. A draw moves the
-    position, and a run of draws that brings it round again has regenerated the key: either one changes."""
-
-    def __init__(self, position_address: int, key_address: int):
-        self.position = ctypes.c_int.from_address(position_address)
-        self.key = ctypes.c_uint32.from_address(key_address)
-
-    def read(self) -> tuple[int, int]:
-        return self.position.value, self.key.value
-
-
-def _twisters() -> dict:
-    """numpy's and python's global generators, watched in place; {} where their layout is not the one checked here
-    (another numpy or Python build): then every sample seeds all three."""
-    try:
-        state = np.random.mtrand._rand._bit_generator.ctypes.state_address  # mt19937_state: key[624], pos
-        head = object.__basicsize__  # python's RandomObject: PyObject_HEAD, int index, uint32 state[624]
-        inst = id(random._inst)
-        watched = {"numpy": _Twister(state + 624 * 4, state), "python": _Twister(inst + head, inst + head + 4)}
-    except Exception:
-        return {}
-    saved, fits = capture(), True
-    try:
-        for draws in (0, 1, 700):  # seeded; one draw; past a regeneration of the key
-            np.random.seed(12345)
-            random.seed(12345)
-            for _ in range(draws):
-                np.random.random(), random.random()
-            n, p = np.random.get_state(), random.getstate()
-            fits &= watched["numpy"].read() == (n[2], int(n[1][0]))
-            fits &= watched["python"].read() == (p[1][-1], p[1][0])
-    finally:
-        apply(saved)
-    return watched if fits else {}
-
-
-class SampleSeeding:
-    """Seeding before each sample, as `seed_sample` does, paying only for the generators samples draw from.
-
-    torch's generator is seeded before every sample (1 us). numpy's and python's cost ~2 and ~4 us each, and
-    another ~10 us in the cache misses their 2.5 KB states cause in the transforms that follow; torchvision's
-    transforms never touch them. So they are left alone, their state watched in place, until a sample draws from
-    one: that sample is made again with both seeded, and from then on they are seeded before every sample too. The
-    result is what seeding all three before every sample gives, bit for bit. `check()` after a sample (or after the
-    collate) says whether it must be made again."""
-
-    def __init__(self):
-        self.watched = _twisters()
-        self.begin()
-
-    def begin(self) -> None:
-        """Note the watched generators' states, as they stand now (at the start of a batch)."""
-        self.marks = {name: twister.read() for name, twister in self.watched.items()}
-
-    def seed(self, seed: int) -> None:
-        torch.default_generator.manual_seed(seed)
-        if "numpy" not in self.watched:
-            np.random.seed(seed >> 32)
-        if "python" not in self.watched:
-            random.seed(seed)
-
-    def check(self) -> bool:
-        """True when a watched generator was drawn from since `begin()`; it is seeded with every sample from now on."""
-        drawn = [name for name, twister in self.watched.items() if twister.read() != self.marks[name]]
-        for name in drawn:
-            del self.watched[name]
-        return bool(drawn)
 
 
 def from_seed(seed: int) -> RawState:

@@ -7,6 +7,7 @@ a resume builds a fresh `Run` and loads the checkpoint into it before the first 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 from dataclasses import dataclass, replace
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
+from torch.utils.data import default_collate
 from tqdm import tqdm
 
-from . import checkpoint, config, distributed, failures, memory, resume, rng, tracking
+from . import checkpoint, distributed, failures, memory, resume, rng, tracking
+from .checks import check_data
 from .batch_transform import SeededBatchTransform
-from .device import amp_dtype, device_batches, input_transform
+from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
 from .ema import EMA
 from .init_from import init_weights
 from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
@@ -116,16 +119,14 @@ class Run:
         return resume.where(self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size)
 
 
-def build(
-    cfg, run_dir: Path, overrides: list, device: torch.device, stop: StopRequest, cleanup: contextlib.ExitStack
-) -> Run:
+def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack) -> Run:
     """Join the ranks, seed, find the checkpoint to resume from, build data, loaders, model, optimizer, schedule and
     logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends."""
+    device = pick_device(cfg.device)
     world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
-    device = distributed.rank_device(device, world)
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
@@ -133,7 +134,7 @@ def build(
         resume.compare(ckpt, cfg, found, world.is_main)  # a change of the run is refused unless resume_strict=false
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
-    config.check_data(train_set, val_set, cfg.data.get("num_classes"))
+    check_data(train_set, val_set, cfg.data.get("num_classes"))
     collate = collate_of(cfg.data)
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
@@ -183,6 +184,7 @@ def build(
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
+    distributed.settle_buckets(net, lambda: task.loss(net, prepare(to_device(two_samples(train_set, collate), device))))
     ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
     if ema is not None and ckpt and ckpt.get("ema") is not None:
         ema.load_state_dict(ckpt["ema"])
@@ -199,7 +201,8 @@ def build(
         run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step
     )
     purge = step + 1 if ckpt else None
-    trackers = tracking.start(cfg, run_dir, ckpt, purge) if world.is_main else None  # MLflow, W&B, CSV (logger.use)
+    note = resume.tracking_note(ckpt, cfg) if ckpt else None
+    trackers = tracking.start(cfg, run_dir, ckpt, purge, note) if world.is_main else None  # MLflow, W&B, CSV
     tensorboard = "tensorboard" in tracking.chosen(cfg)
     runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tensorboard))
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
@@ -209,6 +212,14 @@ def build(
     )  # fmt: skip
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
     return run
+
+
+def two_samples(dataset, collate):
+    """A batch of the data set's first two samples (or one), made in this process: for the throwaway step that
+    settles DDP's buckets (distributed.settle_buckets), which puts every generator back as it was. From a shallow
+    copy, so a data set that opens its files on first use does so on the copy: the workers inherit no open handle."""
+    copy_ = copy.copy(dataset)
+    return (collate or default_collate)([copy_[i] for i in range(min(2, len(dataset)))])
 
 
 def end_tracking(run: Run) -> None:

@@ -184,5 +184,5 @@ def drop_records_from(path: Path, step: int) -> None:
 
 def minor_page_faults() -> int | None:
     """This process's minor page faults so far, all threads (None where there is no getrusage): a step that
-    faults thousands of times is taking back memory its allocator gave away (allocator.py)."""
+    faults thousands of times is taking back memory its allocator gave away (engine/process.py)."""
     return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -23,13 +23,15 @@ import uuid
 from enum import Enum
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from .errors import UserError
+from .schema import TRACKERS
 
 log = logging.getLogger("train")
 
-TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")
 PACKAGE = {"mlflow": "mlflow", "wandb": "wandb"}  # the import that each needs, and the pip extra named after it
 LOCAL_MLFLOW = "mlflow.db"  # logger.mlflow.on_unreachable=local: a database in the run folder, with the run's files
 
@@ -75,27 +77,23 @@ def importable(module: str) -> bool:
 def names(run_dir: Path) -> tuple[str, str | None]:
     """(this run's name, its sweep's name or None): the run folder, and in a multirun (-m, Optuna) the sweep folder,
     so that the jobs of one sweep share an MLflow experiment and a W&B group."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            return run_dir.name, Path(HydraConfig.get().sweep.dir).name
-    except ImportError:  # Hydra is always there for train.py; this keeps the module usable on its own
-        pass
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return run_dir.name, Path(HydraConfig.get().sweep.dir).name
     return run_dir.name, None
 
 
-def start(cfg, run_dir: Path, ckpt: dict | None, purge_step: int | None) -> Tracking | None:
+def start(
+    cfg, run_dir: Path, ckpt: dict | None, purge_step: int | None, note: tuple[int, str] | None
+) -> Tracking | None:
     """The trackers of `logger.use` other than TensorBoard (RunLog keeps that), started; None when there are none.
-    `ckpt`: the checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue."""
+    `ckpt`: the checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue; `note`: (the first
+    step this run logs, what the tracked run is told: the step, with resume_strict=false what changed)."""
     use = [name for name in chosen(cfg) if name != "tensorboard"]
     if not use:
         return None
     timeout = float(cfg.logger.timeout_s)
     saved = dict((ckpt or {}).get("tracking") or {})
     params = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-    note = resume_note(ckpt, cfg) if ckpt else None
     run_name, sweep = names(run_dir)
     trackers = []
     for name in use:
@@ -107,15 +105,6 @@ def start(cfg, run_dir: Path, ckpt: dict | None, purge_step: int | None) -> Trac
             trackers.append(WandbTracker(cfg.logger.wandb, run_dir, run_name, sweep, timeout))
         trackers[-1].start(params, saved.get(name), note)
     return Tracking(trackers, timeout)
-
-
-def resume_note(ckpt: dict, cfg) -> tuple[int, str]:
-    """(the first step this run logs, what the tracked run is told: the step, with resume_strict=false what changed)."""
-    from .resume import describe, run_changes
-
-    changes = run_changes(ckpt, cfg)
-    said = f"resumed at step {ckpt['step'] + 1}"
-    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(changes)}" if changes else said
 
 
 class Tracking:

@@ -1,0 +1,139 @@
+"""What a command checks before any work, once: `check_run`, and where it runs.
+
+- `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
+  the run folder, and for each job of a multirun as it starts (`-m`, sweeps, SLURM jobs).
+- `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
+  config (a mistyped key, a value of the wrong type, an unknown group option, a syntax error) into one `error:` line
+  and exit code 2, like every other refusal. The config is composed once, by Hydra.
+"""
+
+import os
+import re
+import difflib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+from . import checks, resume, slurm
+from .device import pick_device
+from .dry_step import dry_step
+from .errors import UserError
+
+
+def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str]) -> None:
+    """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
+    without building anything (SLURM tasks that cannot meet, device=cuda with no GPU, the data sets' `precheck`,
+    a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
+    checks.check_keys(cfg, choices, overrides)
+    slurm.job_ranks()
+    pick_device(cfg.device)
+    checks.precheck_data(cfg)
+    if cfg.resume:
+        resume.precheck(cfg, run_dir)
+    dry_step(cfg)
+
+
+class CheckBeforeRun(Callback):
+    """`check_run` for train.py (eval.py composes the same config with keys of its own), exiting with its one line.
+
+    Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function, so a
+    refusal from inside train() would already have overwritten a resumed run's saved config: a single run is checked
+    in `on_run_start`, before anything is written. A multirun's jobs (Hydra calls no `on_run_start` for them) are
+    checked in `on_job_start`, each in its own new folder."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if config.hydra.job.name != "train":
+            return
+        # Hydra calls on_run_start before run_job, and only run_job sets HydraConfig, which the `${hydra:...}` parts of
+        # hydra.run.dir need (hydra-ecosystem/hydra#1301; run-level callbacks run first, #1884): set it first, as
+        # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
+        # check (callbacks.py's _notify).
+        # Resolved on Hydra's own config, not a copy: `${now:...}` is cached per config object, so run_job names the
+        # same folder a second later.
+        HydraConfig.instance().set_config(config)
+        run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+        config = config.copy()
+        with read_write(config.hydra.runtime):  # as run_job sets it next, so `${hydra:runtime.output_dir}` resolves
+            config.hydra.runtime.output_dir = run_dir
+        HydraConfig.instance().set_config(config)
+        task = config.copy()
+        with open_dict(task):
+            del task["hydra"]
+        self.check(task, config, run_dir)
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
+            task = config.copy()
+            with open_dict(task):
+                del task["hydra"]
+            self.check(task, config, config.hydra.runtime.output_dir)
+
+    @staticmethod
+    def check(task: DictConfig, config: DictConfig, run_dir: str) -> None:
+        try:
+            check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+
+
+
+def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
+    """Run Hydra's `main()`; a composition error becomes one `error:` line and exit code 2. HYDRA_FULL_ERROR (Hydra's
+    documented switch) makes Hydra raise the error instead of printing its report and exiting 1."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        GlobalHydra.instance().clear()  # the failed composition left Hydra initialised
+
+        def composed(overrides):
+            with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
+                return compose("config", overrides=overrides, return_hydra_config=True)
+
+        print(f"error: {composition_error(e, argv, composed)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def composition_error(e: BaseException, argv: list[str], composed: Callable) -> str:
+    """Hydra's composition error in one line; for an unknown key, the nearest known one."""
+    typo = re.match(r"Could not override '([^']+)'", str(e))
+    if typo:
+        key = typo[1]
+        parent, _, name = key.rpartition(".")
+        try:
+            rest = composed([a for a in argv if not a.startswith((key + "=", "-"))])
+            node = OmegaConf.select(rest, parent) if parent else rest
+            known = list(node) if OmegaConf.is_dict(node) else []
+        except Exception:  # the other overrides fail too: no suggestion, the error still says which key
+            known = []
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+        where = "Hydra's own config" if key.startswith("hydra.") else "the schema in schema.py"
+        return f"unknown config key {key}{hint}: {where} has no such key"
+    options = getattr(e, "options", None)
+    missing = getattr(e, "missing_cfg_file", None)
+    if options and missing and "/" in missing:
+        group, _, choice = missing.rpartition("/")
+        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(options))}"
+    if type(e).__name__ == "OverrideParseException":
+        return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
+    merging = re.match(r"Error merging override (\S+)$", str(e))
+    if merging and e.__cause__ is not None:  # a value of the wrong type: the override, then OmegaConf's reason
+        return f"{merging[1]}: {str(e.__cause__).splitlines()[0]}"
+    noise = ("full_key:", "object_type=", "reference_type=", "Config search path", "provider=", "See https://")
+    parts = []
+    for err in (e, e.__cause__):
+        lines = [line.strip() for line in str(err or "").splitlines()]
+        parts.append(" ".join(line for line in lines if line and not line.startswith(noise)))
+    return ": ".join(part for part in parts if part)[:400]

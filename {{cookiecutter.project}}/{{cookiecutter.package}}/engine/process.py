@@ -1,0 +1,130 @@
+"""Process-wide settings, in one place: `process.*` in conf/config.yaml, and deterministic kernels.
+
+Each one changes the whole process, not one object, so train.py applies them once, here, and nowhere else.
+Nothing is exported to the environment: processes the run starts do not inherit them (forked loader workers
+share the allocator's settings, which live in the process's memory, and run one thread each).
+
+- `process.omp_wait_policy` (passive | active | null). OpenMP's threads spin while they wait for each other by
+  default; on a CPU training run they spin on the cores the loader workers decode on, and each step waits for both.
+  OpenMP reads OMP_WAIT_POLICY once, as torch loads, so train.py applies this key around its `import torch`
+  (`openmp_wait_policy`), from the command line or conf/config.yaml. Measured (2 CPUs, SmallCNN, 2 workers):
+  train.py 919 samples/s spinning, 1076 passive. Without workers, spinning is faster: `active`. null: OpenMP's own
+  default, or the OMP_WAIT_POLICY you set.
+- `process.keep_freed_memory` (glibc). A step allocates and frees the same activations every time; glibc's malloc
+  hands free memory at the top of its heap back to the kernel past a threshold it tunes as it goes, and the next
+  step faults it in again, page by page. Fixing the thresholds (requests up to 32 MiB from the heap, up to 1 GiB of
+  freed memory kept) ends that: `page_faults_per_batch` in metrics.jsonl went from thousands to a handful, ~10% of
+  a small CPU model's step. MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
+- `process.threads`: torch's intra-op threads (torch.set_num_threads); null: torch's default (one per core, or
+  OMP_NUM_THREADS, which torchrun sets to 1 with several processes per node). The count changes the last bits of
+  CPU kernels' results: keep it when you resume on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 2**30  # free memory at the heap's top beyond this still goes back to the kernel
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+applied_wait_policy: str | None = None  # what openmp_wait_policy() gave OpenMP, for apply() to compare
+
+
+@contextlib.contextmanager
+def openmp_wait_policy(argv: list[str], conf_dir: Path):
+    """Around train.py's `import torch`: OMP_WAIT_POLICY set from `process.omp_wait_policy` (the command line's
+    value, else conf/config.yaml's) while torch loads, then the environment as it was. A value you exported stays."""
+    global applied_wait_policy
+    wanted = _command_line_value(argv, "process.omp_wait_policy")
+    if wanted is None:
+        wanted = OmegaConf.select(OmegaConf.load(conf_dir / "config.yaml"), "process.omp_wait_policy")
+    set_here = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and wanted not in (None, "null")
+    if set_here:
+        os.environ["OMP_WAIT_POLICY"] = str(wanted).upper()
+    applied_wait_policy = str(wanted).lower() if set_here else None
+    try:
+        yield
+    finally:
+        if set_here:
+            del os.environ["OMP_WAIT_POLICY"]
+
+
+def _command_line_value(argv: list[str], key: str) -> str | None:
+    found = None
+    for arg in argv:
+        match = re.fullmatch(r"\+{0,2}" + re.escape(key) + r"=(.*)", arg)
+        if match:
+            found = match[1].strip("'\"")
+    return found
+
+
+def apply(cfg) -> None:
+    """The `process` keys that can be set once the config is composed; says when the wait policy came too late."""
+    wanted = cfg.process.omp_wait_policy
+    wanted = None if wanted is None else str(getattr(wanted, "value", wanted))
+    if wanted is not None and applied_wait_policy is not None and wanted != applied_wait_policy:
+        log.warning(
+            "process.omp_wait_policy=%s is set after OpenMP read its wait policy (%s) as torch loaded: set it on the "
+            "command line or in conf/config.yaml", wanted, applied_wait_policy,
+        )  # fmt: skip
+    if cfg.process.keep_freed_memory:
+        keep_freed_memory()
+    if cfg.process.threads is not None:
+        import torch  # loaded already by the caller; this module must not load it (see openmp_wait_policy)
+
+        torch.set_num_threads(cfg.process.threads)
+    if cfg.deterministic:
+        use_deterministic_kernels()
+
+
+def on_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc the thresholds are for."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError):  # no confstr (Windows), a name it does not know (macOS)
+        return False
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
+    of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead."""
+    if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if not on_glibc():
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def use_deterministic_kernels(fill_uninitialized: bool = False) -> None:
+    """deterministic=true: the same inputs give the same bits, which is what makes an exact resume checkable.
+
+    PyTorch's deterministic mode also fills every new uninitialized tensor with NaN by default
+    (`torch.utils.deterministic.fill_uninitialized_memory`): an extra write pass that cost ~7% of a SmallCNN step on
+    the CPU and changes no result of an op that writes its whole output, as every op of this loop does. It is off
+    here; to hunt code that reads memory it never wrote, set it back to True after this runs."""
+    import torch  # see apply()
+    import torch.utils.deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode reads it
+    # warn_only: the config check's dry step has already refused, in one line, an op without a deterministic kernel
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized
+    torch.backends.cudnn.benchmark = False  # its autotuner picks kernels by timing: not the same on every run

@@ -1,0 +1,286 @@
+"""The config schema: each key's type (Hydra refuses `epochs=ten` or `device=gpu` as it composes) and its range
+(`checks.check_keys` refuses `epochs=-1`).
+
+Defaults live in one place, the YAML files under `conf/`: the schema holds no values (every field is MISSING). Adding
+a key takes one line here (type and range) and one commented line in the YAML that sets it; a YAML that forgets it
+fails with "... has no value". The groups whose keys depend on the chosen `_target_` (data, model, optim, task,
+schedule) are open: OPEN_KEYS gives the range of the keys the shipped targets give a meaning.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+SEED_MAX = 2**32 - 1  # numpy's np.random.seed takes 0 .. 2**32 - 1; torch and python take at least that
+TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/tracking.py)
+
+
+# Checks: each returns None when the value is fine, else what it should be.
+def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+            span = f"between {low} and {high}" if high is not None else f">= {low}"
+            return f"an integer {span}" + (f", or null ({null})" if null else "")
+
+    return check
+
+
+def number(low: float, high: float | None = None, above: bool = False, null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        if bad or (v <= low if above else v < low) or (high is not None and v > high):
+            span = f"> {low}" if above else f">= {low}"
+            span = f"in [{low}, {high}]" if high is not None else span
+            return f"a number {span}" + (f", or null ({null})" if null else "")
+
+    return check
+
+
+def integer_or(word: str, low: int) -> Callable:
+    def check(v):
+        if v != word and integer(low)(v):
+            return f"an integer >= {low} or '{word}'"
+
+    return check
+
+
+def flag_or(word: str) -> Callable:
+    def check(v):
+        return None if isinstance(v, bool) or v == word else f"true, false or '{word}'"
+
+    return check
+
+
+def text(null: str | None = None) -> Callable:
+    def check(v):
+        if v is None and null:
+            return None
+        if not isinstance(v, str) or not v.strip():
+            return "a non-empty string" + (f", or null ({null})" if null else "")
+
+    return check
+
+
+def one_of(*allowed, also=()) -> Callable:
+    """One of the strings `allowed` (or a value in `also`, e.g. the booleans an older config used)."""
+
+    def check(v):
+        if not (isinstance(v, str) and v in allowed) and not any(v is a for a in also):
+            shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+            return shown + (f" ({'/'.join(str(a).lower() for a in also)} also work)" if also else "")
+
+    return check
+
+
+def typed() -> Callable:
+    """Hydra's schema already refuses anything but the field's type (bool, an Enum)."""
+    return lambda v: None
+
+
+def key(check: Callable) -> Any:
+    """A schema field: no default (the YAML holds it), and the range check `check()` applies."""
+    return field(default=MISSING, metadata={"check": check})
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class RngMode(str, Enum):
+    per_sample = "per_sample"
+    per_worker = "per_worker"
+
+
+class OnBudget(str, Enum):
+    adjust = "adjust"  # lower prefetch_factor, then num_workers, until the prefetch plan fits
+    error = "error"  # refuse to start instead
+
+
+class BestMode(str, Enum):
+    max = "max"  # higher is better (accuracy)
+    min = "min"  # lower is better (a loss)
+
+
+@dataclass
+class LoaderConfig:
+    batch_size: int = key(integer(1))
+    num_workers: Any = key(integer_or("auto", 0))
+    prefetch_factor: int | None = key(integer(1, null="PyTorch's default, 2"))
+    pin_memory: Any = key(flag_or("auto"))
+    persistent_workers: bool = key(typed())
+    timeout: float = key(number(0))
+    max_prefetch_mib: float | None = key(number(0, above=True, null="no budget"))
+    on_budget: OnBudget = key(typed())
+
+
+@dataclass
+class EmaConfig:
+    decay: float | None = key(number(0, 1, null="off"))
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = key(integer(1, null="epoch ends only"))
+    keep: int = key(integer(0))
+    search_dir: str = key(text())
+    monitor: str = key(text())  # best.pth keeps the epoch with the best value of this metrics.jsonl key
+    mode: BestMode = key(typed())
+
+
+@dataclass
+class MonitorConfig:
+    every_steps: int = key(integer(0))
+
+
+class WandbMode(str, Enum):
+    online = "online"  # to the W&B server (wandb login first)
+    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
+    disabled = "disabled"  # every call a no-op
+
+
+class OnUnreachable(str, Enum):
+    error = "error"  # refuse to start, in one line
+    local = "local"  # log to a database in the run folder instead (mlflow.db), and say so
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = key(text())
+    experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
+    on_unreachable: OnUnreachable = key(typed())
+    log_checkpoints: bool = key(typed())
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = key(typed())
+    project: str = key(text())
+    entity: str | None = key(text(null="your default entity"))
+
+
+def loggers(v):
+    if isinstance(v, str) or not isinstance(v, Sequence) or any(name not in TRACKERS for name in v):
+        return f"a list of {', '.join(TRACKERS)}"
+
+
+@dataclass
+class LoggerConfig:
+    use: list[str] = key(loggers)
+    timeout_s: float = key(number(0, above=True))
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+class WaitPolicy(str, Enum):
+    passive = "passive"  # OpenMP threads sleep while they wait (frees the cores for loader workers)
+    active = "active"  # they spin: faster without workers
+
+
+@dataclass
+class ProcessConfig:
+    omp_wait_policy: WaitPolicy | None = key(typed())
+    keep_freed_memory: bool = key(typed())
+    threads: int | None = key(integer(1, null="torch's default"))
+
+
+@dataclass
+class Config:
+    seed: int = key(integer(0, SEED_MAX))
+    epochs: int = key(integer(1))
+    max_steps: int | None = key(integer(1, null="run all epochs"))
+    resume: str | None = key(text(null="start fresh"))
+    resume_strict: bool = key(typed())
+    device: Device = key(typed())
+    deterministic: bool = key(typed())
+    amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
+    channels_last: bool = key(typed())
+    compile: bool = key(typed())
+    device_prefetch: bool = key(typed())
+    log_every_steps: int = key(integer(1))
+    progress: bool = key(typed())
+    rng_mode: RngMode = key(typed())
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    accumulate_steps: int = key(integer(1))
+    init_from: str | None = key(text(null="the model's own initialisation"))
+    init_strict: bool = key(typed())
+    val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+    data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
+    model: Any = MISSING
+    optim: Any = MISSING
+    task: Any = MISSING
+    schedule: Any = MISSING
+
+
+# Keys of the open groups that the shipped targets give a meaning: checked when present and the group's target is
+# one of the shipped ones (this package's, torch's optimizers), since a target of yours may mean something else.
+OPEN_KEYS = {
+    "data.num_classes": integer(2),
+    "data.image_size": integer(1),
+    "data.per_class": integer(1),
+    "data.root": text(),
+    "model.width": integer(1),
+    "optim.lr": number(0, above=True),
+    "optim.weight_decay": number(0),
+    "optim.momentum": number(0, 1),
+    "task.label_smoothing": number(0, 0.999),
+    "schedule.warmup_steps": integer(0),
+    "schedule.min_lr_ratio": number(0, 1),
+    "schedule.total_steps": integer(1, null="the planned epochs' steps"),
+}
+# The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
+LOOP_OPEN_KEYS = {
+    "optim.grad_clip": number(0, above=True, null="off"),
+    "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
+    "data.on_bad_sample": one_of("error", "skip"),
+}
+SHIPPED = {
+    "data": "data.train._target_",
+    "model": "model._target_",
+    "optim": "optim._target_",
+    "task": "task._target_",
+    "schedule": "schedule._target_",
+}
+PACKAGE = __name__.split(".")[0]  # targets of this package are "shipped" ones
+REQUIRED_OPEN = (
+    "data.train._target_",
+    "data.val._target_",
+    "model._target_",
+    "optim._target_",
+    "task._target_",
+    "schedule._target_",
+)
+
+
+def register() -> None:
+    """The schema, for Hydra to check conf/config.yaml against: called by the entry points before they compose."""
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def run_name(*parts) -> str:
+    """`${run_name:a,b,...}`: the parts that are set, joined by `_`, safe as one folder name (no `/`, <= 150 chars)."""
+    name = "_".join(str(p) for p in parts if p not in (None, "", "null"))
+    return name.replace("/", "-")[:150]
+
+
+# hydra.run.dir / hydra.sweep.subdir use ${run_name:...}. Registered on import rather than in register(): a submitit
+# job unpickles main() and resolves its folder there without running train.py's `__main__` block, but it imports
+# this module, through the engine modules main's code names.
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
