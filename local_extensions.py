@@ -55,8 +55,19 @@ def refusal(project: str, package: str) -> str | None:
     return f"package {package!r} {why}: choose another, e.g. package={better}"
 
 
+# The optional parts (cookiecutter.json), each `yes` or `no`: a `no` leaves that part's files, keys and docs out.
+PARTS = ("with_tracking", "with_shards", "with_slurm", "with_benchmarks")
+
+
+def part_refusal(answers) -> str | None:
+    for name in PARTS:
+        if str(answers[name]) not in ("yes", "no"):
+            return f"{name} {str(answers[name])!r} is neither yes nor no: answer {name}=yes or {name}=no"
+    return None
+
+
 def checked(answers) -> str:
-    message = refusal(str(answers["project"]), str(answers["package"]))
+    message = refusal(str(answers["project"]), str(answers["package"])) or part_refusal(answers)
     if message:
         raise FailedHookException(f"ERROR: {message}")
     return "ok"

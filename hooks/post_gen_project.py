@@ -1,10 +1,26 @@
-"""Drop LICENSE when none was chosen, then say what to run next (cwd is the new project)."""
+"""Drop what the answers leave out (LICENSE for license=none, each optional part answered `no`), then say what to
+run next (cwd is the new project). The Jinja in the files does the rest."""
+import shutil
 from pathlib import Path
 
-PROJECT = {{ cookiecutter.project | tojson }}
-
-if {{ cookiecutter.license | tojson }} == "none":
-    Path("LICENSE").unlink(missing_ok=True)
+PROJECT, PACKAGE = {{ cookiecutter.project | tojson }}, {{ cookiecutter.package | tojson }}
+LEFT_OUT = {
+    "license": ["LICENSE"] if {{ cookiecutter.license | tojson }} == "none" else [],
+    "with_tracking": [f"{PACKAGE}/engine/tracking.py", "conf/logger", "tests/test_tracking.py"],
+    "with_shards": [f"{PACKAGE}/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py"],
+    "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py"],
+    "with_benchmarks": ["benchmarks"],
+}
+ANSWERS = {
+    "with_tracking": {{ cookiecutter.with_tracking | tojson }},
+    "with_shards": {{ cookiecutter.with_shards | tojson }},
+    "with_slurm": {{ cookiecutter.with_slurm | tojson }},
+    "with_benchmarks": {{ cookiecutter.with_benchmarks | tojson }},
+}
+for part, paths in LEFT_OUT.items():
+    if part == "license" or ANSWERS[part] == "no":
+        for path in map(Path, paths):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 print(f"""
 Generated {PROJECT}. Next steps:

@@ -43,14 +43,14 @@ def bake(into: Path) -> Path:
 
 
 def engine_and_config(project: Path, overrides: list[str]):
-    """(the baked package's `engine`, with its config, device, loader, rng and schedule modules; the composed config
+    """(the baked package's `engine`, with its schema, device, loader, rng and schedule modules; the composed config
     of `train.py` with `overrides`), in this process."""
     sys.path.insert(0, str(project))
     from hydra import compose, initialize_config_dir
 
     package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
-    engine = __import__(f"{package}.engine", fromlist=["config", "device", "loader", "rng", "schedule"])
-    engine.config.register()
+    engine = __import__(f"{package}.engine", fromlist=["schema", "device", "loader", "rng", "schedule"])
+    engine.schema.register()
     with initialize_config_dir(str(project / "conf"), version_base="1.3"):
         return engine, compose("config", overrides=overrides)
 

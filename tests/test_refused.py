@@ -17,6 +17,8 @@ REFUSED = [
     {"package": "2fast"},   # not an identifier
     {"package": "my-pkg"},  # not an identifier
     {"package": "benchmarks"},  # a folder of the project
+    {"with_tracking": "maybe"},  # an optional part is yes or no
+    {"with_slurm": "true"},
 ]
 
 

@@ -37,8 +37,9 @@ log = logging.getLogger("train")
 
 def train(cfg) -> tuple[int, float]:
     slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
+    preflight.check_once(cfg)  # every key and a dry step, before any work: done already by the Hydra callback
     process.apply(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
-    hydra_cfg = HydraConfig.get()  # the config was checked before this ran (engine/preflight.py)
+    hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened

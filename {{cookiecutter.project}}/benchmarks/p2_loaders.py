@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from benchmarks.common import samples_per_s
 from {{ cookiecutter.package }}.data import shapes, train_transform
 from {{ cookiecutter.package }}.engine import rng
-from {{ cookiecutter.package }}.engine.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import BatchIndices, SeededBatches, TrainLoader
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader

@@ -31,11 +31,11 @@ def bare() -> float:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from {{ cookiecutter.package }}.engine import config
+    from {{ cookiecutter.package }}.engine import schema
     from {{ cookiecutter.package }}.engine.device import input_transform
     from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings
 
-    config.register()
+    schema.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"epochs={EPOCHS}"])
     torch.manual_seed(cfg.seed)

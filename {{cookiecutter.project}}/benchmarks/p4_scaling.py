@@ -15,15 +15,16 @@ from hydra import compose, initialize_config_dir
 
 from benchmarks.common import samples_per_s
 from {{ cookiecutter.package }}.data import shapes, train_transform
-from {{ cookiecutter.package }}.engine import config
-from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus
+from {{ cookiecutter.package }}.engine import schema
+from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings, usable_cpus
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, ROUNDS = 2, 2  # the two settings take turns; the best round of each counts
 
 
 def main() -> None:
-    config.register()
+    schema.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         throughput = resolve_settings(compose("config", overrides=["loader=throughput"]).loader, "cpu")
     dataset = shapes("data/shapes-600-32", "train", transform=train_transform(32))

@@ -31,7 +31,8 @@ from torch.utils.data import Dataset
 
 from {{ cookiecutter.package }}.data import shapes, train_transform
 from {{ cookiecutter.package }}.engine import memory, monitor
-from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 MiB = 2**20
 

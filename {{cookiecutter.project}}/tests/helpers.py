@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.package }}.engine.loader import LoaderSettings
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -57,11 +57,14 @@ def run_train(
     return proc
 
 
-def run_here(cwd: Path, *overrides: str, expect: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_here(
+    cwd: Path, *overrides: str, expect: int = 0, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python <project>/train.py ...` from another folder, without hydra.run.dir: the run folder as a user gets it
-    (outputs/<date>/<time>_... under `cwd`); asserts the exit code."""
+    (outputs/<date>/<time>_... under `cwd`); asserts the exit code. `env`: variables set on top of the environment."""
     cmd = [sys.executable, str(PROJECT / "train.py"), *overrides]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == expect, (
         f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )

@@ -2,19 +2,21 @@
 
 import dataclasses
 import re
+import sys
 
+import hydra
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
 from {{ cookiecutter.package }}.data import make_shapes
-from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine import checks, preflight, schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import resolve_settings, usable_cpus
 from tests.helpers import PROJECT, RNG_DATA, run_here, run_train
 
-config.register()
+schema.register()
 PROFILES = ["memory-tight", "balanced", "throughput"]
 
 
@@ -86,9 +88,9 @@ def test_zero_workers_adjusts_instead_of_raising():
     assert (settings.num_workers, settings.persistent_workers, settings.prefetch_factor) == (0, False, None)
 
 
-def schema_fields(schema=config.Config, prefix=""):
-    for f in dataclasses.fields(schema):
-        sub = config._schema_of(f)
+def schema_fields(node=schema.Config, prefix=""):
+    for f in dataclasses.fields(node):
+        sub = checks._schema_of(f)
         yield from schema_fields(sub, f"{prefix}{f.name}.") if sub else [(prefix + f.name, f)]
 
 
@@ -96,7 +98,7 @@ def test_the_yaml_is_the_one_place_a_default_lives():
     """The schema holds types and checks, no values: a value edited in conf/ is the value the run gets."""
     cfg = compose_cfg()
     for name, f in schema_fields():
-        assert f.default == MISSING, f"{name} has a default in config.py; put it in the YAML instead"
+        assert f.default == MISSING, f"{name} has a default in schema.py; put it in the YAML instead"
         if name not in ("data", "model", "optim", "task", "schedule"):
             assert "check" in f.metadata, f"{name} has no range check"
             assert OmegaConf.select(cfg, name, default=MISSING) is not MISSING, f"{name} is set by no YAML file"
@@ -173,11 +175,11 @@ THROUGH_TRAIN = FAST | {
 
 @pytest.mark.parametrize("override, message", BAD, ids=[b[0] for b in BAD])
 def test_check_refuses_each_bad_value(override, message):
-    """In process (fast): the composed config with one bad value fails config.check, naming the key."""
+    """In process (fast): the composed config with one bad value fails the run's check, naming the key."""
     overrides = override.split()
     cfg = compose_cfg(*overrides)
     with pytest.raises(UserError) as refused:
-        config.check(cfg, {"data": "imagefolder" if "data=imagefolder" in overrides else "shapes"}, overrides)
+        check(cfg, {"data": "imagefolder" if "data=imagefolder" in overrides else "shapes"}, overrides)
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
@@ -191,10 +193,15 @@ def test_check_passes_every_shipped_choice(tmp_path):
         ["model=resnet18"],
         ["data=imagefolder", f"data.root={tmp_path / 'folder'}", "data.num_classes=4"],
     ):
-        config.check(compose_cfg(*overrides), {}, overrides)
+        check(compose_cfg(*overrides), {}, overrides)
     # the dry step reads the configured data: CIFAR-10, which is not on this disk, is refused in its own words
     with pytest.raises(UserError, match="no CIFAR-10 under 'data/cifar10'"):
-        config.check(compose_cfg("data=cifar10"), {}, ["data=cifar10"])
+        check(compose_cfg("data=cifar10"), {}, ["data=cifar10"])
+
+
+def check(cfg, choices, overrides):
+    """What train.py checks before a run (engine/preflight.py), on a run folder that is never made."""
+    preflight.check_run(cfg, PROJECT / "outputs" / "never-made", choices, overrides)
 
 
 def refused(tmp_path, *overrides):
@@ -242,7 +249,8 @@ def test_train_py_refuses_before_hydra_writes(tmp_path, override, message):
     assert message in refused(tmp_path, *override.split())
 
 
-# What Hydra reports over several lines, in one (in process: check_command_line is what train.py runs first).
+# What Hydra reports over several lines while it composes, in one (in process: preflight.one_line_errors around a
+# Hydra main, as train.py runs it).
 COMPOSITION = [
     ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?): the schema"),
     ("epoch=3", "unknown config key epoch (did you mean epochs?)"),
@@ -255,15 +263,29 @@ COMPOSITION = [
 ]
 
 
+def run_main(monkeypatch, tmp_path, *argv) -> list:
+    """A Hydra main over the project's conf/ (no callbacks), run through one_line_errors; the configs it got."""
+    got = []
+
+    @hydra.main(config_path=str(PROJECT / "conf"), config_name="config", version_base="1.3")
+    def main(cfg):
+        got.append(cfg)
+
+    argv = [*argv, "~hydra.callbacks.checks", f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    preflight.one_line_errors(main, argv, PROJECT / "conf")
+    return got
+
+
 @pytest.mark.parametrize("override, message", COMPOSITION, ids=[c[0] for c in COMPOSITION])
-def test_composition_errors_are_one_line(capsys, override, message):
+def test_composition_errors_are_one_line(capsys, monkeypatch, tmp_path, override, message):
     with pytest.raises(SystemExit) as stopped:
-        config.check_command_line([override], PROJECT / "conf")
+        run_main(monkeypatch, tmp_path, override)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert message in err, err
-    config.check_command_line(["epochs=3", "loader=throughput"], PROJECT / "conf")  # a good command goes on
-    config.check_command_line([override, "--cfg", "job"], PROJECT / "conf")  # Hydra's own options: left to Hydra
+    assert len(run_main(monkeypatch, tmp_path, "epochs=3", "loader=throughput")) == 1  # a good command goes on
 
 
 @pytest.mark.parametrize(
@@ -274,18 +296,18 @@ def test_composition_errors_are_one_line(capsys, override, message):
     ],
 )
 def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):
-    """The refusals CheckBeforeRun adds to config.check, in process: the shapes folder is never drawn."""
+    """The refusals before the dry step, in process: the shapes folder is never drawn."""
     cfg = compose_cfg(f"data.root={tmp_path / 'shapes'}", *overrides)
     with pytest.raises(UserError, match=re.escape(message)):
-        config.before_work(cfg, tmp_path / "run")
-    config.before_work(compose_cfg(f"data.root={tmp_path / 'shapes'}"), tmp_path / "run")  # the defaults pass
+        check(cfg, {}, overrides)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_checks_above_can_fail(tmp_path):
-    """Negative controls for `refused()`: Hydra's own report of a typo is several lines, and a refusal that comes
-    from train() (the early check removed) leaves the run folder Hydra made."""
-    proc = run_here(tmp_path, "loader.num_worker=3", "--config-name=config", expect=1)  # an option: left to Hydra
+    """Negative controls for `refused()`: Hydra's own report of a typo is several lines (HYDRA_FULL_ERROR=0: Hydra
+    reports as it does by default), and a refusal that comes from train() (the early check removed) leaves the run
+    folder Hydra made."""
+    proc = run_here(tmp_path, "loader.num_worker=3", expect=1, env={"HYDRA_FULL_ERROR": "0"})
     assert len(proc.stderr.strip().splitlines()) > 1 and "Could not override 'loader.num_worker'" in proc.stderr
     proc = run_here(tmp_path, "epochs=0", "~hydra.callbacks.checks", expect=2)
     assert proc.stderr.strip() == "error: epochs must be an integer >= 1, got 0"

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
-from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine import checks, schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT
 
@@ -52,13 +52,13 @@ def test_missing_folder_is_a_user_error(tmp_path):
 
 
 def data_root(*overrides) -> str:
-    config.register()
+    schema.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides)).data.root
 
 
 def shapes_config(root, per_class: int) -> OmegaConf:
-    """The part of a run's config that config.precheck_data reads, for data=shapes in `root`."""
+    """The part of a run's config that checks.precheck_data reads, for data=shapes in `root`."""
     train = {"_target_": "{{ cookiecutter.package }}.data.shapes", "root": str(root), "split": "train"}
     return OmegaConf.create({"data": {"num_classes": 4, "train": {**train, "per_class": per_class, "image_size": 8}}})
 
@@ -75,6 +75,6 @@ def test_each_recipe_draws_its_own_folder(tmp_path):
     assert roots == {"data/shapes-600-32", "data/shapes-40-32", "data/shapes-100-32", "data/shapes-600-48"}
     # negative control: one folder for two recipes, what the default root was, is refused before the run
     make_shapes(tmp_path / "one", per_class=2, image_size=8, data_seed=2026)
-    config.precheck_data(shapes_config(tmp_path / "one", per_class=2))
+    checks.precheck_data(shapes_config(tmp_path / "one", per_class=2))
     with pytest.raises(UserError, match="drawn with other settings"):
-        config.precheck_data(shapes_config(tmp_path / "one", per_class=3))
+        checks.precheck_data(shapes_config(tmp_path / "one", per_class=3))

@@ -3,7 +3,7 @@
 import torch
 import torch.utils.deterministic
 
-from {{ cookiecutter.package }}.engine.determinism import use_deterministic_kernels
+from {{ cookiecutter.package }}.engine.process import use_deterministic_kernels
 
 
 def test_deterministic_kernels_without_the_fill_of_new_tensors():

@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
-from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine import schema
 from {{ cookiecutter.package }}.engine.device import Normalize, amp_dtype, device_batches, sum_and_read
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
@@ -83,7 +83,7 @@ def test_bf16_and_channels_last_resume_exactly(tmp_path):
 
 
 def compose_data(*overrides):
-    config.register()
+    schema.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides)).data
 

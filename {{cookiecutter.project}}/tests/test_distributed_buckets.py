@@ -1,7 +1,6 @@
-"""DDP's gradient buckets (distributed.fix_buckets): with 3 ranks a resumed run is torch.equal to the run that went
+"""DDP's gradient buckets (distributed.settle_buckets): with 3 ranks a resumed run is torch.equal to the run that went
 on, which needs every process to all-reduce in the same bucket layout from its first step."""
 
-import os
 import subprocess
 
 import pytest
@@ -14,10 +13,13 @@ DATA = [*RNG_DATA, "rng_mode=per_worker", "loader.num_workers=1", "epochs=1", "m
 
 
 def three_ranks(run_dir, *overrides, workaround: str) -> None:
-    """train.py on 3 ranks under torchrun, to max_steps; DDP_BUCKET_WORKAROUND=off builds DDP as it comes."""
+    """train.py on 3 ranks under torchrun, to max_steps; workaround off: settle_buckets does nothing (tests/patched.py),
+    DDP's buckets come as DDP makes them."""
     cmd = helpers.torchrun_cmd(run_dir, *DATA, *overrides, launcher_args=("--nproc_per_node=3",))
-    env = {**os.environ, "DDP_BUCKET_WORKAROUND": workaround}
-    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300, env=env)
+    if workaround == "off":
+        at = cmd.index("train.py")
+        cmd[at:at] = ["tests/patched.py", "{{ cookiecutter.package }}.engine.distributed:settle_buckets=noop"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 

@@ -6,10 +6,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from {{ cookiecutter.package }}.data import make_shapes
-from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine import schema
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_here, run_train
 
-config.register()
+schema.register()
 EXPERIMENTS = sorted(p.stem for p in (PROJECT / "conf/experiment").glob("*.yaml"))
 
 

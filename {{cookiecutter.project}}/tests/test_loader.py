@@ -149,8 +149,10 @@ def eager_reference(dataset, batches, seed: int, epoch: int) -> tuple[dict, list
     return by_sample, collated
 
 
-def lazy_run(workers: int) -> tuple[dict, list, list]:
-    loader = TrainLoader(SometimesDraws(48), loader_settings(8, workers), 4, collate_fn=collate_with_numpy_draw)
+def seeded_run(workers: int, rng_mode: str = "per_sample") -> tuple[dict, list, list]:
+    loader = TrainLoader(
+        SometimesDraws(48), loader_settings(8, workers), 4, rng_mode=rng_mode, collate_fn=collate_with_numpy_draw
+    )
     by_sample, collated, batches = {}, [], []
     for indices, draws, drawn in loader:
         by_sample.update(zip(indices.tolist(), draws))
@@ -159,19 +161,15 @@ def lazy_run(workers: int) -> tuple[dict, list, list]:
     return by_sample, collated, batches
 
 
-def test_numpy_and_python_seeded_only_once_drawn_from_give_the_eager_result(monkeypatch):
-    """rng.SampleSeeding leaves numpy and python `random` unseeded until a sample or the collate draws from one,
-    makes that sample (or batch) again, and seeds it from then on: bit for bit what seeding all three before every
-    sample gives, with workers and without (where the collate runs in the main process, on its RNG). The control:
-    never noticing the draws gives other numbers."""
-    assert set(rng.SampleSeeding().watched) == {"numpy", "python"}  # this numpy and Python: the fast path is on
+def test_every_sample_draws_from_generators_seeded_for_it():
+    """rng_mode=per_sample seeds torch, numpy and python `random` before every sample through their public seeding
+    calls: each sample draws what `seed_sample` of its key gives, with workers and without (where the collate runs
+    in the main process, on its RNG). The control: per_worker streams give other numbers."""
     for workers in (0, 2):
-        by_sample, collated, batches = lazy_run(workers)
+        by_sample, collated, batches = seeded_run(workers)
         want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
         assert all(torch.equal(by_sample[i], want[i]) for i in want), workers
         assert collated == want_collated or workers == 0  # without workers the collate draws on the main RNG
-    monkeypatch.setattr(rng.SampleSeeding, "check", lambda self: False)
-    by_sample, collated, batches = lazy_run(2)
+    by_sample, collated, batches = seeded_run(2, rng_mode="per_worker")
     want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
-    differ = [i for i in want if not torch.equal(by_sample[i], want[i])]
-    assert differ and all(i % 5 == 3 or i % 7 == 2 for i in differ) and collated != want_collated
+    assert any(not torch.equal(by_sample[i], want[i]) for i in want) and collated != want_collated

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package }}.engine import config, memory
+from {{ cookiecutter.package }}.engine import memory, schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.datasets import RngDrawingDataset
 from tests.helpers import PROJECT, RNG_DATA, loader_settings, run_train
@@ -93,7 +93,7 @@ def test_train_py_adjusts_to_the_budget_and_logs_the_plan(tmp_path):
 
 
 def test_builtin_image_data_is_planned_at_its_uint8_size(shapes_root):
-    config.register()
+    schema.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"data.root={shapes_root}", "data.per_class=40"])
     train_set = instantiate(cfg.data.train)

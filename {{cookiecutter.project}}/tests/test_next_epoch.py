@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 from tests.datasets import RngDrawingDataset
 
 

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import make_shapes
-from {{ cookiecutter.package }}.engine import config
+from {{ cookiecutter.package }}.engine import schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
@@ -207,7 +207,7 @@ def test_two_ranks_split_every_epoch_exactly(packed):
 
 
 def test_data_shards_config_builds_both_splits(packed):
-    config.register()
+    schema.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         cfg = compose(
             "config", overrides=["data=shards", f"data.root={packed}", "data.num_classes=4", "data.shuffle_window=3"]

@@ -208,20 +208,3 @@ def test_the_shipped_models_pool_without_adaptive_avg_pool(example):
     for model in (SmallCNN(num_classes=3), resnet18(num_classes=3)):
         assert not [m for m in model.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d)]
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
-
-
-def test_the_old_module_paths_still_import():
-    """`{{ cookiecutter.package }}.device.Normalize` in your YAML and `from {{ cookiecutter.package }} import loader`
-    keep working now that the engine lives in engine/: the same module objects."""
-    from {{ cookiecutter.package }} import loader
-    from {{ cookiecutter.package }}.device import Normalize
-    from {{ cookiecutter.package }}.engine import device
-    from {{ cookiecutter.package }}.engine import loader as engine_loader
-
-    assert loader is engine_loader and Normalize is device.Normalize
-    assert loader.__spec__.name == "{{ cookiecutter.package }}.engine.loader"
-    probe = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package }}.shards", "--help"], cwd=PROJECT, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
-    assert probe.returncode == 0 and "pack" in probe.stdout

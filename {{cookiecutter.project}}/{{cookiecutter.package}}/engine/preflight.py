@@ -7,9 +7,9 @@
   and exit code 2, like every other refusal. The config is composed once, by Hydra.
 """
 
+import difflib
 import os
 import re
-import difflib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +28,16 @@ from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError
 
+checked: set[str] = set()  # run folders check_run passed in this process
+
+
+def check_once(cfg: DictConfig) -> None:
+    """train()'s call: `check_run`, unless CheckBeforeRun ran it for this run already (it always does, unless
+    `hydra.callbacks.checks` was taken out of the config): one check per run either way."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.runtime.output_dir not in checked:
+        check_run(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))
+
 
 def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str]) -> None:
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
@@ -40,6 +50,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     if cfg.resume:
         resume.precheck(cfg, run_dir)
     dry_step(cfg)
+    checked.add(str(run_dir))
 
 
 class CheckBeforeRun(Callback):
@@ -84,8 +95,6 @@ class CheckBeforeRun(Callback):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-
-
 
 
 def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:

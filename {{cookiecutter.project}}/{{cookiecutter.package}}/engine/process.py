@@ -48,7 +48,7 @@ def openmp_wait_policy(argv: list[str], conf_dir: Path):
     value, else conf/config.yaml's) while torch loads, then the environment as it was. A value you exported stays."""
     global applied_wait_policy
     wanted = _command_line_value(argv, "process.omp_wait_policy")
-    if wanted is None:
+    if wanted is None and (conf_dir / "config.yaml").is_file():
         wanted = OmegaConf.select(OmegaConf.load(conf_dir / "config.yaml"), "process.omp_wait_policy")
     set_here = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and wanted not in (None, "null")
     if set_here:

@@ -1,4 +1,5 @@
-"""engine/allocator.py: a step's freed memory stays with the process, so the next step does not fault it back in."""
+"""engine/process.py: the process-wide settings. A step's freed memory stays with the process (the next step does not
+fault it back in), OpenMP's wait policy is set as torch loads, and neither reaches the processes the run starts."""
 
 import os
 import subprocess
@@ -6,12 +7,12 @@ import sys
 
 import pytest
 
-from {{ cookiecutter.package }}.engine import allocator
+from {{ cookiecutter.package }}.engine import process
 from tests.helpers import PROJECT, read_jsonl, run_train
 
-pytestmark = pytest.mark.skipif(not allocator.on_glibc(), reason="the thresholds are glibc's")
+glibc = pytest.mark.skipif(not process.on_glibc(), reason="the thresholds are glibc's")
 
-USER_KEYS = (*allocator._USER_KEYS, "GLIBC_TUNABLES")
+USER_KEYS = (*process.MALLOC_ENV, "GLIBC_TUNABLES")
 
 # A convolution step's forward and backward, timed in page faults once the heap has grown to what a step needs.
 # One OpenMP thread: every allocation then comes from the main heap, whose trimming is what is measured.
@@ -19,7 +20,7 @@ STEP_FAULTS = """
 import resource, sys
 import torch
 import torch.nn.functional as F
-from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory
+from {{ cookiecutter.package }}.engine.process import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 elif sys.argv[1] == "try":
@@ -53,6 +54,7 @@ def faults_per_step(mode: str, **env) -> float:
     return float(out.stdout.strip())
 
 
+@glibc
 def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
     kept, default = faults_per_step("keep"), faults_per_step("default")
     # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step
@@ -60,14 +62,14 @@ def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
     assert kept < 0.01 * default, (kept, default)
 
 
-def test_settings_of_the_user_are_left_to_take_effect():
-    probe = "from {{ cookiecutter.package }}.engine.allocator import keep_freed_memory as k; import os; " \
+@glibc
+def test_settings_of_the_user_are_left_to_take_effect_and_none_reaches_a_child():
+    probe = "from {{ cookiecutter.package }}.engine.process import keep_freed_memory as k; import os; " \
         "print(k(), os.environ.get('MALLOC_TRIM_THRESHOLD_'))"  # fmt: skip
     runs = {
         "fresh": {},
         "user": {"MALLOC_TRIM_THRESHOLD_": "0"},
         "tunables": {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
-        "inherited": {k: str(v) for k, v in allocator._ENV.items()},  # a process the run started
     }
     seen = {}
     for name, env in runs.items():
@@ -75,22 +77,40 @@ def test_settings_of_the_user_are_left_to_take_effect():
                              text=True)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         seen[name] = out.stdout.split()
-    assert seen["fresh"] == ["True", str(allocator.TRIM_THRESHOLD)]  # and handed on to processes it starts
+    assert seen["fresh"] == ["True", "None"]  # applied, and not exported to the processes it starts
     assert seen["user"] == ["False", "0"]
     assert seen["tunables"] == ["False", "None"]
-    assert seen["inherited"] == ["True", str(allocator.TRIM_THRESHOLD)]
     # the user's own threshold really rules: the step faults as glibc's default would have it, or worse
     assert faults_per_step("try", MALLOC_TRIM_THRESHOLD_="0") > 500
 
 
+@glibc
 def test_train_py_keeps_freed_memory_and_reports_page_faults(tmp_path):
     """metrics.jsonl's page_faults_per_batch (main process): a handful once the heap has grown (an epoch that grows
-    it faults more); the negative control has glibc map and trim everything above 128 KiB, as its default starts."""
+    it faults more); the negative control, process.keep_freed_memory=false, leaves glibc's own policy."""
     figures = {}
-    for name, env in (("kept", {}), ("given back", {"MALLOC_MMAP_THRESHOLD_": "131072",
-                                                    "MALLOC_TRIM_THRESHOLD_": "131072"})):  # fmt: skip
+    for name, flag in (("kept", "true"), ("given back", "false")):
         run_dir = tmp_path / name.replace(" ", "_")
-        run_train(run_dir, "experiment=debug", "epochs=3", env=env)
+        run_train(run_dir, "experiment=debug", "epochs=3", f"process.keep_freed_memory={flag}")
         figures[name] = [line["page_faults_per_batch"] for line in read_jsonl(run_dir / "metrics.jsonl")]
     assert all(isinstance(f, float) for fs in figures.values() for f in fs), figures
     assert min(figures["kept"][1:]) < 0.05 * min(figures["given back"][1:]), figures
+
+
+WAIT_PROBE = "import os, sys, train; print(os.environ.get('OMP_WAIT_POLICY'), train.process.applied_wait_policy)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "given", "applied"),
+    [([], None, "passive"), (["process.omp_wait_policy=active"], None, "active"), ([], "ACTIVE", "None")],
+)
+def test_openmp_wait_policy_is_set_as_torch_loads_and_not_left_for_children(argv, given, applied):
+    """train.py gives OpenMP `process.omp_wait_policy` (conf/config.yaml's, or the command line's) while torch loads,
+    then takes it out of the environment again; an OMP_WAIT_POLICY of the user's stays and is not replaced."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    probe = f"import sys; sys.argv = ['train.py', *{argv!r}]; " + WAIT_PROBE
+    out = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(given), applied]
