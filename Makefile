@@ -1,16 +1,28 @@
-# Template development: a local .venv with requirements-dev.txt, the template tests, a demo bake.
+# Template development: a local .venv, the template tests, a demo bake.
+# make demo installs requirements-demo.txt (bake and train); make test/test-slow/format all of requirements-dev.txt.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
 .PHONY: test test-slow test-all format demo clean
 
-# The stamp is newer than requirements-dev.txt once the venv holds it; pip itself is left as is.
-$(VENV)/.installed: requirements-dev.txt
+# Creates $(VENV) if missing, with a Python 3.10+; pip itself is left as is.
+define make-venv
 	@$(PY) -c "import sys; sys.exit(sys.version_info < (3, 10))" || { echo "ERROR: $(PY) is missing or older than Python 3.10; run make PY=python3.X" >&2; exit 1; }
 	$(VPY) -m pip --version >/dev/null 2>&1 || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -r requirements-dev.txt
+endef
+
+# Each stamp is newer than its requirements files once the venv holds them.
+$(VENV)/.installed-demo: requirements-demo.txt
+	$(make-venv)
+	$(VPY) -m pip install -r requirements-demo.txt
 	touch $@
+
+# requirements-dev.txt starts with -r requirements-demo.txt, so this venv holds the demo's too.
+$(VENV)/.installed: requirements-dev.txt requirements-demo.txt
+	$(make-venv)
+	$(VPY) -m pip install -r requirements-dev.txt
+	touch $@ $(VENV)/.installed-demo
 
 # Bakes, refusals, ruff on the baked project, and the generated project's fast tier (under 12 minutes on 2 cores).
 test: $(VENV)/.installed
@@ -27,7 +39,7 @@ test-all: test test-slow
 format: $(VENV)/.installed
 	$(VPY) scripts/format_template.py
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-demo
 	rm -rf scratch/my-trainer
 	$(VPY) -m cookiecutter . --no-input -o scratch
 	cd scratch/my-trainer && ../../$(VPY) train.py hydra.run.dir=outputs/demo

@@ -119,13 +119,28 @@ def test_ci_runs_the_python_range_and_the_newest_dependencies(bake, tmp_path):
     assert "--upgrade --upgrade-strategy eager" in install and ".[dev]" in install
 
 
+def requirement_lines(path) -> list[str]:
+    """The requirements of a pip requirements file, comments dropped, with those of the files it includes
+    (`-r other.txt`, as requirements-dev.txt includes requirements-demo.txt); other options are skipped."""
+    lines = []
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        include = re.fullmatch(r"(?:-r|--requirement)[ =]?\s*(\S+)", line)
+        if include:
+            lines += requirement_lines(path.parent / include.group(1))
+        elif line and not line.startswith("-"):
+            lines.append(line)
+    return lines
+
+
 def project_table(project) -> dict:
     return tomllib.loads((project / "pyproject.toml").read_text())["project"]
 
 
 def test_dependency_ranges_hold_what_the_tests_run_on(bake, template_dir, tmp_path):
     """Every library the project or its tests import has an upper bound; the versions this repository's tests run
-    on (requirements-dev.txt's pins) are inside those ranges; requirements.txt repeats the project's own."""
+    on (the pins of requirements-dev.txt and the requirements-demo.txt it includes) are inside those ranges;
+    requirements.txt repeats the project's own."""
     table = project_table(bake(tmp_path))
     declared = [Requirement(r) for r in table["dependencies"]]
     declared += [Requirement(r) for reqs in table["optional-dependencies"].values() for r in reqs]
@@ -133,11 +148,15 @@ def test_dependency_ranges_hold_what_the_tests_run_on(bake, template_dir, tmp_pa
     unbounded = [str(r) for r in declared if r.name not in tools and not any(s.operator == "<" for s in r.specifier)]
     assert not unbounded, f"no upper bound: {unbounded}"
     ranges = {r.name: r.specifier for r in declared}
-    for line in (template_dir / "requirements-dev.txt").read_text().splitlines():
-        pin = line.split("#")[0].strip()
-        if "==" in pin and Requirement(pin).name in ranges:
-            name, version = pin.split("==")
-            assert version in ranges[name], f"the tests run {pin}, outside the declared {name}{ranges[name]}"
+    checked = set()
+    for pin in requirement_lines(template_dir / "requirements-dev.txt"):
+        req = Requirement(pin)
+        for version in (s.version for s in req.specifier if s.operator == "=="):
+            if req.name in ranges:
+                declared_range = f"{req.name}{ranges[req.name]}"
+                assert version in ranges[req.name], f"the tests run {pin}, outside the declared {declared_range}"
+                checked.add(req.name)
+    assert {"torch", "torchvision", "hydra-core", "omegaconf"} <= checked, f"pins read from -r includes: {checked}"
     listed = (tmp_path / "my-trainer/requirements.txt").read_text().splitlines()
     assert set(table["dependencies"]) <= set(listed), "requirements.txt and pyproject.toml differ"
 
