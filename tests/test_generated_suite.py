@@ -15,6 +15,8 @@ import time
 import pytest
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
+# Every optional part left out (cookiecutter.json's with_*): the smallest project, its whole fast tier.
+MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_slurm": "no", "with_benchmarks": "no"}
 
 # With other answers, the parts that import the renamed package and train with it, which is what the answers change.
 QUICK = ["tests/test_config.py", "tests/test_loader.py", "tests/test_train.py"]
@@ -58,7 +60,9 @@ def run_generated(project, log_path, *args, timeout):
 WORKERS, PER_TEST_S = 2, 900
 
 
-@pytest.mark.parametrize("answers, paths", [({}, []), (NON_DEFAULT, QUICK)], ids=["defaults", "non-default"])
+@pytest.mark.parametrize(
+    "answers, paths", [({}, []), (NON_DEFAULT, QUICK), (MINIMAL, [])], ids=["defaults", "non-default", "minimal"]
+)
 def test_generated_fast_tier_passes(bake, tmp_path, answers, paths):
     project = bake(tmp_path, **answers)
     workers = ["-n", str(WORKERS), f"--timeout={PER_TEST_S}", "--timeout-method=thread"]

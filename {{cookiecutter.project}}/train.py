@@ -23,7 +23,7 @@ with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"):
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from {{ cookiecutter.package }}.engine import preflight, schema, slurm
+from {{ cookiecutter.package }}.engine import preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.evaluate import evaluate
 from {{ cookiecutter.package }}.engine.monitor import worker_death
@@ -36,7 +36,9 @@ log = logging.getLogger("train")
 
 
 def train(cfg) -> tuple[int, float]:
+{% if cookiecutter.with_slurm == "yes" %}
     slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
+{% endif %}
     preflight.check_once(cfg)  # every key and a dry step, before any work: done already by the Hydra callback
     process.apply(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
     hydra_cfg = HydraConfig.get()

@@ -6,14 +6,14 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
+{% if cookiecutter.with_shards == "yes" %}
 from {{ cookiecutter.package }}.shards import ShardDataset
+{% endif %}
 from {{ cookiecutter.package }}.stream import ShardedStream
 from {{ cookiecutter.package }}.tasks import Classification
 
@@ -55,6 +55,7 @@ class IndexedSamples(RngDrawingDataset):
         return (*super().__getitem__(index), index)
 
 
+{% if cookiecutter.with_shards == "yes" %}
 class IndexedShards(ShardDataset):
     """ShardDataset whose samples carry their index: `(image, label, index)` (its `__getitems__` makes them here)."""
 
@@ -62,6 +63,7 @@ class IndexedShards(ShardDataset):
         return (*super().__getitem__(index), index)
 
 
+{% endif %}
 class RecordingClassification(Classification):
     """Classification of `(inputs, labels, indices)` batches that appends, per training batch, the sample indices to
     `$RECORD_SAMPLES-rank<RANK>.jsonl` with its process id and the task object's number in that process (the config
@@ -232,16 +234,3 @@ class HangsOnce(RngDrawingDataset):
             open(self.marker, "w").close()
             threading.Event().wait()  # never set: blocked until the process is ended
         return super().__getitem__(index)
-
-
-def export_digits(root: Path, val_every: int = 5) -> Path:
-    """scikit-learn's handwritten digits (1,797 real 8x8 scans of 10 digits, shipped with the package: no download)
-    as an image folder, `root/{train,val}/<digit>/<n>.png`; every `val_every`-th scan goes to val."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    for n, (image, label) in enumerate(zip(digits.images, digits.target)):
-        folder = root / ("val" if n % val_every == 0 else "train") / str(label)
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray((image * 255 / 16).round().astype(np.uint8), "L").save(folder / f"{n:04d}.png")  # 0-16 scale
-    return root

@@ -1,4 +1,4 @@
-"""Data-parallel training with torchrun (2 ranks, gloo on CPU) and the SLURM launcher config."""
+"""Data-parallel training with torchrun (2 ranks, gloo on CPU)."""
 
 import os
 import signal
@@ -10,9 +10,7 @@ import time
 import psutil
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from {{ cookiecutter.package }}.engine import schema
 from tests import helpers
 from tests.helpers import (
     PROJECT,
@@ -93,24 +91,6 @@ def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     assert len(ckpt["ranks"]) == 2 and ckpt["ranks"][0]["loader"]["position"] == ckpt["ranks"][1]["loader"]["position"]
     torchrun(tmp_path / "second", f"resume={run_dir}/checkpoints/last.pth")
     assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
-
-
-def test_several_slurm_tasks_without_submitit_or_torchrun_are_refused_in_one_line(tmp_path):
-    """`srun -n 2 python train.py`: SLURM says 2 tasks, and nothing says where they meet; each would train alone."""
-    env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}
-    proc = run_train(tmp_path / "run", *DATA, expect=2, env=env, timeout=120)
-    assert proc.stderr.startswith("error: this process is one of 2 SLURM tasks") and proc.stderr.count("\n") == 1
-    assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder
-
-
-def test_slurm_launcher_config_composes():
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    schema.register()
-    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["hydra/launcher=slurm", "resume=latest"], return_hydra_config=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
-    assert launcher.signal_delay_s == 120 and launcher.max_num_timeout == 5 and launcher.tasks_per_node == 1
 
 
 # A stand-in for submitit's job process: it owns USR2 before train.py starts and "requeues" when called.

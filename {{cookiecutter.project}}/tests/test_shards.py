@@ -14,6 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from PIL import Image
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import make_shapes
@@ -22,10 +23,22 @@ from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
 from {{ cookiecutter.package }}.shards import main as shards_main
-from tests.datasets import export_digits
 from tests.helpers import PROJECT, load_ckpt, loader_settings, read_jsonl, run_torchrun, run_train
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
+
+
+def export_digits(root: Path, val_every: int = 5) -> Path:
+    """scikit-learn's handwritten digits (1,797 real 8x8 scans of 10 digits, shipped with the package: no download)
+    as an image folder, `root/{train,val}/<digit>/<n>.png`; every `val_every`-th scan goes to val."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for n, (image, label) in enumerate(zip(digits.images, digits.target)):
+        folder = root / ("val" if n % val_every == 0 else "train") / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 255 / 16).round().astype(np.uint8), "L").save(folder / f"{n:04d}.png")  # 0-16 scale
+    return root
 
 
 def pack_cli(

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import schema
 from tests import helpers
-from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
+from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
 
 NEEDS = 'the slurm extra is not installed: pip install -e ".[slurm]"'
 pytest.importorskip("submitit", reason=NEEDS)
@@ -66,7 +66,7 @@ def python(code, *args):
 
 def test_main_pickles_by_value_loads_in_a_fresh_process_and_pickles_again(tmp_path):
     blob = tmp_path / "main.pkl"
-    assert python(PICKLE_MAIN, str(blob), "train.py").strip() == "pickled"
+    assert python(PICKLE_MAIN, str(blob), "train.py").strip().splitlines()[-1] == "pickled"  # after --cfg's config
     assert python(LOAD_AND_REPICKLE, str(blob)).strip() == "job: main"
     # the negative control: the same train.py with one line naming torch.backends.cudnn in its loop cannot be sent
     source = (PROJECT / "train.py").read_text()
@@ -335,3 +335,20 @@ def test_a_job_of_two_tasks_that_cannot_meet_is_refused_in_one_line(tmp_path, sh
     proc = run_train(tmp_path / "run", *shapes, expect=2, env={**slurm_task_env(2, 0), **env}, timeout=120)
     assert proc.stderr.startswith("error: ") and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder
+
+
+def test_several_slurm_tasks_without_submitit_or_torchrun_are_refused_in_one_line(tmp_path):
+    """`srun -n 2 python train.py`: SLURM says 2 tasks, and nothing says where they meet; each would train alone."""
+    env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}
+    proc = run_train(tmp_path / "run", *RNG_DATA, expect=2, env=env, timeout=120)
+    assert proc.stderr.startswith("error: this process is one of 2 SLURM tasks") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder
+
+
+def test_slurm_launcher_config_composes():
+    schema.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "resume=latest"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.signal_delay_s == 120 and launcher.max_num_timeout == 5 and launcher.tasks_per_node == 1

@@ -175,9 +175,9 @@ class CheckpointPolicy:
             )
             state["ema"] = run.ema.state_dict() if run.ema is not None else None
             state["best"] = self.best.state()
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
-{% endif -%}
+{% endif %}
             if record is not None:  # an epoch end: best.pth too when this epoch is the best so far
                 self.best.update(record, state, self.writer)
             self.writer.save(state)

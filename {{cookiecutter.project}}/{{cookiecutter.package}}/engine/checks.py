@@ -14,9 +14,9 @@ from enum import Enum
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 from . import tracking
-{% endif -%}
+{% endif %}
 from .errors import UserError
 from .optim import LOOP_KEYS
 from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, PACKAGE, REQUIRED_OPEN, SHIPPED, Config
@@ -32,9 +32,9 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
         raise UserError(f"config: {str(e).splitlines()[0]}") from None
     unknown(cfg, Config, "")
     ranges(cfg, Config, "")
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     tracking.chosen(cfg)  # a logger whose package is missing: the line names the extra to install
-{% endif -%}
+{% endif %}
     for name, rule in OPEN_KEYS.items():
         if OmegaConf.select(cfg, name, default=MISSING) is not MISSING and shipped(cfg, name.split(".")[0]):
             refuse_if(name, OmegaConf.select(cfg, name), rule)

@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from . import checks, resume, slurm
+from . import checks, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError
@@ -41,10 +41,12 @@ def check_once(cfg: DictConfig) -> None:
 
 def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str]) -> None:
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
-    without building anything (SLURM tasks that cannot meet, device=cuda with no GPU, the data sets' `precheck`,
+    without building anything ({% if cookiecutter.with_slurm == "yes" %}SLURM tasks that cannot meet, {% endif %}device=cuda with no GPU, the data sets' `precheck`,
     a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
     checks.check_keys(cfg, choices, overrides)
+{% if cookiecutter.with_slurm == "yes" %}
     slurm.job_ranks()
+{% endif %}
     pick_device(cfg.device)
     checks.precheck_data(cfg)
     if cfg.resume:

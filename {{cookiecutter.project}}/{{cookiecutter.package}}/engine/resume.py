@@ -183,7 +183,7 @@ def run_changes(ckpt: dict, cfg) -> list:
     return [c for c in differences(ckpt["config"], cfg) if changes_run(c[0], cfg.rng_mode.value)]
 
 
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
     """(the first step this run logs, what a tracked run is told: the step, with resume_strict=false what changed)."""
     changes = run_changes(ckpt, cfg)
@@ -191,8 +191,7 @@ def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
     return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(changes)}" if changes else said
 
 
-{% endif -%}
-
+{% endif %}
 def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
     """Refuse (resume_strict) or log a resume whose config changes the run; log the changes that do not.
 

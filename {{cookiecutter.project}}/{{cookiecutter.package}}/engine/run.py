@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from torch.utils.data import default_collate
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, memory, resume, rng{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif %}
+from . import checkpoint, distributed, failures, memory, resume, rng{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .checks import check_data
 from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
@@ -201,22 +201,22 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
         run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step
     )
     purge = step + 1 if ckpt else None
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     note = resume.tracking_note(ckpt, cfg) if ckpt else None
     trackers = tracking.start(cfg, run_dir, ckpt, purge, note) if world.is_main else None  # MLflow, W&B, CSV
     tensorboard = "tensorboard" in tracking.chosen(cfg)
     runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tensorboard))
-{% else -%}
+{% else %}
     runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main))
-{% endif -%}
+{% endif %}
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
         optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform,
     )  # fmt: skip
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
-{% endif -%}
+{% endif %}
     return run
 
 
@@ -226,7 +226,7 @@ def two_samples(dataset, collate):
     copy, so a data set that opens its files on first use does so on the copy: the workers inherit no open handle."""
     copy_ = copy.copy(dataset)
     return (collate or default_collate)([copy_[i] for i in range(min(2, len(dataset)))])
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 
 
 def end_tracking(run: Run) -> None:
@@ -235,4 +235,4 @@ def end_tracking(run: Run) -> None:
     files = {"last": run.checkpoints.last, "best": writer.best if writer is not None else None}
     done = run.train_loader.epoch >= run.cfg.epochs
     run.runlog.finish({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)
-{% endif -%}
+{% endif %}

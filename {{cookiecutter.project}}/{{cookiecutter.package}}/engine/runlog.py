@@ -17,15 +17,15 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from .device import batch_size, sum_and_read
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 from .tracking import Tracking
-{% endif -%}
+{% endif %}
 
 
 class RunLog:
     """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op."""
 
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     def __init__(
         self,
         run_dir: Path,
@@ -35,10 +35,10 @@ class RunLog:
         tensorboard: bool = True,
     ):
         self.enabled, self.tracking = enabled, tracking
-{% else -%}
+{% else %}
     def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True, tensorboard: bool = True):
         self.enabled = enabled
-{% endif -%}
+{% endif %}
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -67,10 +67,10 @@ class RunLog:
         for key, value in figures.items():
             if self.tb is not None:
                 self.tb.add_scalar(key, value, step)
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
         if self.tracking is not None:  # the same Python floats, queued: the step does not wait for a server
             self.tracking.log(step, figures)
-{% endif -%}
+{% endif %}
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:
@@ -81,11 +81,11 @@ class RunLog:
                 self.tb.add_scalar(f"epoch/{key}", value, record["step"])
         if self.tb is not None:
             self.tb.flush()
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
         if self.tracking is not None:  # every number of the line (not mid_epoch's flag nor the worker pids)
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.tracking.log(record["step"], {f"epoch/{k}": v for k, v in numbers.items() if k != "step"})
-{% endif -%}
+{% endif %}
 
     def scalars(self, group: str, values: dict, step: int) -> None:
         """TensorBoard only, e.g. the loader health samples under `health/`."""
@@ -94,7 +94,7 @@ class RunLog:
         for key, value in values.items():
             self.tb.add_scalar(f"{group}/{key}", value, step)
 
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     def tracking_ids(self) -> dict:
         """{tracker: its tracked run's id}, for the checkpoint: a resume logs into the same tracked runs."""
         return self.tracking.ids() if self.enabled and self.tracking is not None else {}
@@ -105,14 +105,14 @@ class RunLog:
             tracking, self.tracking = self.tracking, None
             tracking.close(files, finished)
 
-{% endif -%}
+{% endif %}
     def close(self) -> None:
         if not self.enabled or self.steps.closed:
             return
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
         if self.tracking is not None:  # an end without finish(): an exception; what was queued is still sent
             self.finish({}, finished=False)
-{% endif -%}
+{% endif %}
         if self.tb is not None:
             self.tb.close()
         self.metrics.close()

@@ -8,7 +8,7 @@ schedule) are open: OPEN_KEYS gives the range of the keys the shipped targets gi
 """
 
 import math
-from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif %}
+from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif +%}
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -17,9 +17,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 SEED_MAX = 2**32 - 1  # numpy's np.random.seed takes 0 .. 2**32 - 1; torch and python take at least that
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/tracking.py)
-{% endif -%}
+{% endif %}
 
 
 # Checks: each returns None when the value is fine, else what it should be.
@@ -145,7 +145,7 @@ class MonitorConfig:
     every_steps: int = key(integer(0))
 
 
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
 class WandbMode(str, Enum):
     online = "online"  # to the W&B server (wandb login first)
     offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
@@ -185,7 +185,7 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-{% endif -%}
+{% endif %}
 class WaitPolicy(str, Enum):
     passive = "passive"  # OpenMP threads sleep while they wait (frees the cores for loader workers)
     active = "active"  # they spin: faster without workers
@@ -222,9 +222,9 @@ class Config:
     ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-{% if cookiecutter.with_tracking == "yes" -%}
+{% if cookiecutter.with_tracking == "yes" %}
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-{% endif -%}
+{% endif %}
     process: ProcessConfig = field(default_factory=ProcessConfig)
     data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING

@@ -1,0 +1,99 @@
+"""What rng_mode=per_sample's seeding costs on real images: the batch fetch of the generated project's loader
+(SeededBatches) seeded before every sample, against the same fetch unseeded, in one process, in turns.
+
+    .venv/bin/python scripts/seeding_cost.py [--rounds 7]
+
+Data sets, each through the project's ImageFiles and its shapes training transform (RandomResizedCrop + flip):
+- shapes: the default generated data, 32x32 PNG;
+- digits: scikit-learn's handwritten digits (1,797 real 8x8 scans), as PNG files, cropped to 32;
+- photos: scikit-learn's two sample photographs, cut into 500x375 JPEG files (shifted and mirrored crops), cropped
+  to 224 as an ImageNet pipeline does.
+Per round and data set, the ratio of the seeded to the unseeded fetch time of the same batches; printed: the median
+ratio over the rounds, with the lowest and highest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from sklearn.datasets import load_digits, load_sample_images
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baked_project import bake  # noqa: E402
+
+BATCH = 32
+
+
+def digits_folder(root: Path) -> Path:
+    for n, (image, label) in enumerate(zip(load_digits().images, load_digits().target)):
+        folder = root / "train" / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 255 / 16).round().astype(np.uint8), "L").save(folder / f"{n:04d}.png")
+    return root / "train"
+
+
+def photo_folder(root: Path, per_photo: int = 48) -> Path:
+    rng = np.random.default_rng(0)
+    for p, photo in enumerate(load_sample_images().images):  # 427 x 640 RGB each
+        folder = root / "train" / f"photo{p}"
+        folder.mkdir(parents=True, exist_ok=True)
+        height, width = photo.shape[:2]
+        for n in range(per_photo):
+            top, left = rng.integers(0, height - 375 + 1), rng.integers(0, width - 500 + 1)
+            crop = photo[top : top + 375, left : left + 500]
+            Image.fromarray(crop[:, ::-1] if n % 2 else crop).save(folder / f"{n:03d}.jpg", quality=90)
+    return root / "train"
+
+
+def fetch_seconds(wrapped, keys) -> float:
+    began = time.perf_counter()
+    for key in keys:
+        wrapped.__getitems__(key)
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        project = bake(tmp / "bake")
+        sys.path.insert(0, str(project))
+        package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
+        data = __import__(f"{package}.data", fromlist=["ImageFiles", "train_transform"])
+        loader = __import__(f"{package}.engine.loader", fromlist=["BatchIndices", "SeededBatches"])
+        sets = {
+            "shapes 32x32 PNG, crop 32": (project / "data/shapes-600-32/train", 32),
+            "digits 8x8 PNG scans, crop 32": (digits_folder(tmp / "digits"), 32),
+            "photos 500x375 JPEG, crop 224": (photo_folder(tmp / "photos"), 224),
+        }
+        print(f"per_sample seeding cost: batch fetch time seeded / unseeded, batches of {BATCH}, {args.rounds} rounds")
+        for name, (folder, size) in sets.items():
+            dataset = data.ImageFiles(folder, transform=data.train_transform(size))
+            batches = max(2, min(12, len(dataset) // BATCH))
+            order = np.random.default_rng(1).permutation(len(dataset))
+            keys = [loader.BatchIndices(order[i * BATCH : (i + 1) * BATCH].tolist(), 0, i) for i in range(batches)]
+            plain = loader.SeededBatches(dataset, 0, per_sample=False)
+            seeded = loader.SeededBatches(dataset, 0, per_sample=True)
+            fetch_seconds(plain, keys), fetch_seconds(seeded, keys)  # warm the file cache and the code paths
+            ratios, per_batch = [], []
+            for _ in range(args.rounds):
+                a, b = fetch_seconds(plain, keys), fetch_seconds(seeded, keys)
+                ratios.append(b / a)
+                per_batch.append((b - a) / batches * 1e6)
+            print(
+                f"  {name:<32} {statistics.median(ratios):.4f} (lowest {min(ratios):.4f}, highest {max(ratios):.4f}); "
+                f"{statistics.median(per_batch):+.0f} us per batch, unseeded fetch {a / batches * 1e3:.1f} ms per batch"
+            )
+
+
+if __name__ == "__main__":
+    main()
