@@ -17,6 +17,7 @@ except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli th
     import tomli as tomllib
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
+MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_slurm": "no", "with_benchmarks": "no"}
 NEWEST_PYTHON = "3.14"  # the newest CPython release; raise it when a new one comes out
 
 
@@ -67,7 +68,7 @@ def test_other_licenses(bake, tmp_path, license_):
     assert text.startswith(tuple(f"Copyright {y} Ada" for y in years) + ("BSD 3-Clause License",))
 
 
-@pytest.mark.parametrize("answers", [{}, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("answers", [{}, NON_DEFAULT, MINIMAL], ids=["defaults", "non-default", "minimal"])
 def test_fully_rendered(bake, tmp_path, answers):
     project = bake(tmp_path, **answers)
     for path in project.rglob("*"):
@@ -174,9 +175,10 @@ def test_readme_generate_command_works_from_a_clone(template_dir, cookiecutter_c
     assert (tmp_path / "my-trainer" / "train.py").is_file() and (tmp_path / "my-trainer" / "eval.py").is_file()
 
 
-def test_hygiene_hooks_would_change_nothing(bake, tmp_path):
+@pytest.mark.parametrize("answers", [{}, MINIMAL], ids=["defaults", "minimal"])
+def test_hygiene_hooks_would_change_nothing(bake, tmp_path, answers):
     """What the pre-commit hygiene hooks fix (trailing whitespace, missing or extra final newlines) is not there."""
-    project = bake(tmp_path)
+    project = bake(tmp_path, **answers)
     for path, text in text_files(project):
         rel = path.relative_to(project)
         assert not any(line != line.rstrip() for line in text.splitlines()), f"trailing whitespace in {rel}"

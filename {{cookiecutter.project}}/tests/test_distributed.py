@@ -228,7 +228,7 @@ def test_sigterm_while_joining_exits_at_once(tmp_path, workarounds):
             assert "SIGTERM while waiting on the other processes" in err
         else:
             with pytest.raises(subprocess.TimeoutExpired):
-                proc.communicate(timeout=8)  # still blocked: only the agent's SIGKILL would end it
+                proc.communicate(timeout=4)  # still blocked: only the agent's SIGKILL would end it
     finally:
         proc.kill()
         proc.communicate()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 import os
 import platform
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
-import torchvision
 from omegaconf import OmegaConf
 
 from . import distributed, rng
@@ -47,11 +47,18 @@ def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, 
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "versions": {
             "torch": str(torch.__version__),
-            "torchvision": str(torchvision.__version__),
+            "torchvision": installed("torchvision"),  # read, not imported: a project without images needs none
             "numpy": str(np.__version__),
             "python": platform.python_version(),
         },
     }
+
+
+def installed(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class Checkpointer:

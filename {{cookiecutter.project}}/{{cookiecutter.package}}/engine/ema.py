@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
 class EMA:
     def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
+        self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self._pair(model)
 
@@ -29,7 +30,8 @@ class EMA:
     @torch.no_grad()
     def update(self) -> None:
         """One step toward the model's current weights; all on the device, no host read."""
-        torch._foreach_lerp_(self.floats[0], self.floats[1], 1.0 - self.decay)
+        if self.floats[0]:
+            self.average(*self.floats, None)
         for mine, theirs in zip(*self.others):
             mine.copy_(theirs)
 

@@ -11,8 +11,8 @@ Exit codes (train.py):
 Why each one needs help (pytorch/pytorch#5040, #96629, #108861):
 - A worker that blocks (a dead NFS mount, a deadlocked decoder) blocks the loop forever with `timeout=0`, and
   PyTorch's own timeout raises a bare RuntimeError that names neither the worker nor where it stands. The
-  DataLoader iterator knows which worker holds the missing batch (`_task_info[_rcvd_idx]`), and
-  `faulthandler`, armed in each worker on a signal of its own, writes that worker's Python stack.
+  train loader's own batch order says which worker holds the missing batch (`stalled`), and `faulthandler`,
+  armed in each worker on a signal of its own, writes that worker's Python stack.
 - A sample that raises inside a worker comes back as a traceback of the worker that never names the data set
   index or the file. `fetch_guarded` (in the worker) fetches each sample under a try and names both.
 - A batch that cannot get shared memory fails in the worker ("unable to allocate shared memory(shm)"), or kills
@@ -31,6 +31,8 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 from .errors import UserError
 from .memory import SHM_DIR, MiB, shm_space
@@ -141,13 +143,14 @@ def from_worker(exc: BadSample) -> BadSample:
 # --- stalls -----------------------------------------------------------------------------------------------------
 
 
-def arm_stack_dump(stack_dir: str | None) -> None:
-    """Worker side (worker_init_fn): write this process's Python stack, every thread, into `<stack_dir>/<pid>.txt`
-    when STACK_SIGNAL comes. faulthandler writes from its C signal handler, so a worker stuck in a read or a
-    lock still answers."""
+def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
+    """Worker side (worker_init_fn): write this process's Python stack, every thread, into
+    `<stack_dir>/<worker_id>-<pid>.txt` when STACK_SIGNAL comes. faulthandler writes from its C signal handler, so a
+    worker stuck in a read or a lock still answers. The file's name also tells the main process which worker has
+    which pid."""
     if stack_dir is None or STACK_SIGNAL is None:
         return
-    out = open(os.path.join(stack_dir, f"{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
+    out = open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
     faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
     _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
 
@@ -155,22 +158,31 @@ def arm_stack_dump(stack_dir: str | None) -> None:
 _ARMED: list = []
 
 
-def dump_stacks(pids: list[int], stack_dir: str | None, wait_s: float = 3.0) -> dict[int, str]:
-    """Main side: ask each armed worker for its stack and collect what they wrote (pid -> text).
-
-    Only workers that armed themselves (their file exists) get the signal: for any other process a real-time
-    signal's default action is to terminate it."""
+def armed_workers(stack_dir: str | None) -> dict[int, Path]:
+    """Main side: {worker id: its stack file} for the live children of this process that armed a stack dump (a
+    worker of an earlier generation left a file too, but is gone). Only these may get STACK_SIGNAL: for any other
+    process a real-time signal's default action is to terminate it."""
     if stack_dir is None or STACK_SIGNAL is None:
         return {}
-    files = {pid: Path(stack_dir, f"{pid}.txt") for pid in pids}
+    live = {child.pid for child in psutil.Process().children()}
+    found = {}
+    for path in Path(stack_dir).glob("*-*.txt"):
+        worker_id, pid = (int(part) for part in path.stem.split("-"))
+        if pid in live:
+            found[worker_id] = path
+    return found
+
+
+def dump_stacks(armed: dict[int, Path], wait_s: float = 3.0) -> dict[int, str]:
+    """Ask each armed worker for its stack and collect what they wrote (pid -> text)."""
     asked = {}
-    for pid, path in files.items():
-        if path.exists():
-            try:
-                os.kill(pid, STACK_SIGNAL)
-                asked[pid] = path
-            except ProcessLookupError:
-                pass
+    for path in armed.values():
+        pid = int(path.stem.split("-")[1])
+        try:
+            os.kill(pid, STACK_SIGNAL)
+            asked[pid] = path
+        except ProcessLookupError:
+            pass
     # faulthandler writes in one go but marks no end: a file that stopped growing for a moment is complete
     deadline, stacks, sizes = time.monotonic() + wait_s, {}, {}
     while asked and time.monotonic() < deadline:
@@ -186,25 +198,27 @@ def dump_stacks(pids: list[int], stack_dir: str | None, wait_s: float = 3.0) -> 
     return stacks
 
 
-def stalled(loader, iterator, error: BaseException) -> Stalled:
-    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader) while `iterator` (PyTorch's) waited for
-    the next batch; the workers' stacks are taken before the workers are shut down."""
-    workers = list(getattr(iterator, "_workers", []))
-    pids = [w.pid for w in workers]
-    task = getattr(iterator, "_task_info", {}).get(getattr(iterator, "_rcvd_idx", None))
-    worker_id = task[0] if task else None
-    holder = f"DataLoader worker {worker_id} (pid {pids[worker_id]})" if worker_id is not None else "a worker"
-    stacks = dump_stacks(pids, loader.stack_dir)
-    if worker_id is not None and pids[worker_id] in stacks:
-        first = {pids[worker_id]: stacks.pop(pids[worker_id])}
-        stacks = {**first, **stacks}
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:  # now, so the stuck worker is gone before the checkpoint is written
-        shutdown()
-    timeout = loader.settings.timeout
+def stalled(loader) -> Stalled:
+    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader) while it waited for its next batch.
+
+    Which worker holds that batch follows from the loader's own order: batches go to the workers round-robin from
+    the first one each generation starts with (torch/utils/data/dataloader.py), so batch `i` is worker
+    `(i - rotation) % workers`' (TrainLoader's Generation). The workers' stacks come first; the stuck worker is
+    ended with the others as the process exits (its parent's SIGTERM)."""
+    generation = loader.generation
+    worker_id = (loader.position - generation.rotation) % generation.workers
+    armed = armed_workers(loader.stack_dir)
+    stacks = dump_stacks(armed)
+    holder = f"DataLoader worker {worker_id}"
+    if worker_id in armed:
+        pid = int(armed[worker_id].stem.split("-")[1])
+        holder += f" (pid {pid})"
+        if pid in stacks:
+            stacks = {pid: stacks.pop(pid), **stacks}
     return Stalled(
-        f"loader.timeout: no batch for {timeout:g} s: batch {loader.position} of epoch {loader.epoch} is made by "
-        f"{holder}, which is stuck (a hung read, a dead network mount, a deadlock in a decoder?)",
+        f"loader.timeout: no batch for {loader.settings.timeout:g} s: batch {loader.position} of epoch "
+        f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
+        "decoder?)",
         stacks,
     )
 
@@ -237,12 +251,12 @@ def shm_full(error: BaseException) -> ShmFull:
 # --- in the main process ----------------------------------------------------------------------------------------
 
 
-def from_loader_error(error: BaseException, loader, iterator) -> LoaderFailure | None:
+def from_loader_error(error: BaseException, loader) -> LoaderFailure | None:
     """What `error`, raised while the train loader waited for its next batch, means; None: not one of ours."""
     if isinstance(error, BadSample):
         return from_worker(error)
     if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after"):
-        return stalled(loader, iterator, error)
+        return stalled(loader)
     if is_shm_error(error):
         return shm_full(error)
     return None

@@ -320,7 +320,7 @@ class SeedWorker:
     def __call__(self, worker_id: int) -> None:
         if self.worker_init is not None:
             self.worker_init(worker_id)
-        failures.arm_stack_dump(self.stack_dir)
+        failures.arm_stack_dump(self.stack_dir, worker_id)
         if self.streams is None:
             rng.seed_cpu(get_worker_info().seed)  # the state rng.from_seed(seed) describes, as the main process assumes
         else:
@@ -483,7 +483,7 @@ class TrainLoader:
             except StopIteration:
                 break
             except Exception as e:  # a stall, a bad sample, a full /dev/shm: named, in one line
-                failure = failures.from_loader_error(e, self, iterator)
+                failure = failures.from_loader_error(e, self)
                 if failure is None:
                     raise
                 raise failure from e

@@ -58,6 +58,7 @@ class Run:
     checkpoints: checkpoint.CheckpointPolicy
     ema: EMA | None  # ema.decay: the averaged weights, what validation uses when on
     batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
+    ddp: torch.nn.parallel.DistributedDataParallel | None  # the DDP module under torch.compile's wrapper, when on
 
     @property
     def evaluated(self) -> torch.nn.Module:
@@ -66,9 +67,8 @@ class Run:
 
     def no_sync(self, skip: bool):
         """DDP's no_sync on all but a window's last micro-batch: their gradients add up locally, unreduced."""
-        ddp = getattr(self.net, "_orig_mod", self.net)  # under torch.compile, the DDP module it wraps
-        if skip and isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            return ddp.no_sync()
+        if skip and self.ddp is not None:
+            return self.ddp.no_sync()
         return contextlib.nullcontext()
 
     def at_epoch_end(self) -> bool:
@@ -192,6 +192,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
         log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
     node = cfg.data.get("batch_transform")
     batch_transform = SeededBatchTransform(instantiate(node), cfg.seed, world.rank) if node is not None else None
+    ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
     if ckpt:
@@ -212,7 +213,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform,
+        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform, ddp,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
