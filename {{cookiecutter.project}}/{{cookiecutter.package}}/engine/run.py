@@ -181,10 +181,11 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
+    spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
-    distributed.settle_buckets(net, lambda: task.loss(net, prepare(to_device(two_samples(train_set, collate), device))))
+    distributed.settle_buckets(net, lambda: spare.loss(net, prepare(to_device(two_samples(train_set, collate), device))))
     ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
     if ema is not None and ckpt and ckpt.get("ema") is not None:
         ema.load_state_dict(ckpt["ema"])
@@ -219,6 +220,19 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
 {% endif %}
     return run
+
+
+def spare_task(cfg, world: distributed.World):
+    """Under DDP, a task of its own for settle_buckets' throwaway step, as the dry step has one: built before the run's
+    and without drawing from the run's generators, so whatever a task keeps (counters, metric states) sees only the
+    run's batches. None in one process."""
+    if not world.distributed:
+        return None
+    saved = rng.capture_main()
+    try:
+        return instantiate(cfg.task)
+    finally:
+        rng.restore_main(saved)
 
 
 def two_samples(dataset, collate):
