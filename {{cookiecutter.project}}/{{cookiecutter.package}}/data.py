@@ -18,7 +18,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 from torchvision import datasets
 from torchvision.datasets.folder import find_classes
+{% if cookiecutter.with_benchmarks == "yes" %}
 from torchvision.transforms import v2
+{% endif %}
 
 from .engine.errors import UserError
 
@@ -26,6 +28,7 @@ SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
 
 
+{% if cookiecutter.with_benchmarks == "yes" %}
 def train_transform(image_size: int) -> v2.Compose:
     """The shapes config's training transform, for code outside Hydra (the benchmarks): conf/data/*.yaml lists the
     same steps. It runs in the workers and draws from their torch RNG; its output stays uint8 (C, H, W), and
@@ -39,10 +42,7 @@ def train_transform(image_size: int) -> v2.Compose:
     )
 
 
-def eval_transform(image_size: int) -> v2.Compose:
-    return v2.Compose([v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
-
-
+{% endif %}
 class ImageFiles(datasets.ImageFolder):
     """`torchvision.datasets.ImageFolder` (one subfolder per class, PIL decoding in the worker)
     with its file list held in numpy arrays instead of a list of (path, class) tuples."""
