@@ -75,7 +75,7 @@ def train(cfg) -> tuple[int, float]:
             log.info(closing)
     best = run.checkpoints.best.value
     if stopping:
-        stop.hand_over()  # e.g. submitit requeues the SLURM job now that the checkpoint is on disk
+        stop.hand_over()  # e.g. a job runner requeues the job now that the checkpoint is on disk
     return stop.exit_code if stopping else 0, best if best is not None else float("nan")
 
 

@@ -93,7 +93,7 @@ def test_sigterm_to_torchrun_stops_all_ranks_at_one_step(tmp_path, straight):
     assert same_weights(straight / "checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
 
 
-# A stand-in for submitit's job process: it owns USR2 before train.py starts and "requeues" when called.
+# A stand-in for a job runner's process: it owns USR2 before train.py starts and "requeues" when called.
 REQUEUE = """
 import pathlib, runpy, signal, sys
 marker = pathlib.Path(sys.argv[1])

@@ -227,7 +227,7 @@ def check_classes(found: dict, num_classes: int | None) -> None:
 
 def precheck_data(cfg) -> None:
     """The data errors that show without opening the data sets: each `data.<split>._target_` that has a `precheck`
-    (data.shapes, ImageFiles, ShardDataset, cifar10 do) is called with the node's plain arguments and returns the
+    (data.shapes, ImageFiles, {% if cookiecutter.with_shards == "yes" %}ShardDataset, {% endif %}cifar10 do) is called with the node's plain arguments and returns the
     class names it will find, or None. A data set of your own gets the same early refusal by giving it one."""
     found = {}
     for split in ("train", "val"):

@@ -46,7 +46,7 @@ def join(device: torch.device) -> World:
         if local_rank >= torch.cuda.device_count():
             raise UserError(
                 f"rank {rank} wants cuda:{local_rank} but {torch.cuda.device_count()} GPUs are visible to it: "
-                "lower torchrun's --nproc_per_node (hydra.launcher.tasks_per_node under submitit), one process per "
+                "lower torchrun's --nproc_per_node{% if cookiecutter.with_slurm == "yes" %} (hydra.launcher.tasks_per_node under submitit){% endif %}, one process per "
                 "GPU, each process seeing all of its node's GPUs"
             )
         torch.cuda.set_device(local_rank)

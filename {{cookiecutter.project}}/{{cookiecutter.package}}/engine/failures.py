@@ -83,8 +83,8 @@ class BadSample(LoaderFailure):
 
 
 def sample_source(dataset, index: int) -> str:
-    """Where sample `index` comes from, when the data set says (`sample_source(index)`: ImageFiles gives the file,
-    ShardDataset the shard and member); else ''."""
+    """Where sample `index` comes from, when the data set says (`sample_source(index)`: ImageFiles gives the
+    file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}); else ''."""
     describe = getattr(dataset, "sample_source", None)
     try:
         return f" ({describe(index)})" if describe else ""

@@ -2,7 +2,7 @@
 
 Handlers are installed before the DataLoader forks its workers, so workers inherit a handler that
 only sets a flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill them
-while the main process is still saving. A handler that was there before ours (submitit's, which
+while the main process is still saving. A handler that was there before ours (a job runner's, e.g. one that
 requeues a SLURM job on USR2) is called once the checkpoint is written: see `hand_over`.
 
 A Python signal handler only runs when the main thread is back in Python, never while it waits
@@ -101,7 +101,7 @@ class StopRequest:
         _die_with_parent()
 
     def hand_over(self) -> None:
-        """After saving: pass the signal to the handler we replaced, if it was a Python one (submitit's requeue)."""
+        """After saving: pass the signal to the handler we replaced, if it was a Python one (a job runner's requeue)."""
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)

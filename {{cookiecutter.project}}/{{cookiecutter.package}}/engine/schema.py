@@ -284,7 +284,7 @@ def run_name(*parts) -> str:
     return name.replace("/", "-")[:150]
 
 
-# hydra.run.dir / hydra.sweep.subdir use ${run_name:...}. Registered on import rather than in register(): a submitit
-# job unpickles main() and resolves its folder there without running train.py's `__main__` block, but it imports
-# this module, through the engine modules main's code names.
+# hydra.run.dir / hydra.sweep.subdir use ${run_name:...}. Registered on import rather than in register(): a launcher's
+# job that unpickles main() resolves its folder without running train.py's `__main__` block, but it imports this
+# module, through the engine modules main's code names.
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
