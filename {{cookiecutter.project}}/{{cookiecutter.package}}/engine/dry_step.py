@@ -42,6 +42,8 @@ def dry_step(cfg) -> None:
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         try:
             optimizer = build_optimizer(cfg.optim, model)
+        except UserError:  # a param_groups entry that matches nothing: its own line
+            raise
         except Exception as e:
             raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
         task = _build(cfg.task, "task")
