@@ -200,6 +200,15 @@ class CallCountedMixUp:
         return images * lam + images.roll(1, 0) * (1 - lam), soft * lam + soft.roll(1, 0) * (1 - lam)
 
 
+class PartedClassification(Classification):
+    """Cross-entropy plus an L2 penalty on the weights, returned as `(loss, parts)`: each part logged on its own."""
+
+    def loss(self, model, batch):
+        ce = super().loss(model, batch)
+        l2 = 1e-3 * sum(p.square().sum() for p in model.parameters())
+        return ce + l2, {"ce": ce, "l2": l2}
+
+
 class TrainModeMetrics(Classification):
     """Validation that runs the model in training mode: BatchNorm's running statistics move with every batch."""
 

@@ -1,11 +1,11 @@
 """The config check's last part: build what the run will build and run it once on two real samples.
 
 The data sets, model, optimizer and task of the config are built, a batch of two training samples goes through
-`data.collate`, the device, `data.normalize`, `task.loss` and backward on the device the run will use, and a
-batch of two validation samples through `task.metrics`. So a wrong argument, a data path that does not exist, a
-model that does not fit the data, a task that does not fit the batches, an op without a deterministic kernel
-under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the command in one line
-before the run folder is written. All RNG (python, numpy, torch) is left as it was.
+`data.collate`, the device, `data.normalize`, `task.loss` (its return form checked) and backward on the device
+the run will use, and a batch of two validation samples through `task.metrics`. So a wrong argument, a data path
+that does not exist, a model that does not fit the data, a task that does not fit the batches, an op without a
+deterministic kernel under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the
+command in one line before the run folder is written. All RNG (python, numpy, torch) is left as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .evaluate import check_metrics
 from .init_from import init_weights
 from .optim import build_optimizer, clip_gradients
 from .schedule import build_schedule
+from .task_results import check_loss
 
 NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
 
@@ -62,9 +63,7 @@ def dry_step(cfg) -> None:
             with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
                 batch = transform(batch)
         with strict_determinism(cfg.deterministic, device), _named(cfg, target, "loss", "training"):
-            loss = task.loss(model.train(), batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise UserError(f"task {target}: loss() must return a scalar tensor with a gradient, got {loss!r}")
+            loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             optimizer.step()
