@@ -142,9 +142,10 @@ class Normalize:
 
 
 def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
-    """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read."""
+    """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read.
+    A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
     parts = [
-        v.detach().to(torch.float64).reshape(1)
+        v.detach().to(torch.float64).reshape(-1)
         if isinstance(v, torch.Tensor)
         else torch.tensor([float(v)], dtype=torch.float64)
         for v in values

@@ -24,11 +24,10 @@ from torch.utils.data import IterableDataset, default_collate
 from .checks import check_data, reason
 from .device import input_transform, pick_device, to_device
 from .errors import UserError
-from .evaluate import check_metrics
 from .init_from import init_weights
 from .optim import build_optimizer, clip_gradients
 from .schedule import build_schedule
-from .task_results import check_loss
+from .task_results import check_loss, check_metrics, report
 
 NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
 
@@ -72,7 +71,12 @@ def dry_step(cfg) -> None:
                 build_schedule(cfg.schedule, optimizer, total_steps=100).step()
         batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
         with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
-            names = check_metrics(task.metrics(model.eval(), batch), target)
+            metrics = task.metrics(model.eval(), batch)
+            names = check_metrics(metrics, target, hasattr(task, "compute"))
+        if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
+            totals = {k: torch.as_tensor(metrics[k]).detach().double().cpu() for k in names}
+            with _named(cfg, target, "compute", "validation"):
+                names = list(report(task, totals, target))
     reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
     if cfg.checkpoint.monitor not in reported:
         raise UserError(
