@@ -152,6 +152,8 @@ BAD = [
     ("ema.decay=1.5", "ema.decay must be a number in [0, 1], or null"),
     ("optim.grad_clip=0", "optim.grad_clip must be a number > 0, or null"),
     ("optim.decay_norm_and_bias=maybe", "optim.decay_norm_and_bias must be true or false"),
+    ("data.input=-1", "data.input must be a position in the batch (an integer >= 0, 0 for (image, label))"),
+    ("data.input=image", "data.input='image' is not in the batch (a list with 2 parts): set data.input to the"),
     ("optim.param_groups=3", "optim.param_groups must be a list of {match: <glob over model.named_parameters()"),
     ("optim.param_groups=[{lr_scale:2}]", "optim.param_groups must be a list of {match: <glob"),
     ("optim.param_groups=[{match:x,lr:2}]", "entry 0's lr must be one of match, lr_scale, weight_decay"),

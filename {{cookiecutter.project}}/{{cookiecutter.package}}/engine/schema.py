@@ -272,12 +272,20 @@ def param_groups(v):
                 return f"{shape}: entry {i}'s {name} must be {wanted}"
 
 
+def batch_part(v):
+    """data.input: a position in a tuple batch or a key of a dict batch."""
+    position = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not position and not (isinstance(v, str) and v.strip()):
+        return "a position in the batch (an integer >= 0, 0 for (image, label)) or a dict batch's key (a string)"
+
+
 # The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
 LOOP_OPEN_KEYS = {
     "optim.grad_clip": number(0, above=True, null="off"),
     "optim.param_groups": param_groups,
     "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
     "data.on_bad_sample": one_of("error", "skip"),
+    "data.input": batch_part,
 }
 SHIPPED = {
     "data": "data.train._target_",
