@@ -165,7 +165,8 @@ BAD = [
     ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),
     ("data=imagefolder data.num_classes=3", "data.root has no value"),
 ]
-FAST = {"epochs=-1", "+loader.num_worker=3", "data=imagefolder"}  # a range, a key added with +, a value left at ???
+# a range, a key added with +, a value left at ???, a refusal of the dry step's optimizer build
+FAST = {"epochs=-1", "+loader.num_worker=3", "data=imagefolder", "optim.param_groups=[{match:nothing}]"}
 # Through train.py as well, one of each kind of refusal (the in-process test above checks every value with the same
 # config.check that train.py runs): a range, a ratio, a choice, torch's own check, a wrong argument, a _target_
 # that does not import, an added key nothing reads, a value left at ???.
