@@ -31,6 +31,7 @@ from {{ cookiecutter.package }}.engine.optim import clip_gradients
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from {{ cookiecutter.package }}.engine.run import Run, build
 from {{ cookiecutter.package }}.engine.runlog import EpochMeter
+from {{ cookiecutter.package }}.engine.task_results import split_loss
 
 log = logging.getLogger("train")
 
@@ -79,14 +80,16 @@ def train(cfg) -> tuple[int, float]:
     return stop.exit_code if stopping else 0, best if best is not None else float("nan")
 
 
-def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Forward and backward of one micro-batch; on the last of its accumulation window (`boundary`), the optimizer
-    step. Returns the loss and the gradient norm before clipping (optim.grad_clip, else None), still on the device."""
+    step. Returns the loss, the gradient norm before clipping (optim.grad_clip, else None) and the loss's parts
+    (a task's `(loss, parts)`, else {}), all still on the device."""
     with run.no_sync(not boundary), torch.autocast(run.device.type, dtype=run.amp, enabled=run.amp is not None):
-        loss = run.task.loss(run.net, batch)
+        loss, parts = split_loss(run.task.loss(run.net, batch))
         run.scaler.scale(loss / run.cfg.accumulate_steps).backward()  # DDP all-reduces on the window's last only
+    parts = {name: part.detach() for name, part in parts.items()}
     if not boundary:
-        return loss.detach(), None
+        return loss.detach(), None, parts
     grad_norm = clip_gradients(run.model, run.cfg.optim.grad_clip, run.optimizer, run.scaler)
     run.scaler.step(run.optimizer)
     run.scaler.update()
@@ -95,7 +98,7 @@ def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Ten
     if run.ema is not None:
         run.ema.update()
     run.step += 1
-    return loss.detach(), grad_norm
+    return loss.detach(), grad_norm, parts
 
 
 def log_step(run: Run, meter: EpochMeter) -> bool:
@@ -103,7 +106,8 @@ def log_step(run: Run, meter: EpochMeter) -> bool:
     figures, first_bad, signalled = meter.read_window(run.stop.requested, run.world)
     if first_bad:
         raise UserError(run.checkpoints.diverged(first_bad, run.step))
-    run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"))
+    parts = {name: value for name, value in figures.items() if name.startswith("loss_")}
+    run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"), parts)
     return signalled
 
 

@@ -200,6 +200,37 @@ class CallCountedMixUp:
         return images * lam + images.roll(1, 0) * (1 - lam), soft * lam + soft.roll(1, 0) * (1 - lam)
 
 
+class PartedClassification(Classification):
+    """Cross-entropy plus an L2 penalty on the weights, returned as `(loss, parts)`: each part logged on its own."""
+
+    def loss(self, model, batch):
+        ce = super().loss(model, batch)
+        l2 = 1e-3 * sum(p.square().sum() for p in model.parameters())
+        return ce + l2, {"ce": ce, "l2": l2}
+
+
+class MeanIoU(Classification):
+    """A dataset-level metric: per-class intersection and union vectors summed over the split, turned into the
+    mean IoU over the classes present by `compute` (the mean of per-batch IoUs would be another, wrong, figure)."""
+
+    def __init__(self, label_smoothing: float = 0.0, num_classes: int = 4):
+        super().__init__(label_smoothing)
+        self.num_classes = num_classes
+
+    def metrics(self, model, batch):
+        inputs, labels = batch
+        predicted = torch.nn.functional.one_hot(model(inputs).argmax(1), self.num_classes)
+        truth = torch.nn.functional.one_hot(labels, self.num_classes)
+        intersection = (predicted * truth).sum(0)
+        union = (predicted + truth).clamp(max=1).sum(0)
+        return {"intersection": intersection, "union": union, "count": labels.new_tensor(labels.numel())}
+
+    def compute(self, totals):
+        present = totals["union"] > 0
+        iou = totals["intersection"][present] / totals["union"][present]
+        return {"miou": iou.mean(), "pixel_acc": totals["intersection"].sum() / totals["count"]}
+
+
 class TrainModeMetrics(Classification):
     """Validation that runs the model in training mode: BatchNorm's running statistics move with every batch."""
 

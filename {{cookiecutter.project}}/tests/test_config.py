@@ -152,13 +152,21 @@ BAD = [
     ("ema.decay=1.5", "ema.decay must be a number in [0, 1], or null"),
     ("optim.grad_clip=0", "optim.grad_clip must be a number > 0, or null"),
     ("optim.decay_norm_and_bias=maybe", "optim.decay_norm_and_bias must be true or false"),
+    ("data.input=-1", "data.input must be a position in the batch (an integer >= 0, 0 for (image, label))"),
+    ("data.input=image", "data.input='image' is not in the batch (a list with 2 parts): set data.input to the"),
+    ("optim.param_groups=3", "optim.param_groups must be a list of {match: <glob over model.named_parameters()"),
+    ("optim.param_groups=[{lr_scale:2}]", "optim.param_groups must be a list of {match: <glob"),
+    ("optim.param_groups=[{match:x,lr:2}]", "entry 0's lr must be one of match, lr_scale, weight_decay"),
+    ("optim.param_groups=[{match:x,lr_scale:0}]", "entry 0's lr_scale must be a number > 0"),
+    ("optim.param_groups=[{match:nothing}]", "optim.param_groups[0].match='nothing' matches no parameter of SmallCNN"),
     ("init_from=/no/such/file.pth", "init_from=/no/such/file.pth: no such file"),
     ("+foo=1", "unknown config key foo"),
     ("+data.per_clas=3", "data.per_clas is not used by data.train or data.val (did you mean data.per_class?)"),
     ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),
     ("data=imagefolder data.num_classes=3", "data.root has no value"),
 ]
-FAST = {"epochs=-1", "+loader.num_worker=3", "data=imagefolder"}  # a range, a key added with +, a value left at ???
+# a range, a key added with +, a value left at ???, a refusal of the dry step's optimizer build
+FAST = {"epochs=-1", "+loader.num_worker=3", "data=imagefolder", "optim.param_groups=[{match:nothing}]"}
 # Through train.py as well, one of each kind of refusal (the in-process test above checks every value with the same
 # config.check that train.py runs): a range, a ratio, a choice, torch's own check, a wrong argument, a _target_
 # that does not import, an added key nothing reads, a value left at ???.

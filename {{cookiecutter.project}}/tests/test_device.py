@@ -10,7 +10,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package }}.engine import schema
-from {{ cookiecutter.package }}.engine.device import Normalize, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, amp_dtype, device_batches, sum_and_read
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
@@ -44,6 +44,21 @@ def test_normalize_uint8_on_the_device_and_float_passes():
     assert torch.equal(Normalize()(x), x.float().div(255))
     nhwc = Normalize(mean, std, channels_last=True)(x)
     assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, out)
+
+
+def test_only_the_named_input_is_normalized():
+    mean, std = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
+    image = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    mask = torch.randint(0, 3, (2, 1, 4, 4), dtype=torch.uint8)  # a class index per pixel: not an image
+    expected = Normalize(mean, std)(image)
+    out = PrepareBatch(Normalize(mean, std), "image")({"image": image, "mask": mask, "ids": torch.arange(2)})
+    assert torch.equal(out["image"], expected) and out["mask"] is mask and out["ids"].dtype == torch.int64
+    x, y = PrepareBatch(Normalize(mean, std), 1)((mask, image))  # a position in a tuple batch
+    assert x is mask and torch.equal(y, expected)
+    # negative control: the mask named as the input is normalized like an image
+    assert PrepareBatch(Normalize(), "mask")({"image": image, "mask": mask})["mask"].dtype == torch.float32
+    with pytest.raises(UserError, match=r"data.input='img' is not in the batch \(a dict with keys image, mask\)"):
+        PrepareBatch(Normalize(), "img")({"image": image, "mask": mask})
 
 
 def test_sum_and_read_mixes_tensors_and_numbers():

@@ -54,14 +54,17 @@ def counted_runs(tmp_path, *variants) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_host_reads_per_log_interval_not_per_step(tmp_path):
-    knobs = ["log_every_steps=10", "optim.grad_clip=1.0", "ema.decay=0.9", "val_every_steps=50", "logger=csv"]
+    knobs = ["log_every_steps=10", "optim.grad_clip=1.0", "ema.decay=0.9", "val_every_steps=50"]
+    knobs += {% if cookiecutter.with_tracking == "yes" %}["logger=csv"]{% else %}[]{% endif %}  # a tracker's thread reads nothing either
+    knobs.append("task._target_=tests.datasets.PartedClassification")  # its loss parts go in the same reads
     (default_loop, default_other), (every_loop, every_other), (knobs_loop, _) = counted_runs(
         tmp_path, ["log_every_steps=10"], ["log_every_steps=1"], knobs
     )
     intervals = math.ceil(STEPS / 10) + EPOCHS  # log points, plus each epoch's end closing an interval early
     # one read per log point, one for validation and one for the epoch's figures, and one start-up read
     assert default_loop <= intervals + 2 * EPOCHS + 1, default_loop
-    # clipping's norm, the EMA and the non-finite check stay on the device, a tracker gets the floats already read;
+    # clipping's norm, the EMA, the loss parts and the non-finite check stay on the device, a tracker gets the floats
+    # already read;
     # the mid-epoch validation at step 50 is a log point of its own (its read) and reads its figures once each
     assert knobs_loop <= intervals + 1 + 2 * (EPOCHS + 1) + 1, knobs_loop
     # the loader (sampler order, worker base seeds) and the checkpoints read a few CPU tensors per epoch, none per step

@@ -1,5 +1,5 @@
 """The training knobs (clipping, accumulation, EMA, mixup, init_from, the schedule group, mid-epoch validation,
-a diverging loss, no decay on norms and biases), each exact across a stop inside its window.
+a diverging loss, no decay on norms and biases, parameter groups), each exact across a stop inside its window.
 
 Each case: a straight run, and one stopped inside the feature's window then resumed with another worker count
 (rng_mode=per_sample makes that legal and exact); the weights (and EMA weights) must be torch.equal. Each has a
@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.optim import build_optimizer
 from {{ cookiecutter.package }}.model import SmallCNN
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
@@ -219,3 +220,46 @@ def test_no_weight_decay_on_biases_and_norm_weights_unless_asked():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     (every,) = build_optimizer({**sgd, "decay_norm_and_bias": True}, model).param_groups  # the control: one group
     assert every["weight_decay"] == 0.01
+
+
+HEAD_GROUP = 'optim.param_groups=[{match: "head.*", lr_scale: 10}]'
+
+
+def test_param_groups_scale_the_lr_and_keep_no_decay_inside():
+    model = SmallCNN(num_classes=3, width=4)
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "weight_decay": 0.01}
+    sgd["decay_norm_and_bias"] = False
+    groups = [{"match": "head.*", "lr_scale": 10}, {"match": "head.*", "weight_decay": 0.5}, {"match": "*.0.weight"}]
+    with pytest.raises(UserError, match=r"param_groups\[1\].match='head.\*' matches no parameter"):
+        build_optimizer({**sgd, "param_groups": groups}, model)  # the first entry took the head
+    optimizer = build_optimizer({**sgd, "param_groups": groups[::2]}, model)
+    rest, rest_no_decay, head, head_no_decay, first, first_no_decay = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in head["params"] + head_no_decay["params"]] == ["head.weight", "head.bias"]
+    assert (head["lr"], head["weight_decay"], head_no_decay["lr"], head_no_decay["weight_decay"]) == (
+        1.0,
+        0.01,
+        1.0,
+        0.0,
+    )
+    assert all(names[id(p)].endswith(".0.weight") and p.ndim >= 2 for p in first["params"]) and first["lr"] == 0.1
+    assert first_no_decay["params"] == []  # "*.0.weight" holds only convolution kernels
+    assert rest["lr"] == rest_no_decay["lr"] == 0.1 and rest_no_decay["weight_decay"] == 0.0
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    # the control: without entries, the one or two groups of before
+    assert len(build_optimizer({**sgd, "param_groups": []}, model).param_groups) == 2
+
+
+def test_param_groups_resume_exactly(tmp_path):
+    run_train(tmp_path / "straight", *BASE, HEAD_GROUP)
+    run_train(tmp_path / "first", *BASE, HEAD_GROUP, "max_steps=13")
+    run_train(tmp_path / "second", *BASE, HEAD_GROUP, "loader.num_workers=3",
+              f"resume={tmp_path}/first/checkpoints/last.pth")  # fmt: skip
+    straight = tmp_path / "straight/checkpoints/last.pth"
+    assert same_weights(straight, tmp_path / "second/checkpoints/last.pth")
+    saved = load_ckpt(tmp_path / "first/checkpoints/last.pth")
+    assert [g["initial_lr"] for g in saved["optimizer"]["param_groups"]] == [0.05, 0.05, 0.5, 0.5]
+    # negative control: a schedule that forgot the head's own base lr (the default's for every group)
+    saved["scheduler"]["base_lrs"] = [0.05] * 4
+    forgot = resume_from(tmp_path, saved, "forgot", HEAD_GROUP)
+    assert not same_weights(straight, forgot / "checkpoints/last.pth")

@@ -194,7 +194,8 @@ def test_data_collate_serves_both_loaders(example, tmp_path):
     copy, _ = example
     collate = ["+data.collate._target_=tests.datasets.dict_collate", "+data.collate._partial_=true"]
     task = ["task._target_=tests.datasets.DictClassification", "~task.label_smoothing", "checkpoint.monitor=val_acc"]
-    run(copy, "python train.py", *RNG_DATA, *collate, *task, "epochs=1", f"hydra.run.dir={tmp_path / 'dicts'}")
+    dicts = [*collate, "data.input=image"]  # the model's input: the dict's "image", the part data.normalize takes
+    run(copy, "python train.py", *RNG_DATA, *dicts, *task, "epochs=1", f"hydra.run.dir={tmp_path / 'dicts'}")
     (record,) = read_jsonl(tmp_path / "dicts/metrics.jsonl")
     assert 0 <= record["val_acc"] <= 1 and "val_loss" not in record
     # negative control: without the collate the batches are tuples, which the dict task cannot read

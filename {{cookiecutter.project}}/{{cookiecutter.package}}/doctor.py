@@ -52,6 +52,7 @@ from .engine import memory, monitor, rng, schema
 from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
+from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")
 
@@ -220,7 +221,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
                 torch.cuda.synchronize()
             began = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        task.loss(model, batch).backward()
+        split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return steps / (time.perf_counter() - began)

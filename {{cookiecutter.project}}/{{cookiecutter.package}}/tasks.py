@@ -4,11 +4,15 @@
 A task has two methods, both given the model and one batch exactly as the data set and `data.collate` made it
 (a tensor, or tuples / lists / dicts of tensors), already on the device and through `data.normalize`:
 
-- `loss(model, batch) -> Tensor`: the scalar training loss of the batch (the loop calls backward on it).
-- `metrics(model, batch) -> dict[str, Tensor]`: 0-dim tensors *summed* over the batch, one of them `count`
+- `loss(model, batch) -> Tensor`: the scalar training loss of the batch (the loop calls backward on it), or
+  `(loss, parts)` with `parts` a dict of 0-dim tensors (a composite loss's terms), logged as `loss_<name>`.
+- `metrics(model, batch) -> dict[str, Tensor]`: tensors *summed* over the batch, one of them `count`
   (how many samples the sums cover). The loop adds them up on the device over the whole validation set and
   over ranks, reads them once, and reports `val_<name> = total / count` for every other name: in
   metrics.jsonl, TensorBoard, eval.json, and as what `checkpoint.monitor` may pick for best.pth.
+- `compute(totals) -> dict[str, float]`, optional: the figures from the split's totals (CPU tensors, `count`
+  among them), for a figure that is not a mean over samples; the sums may then have any fixed shape
+  (per-class vectors for mIoU or macro-F1).
 
 Keep host reads (`.item()`, `float(t)`, printing a tensor) out of both: each one makes the host wait for the GPU.
 """

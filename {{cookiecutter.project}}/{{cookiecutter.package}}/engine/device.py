@@ -5,6 +5,7 @@
   waits for the device between steps. On the CPU it hands the batches through unchanged.
 - `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
   workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
+  `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
 - `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
   to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
   calls it once per `log_every_steps` steps, once per validation and once per epoch.
@@ -142,9 +143,10 @@ class Normalize:
 
 
 def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
-    """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read."""
+    """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read.
+    A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
     parts = [
-        v.detach().to(torch.float64).reshape(1)
+        v.detach().to(torch.float64).reshape(-1)
         if isinstance(v, torch.Tensor)
         else torch.tensor([float(v)], dtype=torch.float64)
         for v in values
@@ -169,23 +171,37 @@ def amp_dtype(value, device: torch.device):
 
 
 class PrepareBatch:
-    """The data's device-side transform (`data.normalize`) applied to the images of a batch, whatever its nesting.
+    """The data's device-side transform (`data.normalize`) applied to the model's input alone.
 
-    Only 4-dim tensors (N, C, H, W) go through it: uint8 images become normalized floats, float images are only
-    laid out for `channels_last`. Labels, features, token ids and the like pass unchanged.
+    `data.input` names the input: a position in a tuple or list batch (`0` for `(image, label)`), or a key of a
+    dict batch (`image`); a batch that is one tensor is the input. There uint8 images become normalized floats and
+    float ones are only laid out for `channels_last`. Every other part of the batch (labels, masks, token ids,
+    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
     """
 
-    def __init__(self, normalize):
-        self.normalize = normalize
+    def __init__(self, normalize, input_key: int | str = 0):
+        self.normalize, self.input = normalize, input_key
 
     def __call__(self, batch):
-        return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
+        if isinstance(batch, torch.Tensor):
+            return map_tensors(self.normalize, batch)
+        key = self.input
+        if isinstance(batch, Mapping) and key in batch:
+            return type(batch)((k, map_tensors(self.normalize, v) if k == key else v) for k, v in batch.items())
+        if isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
+            parts = [map_tensors(self.normalize, v) if i == key else v for i, v in enumerate(batch)]
+            return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+        has = f"keys {', '.join(map(str, batch))}" if isinstance(batch, Mapping) else f"{len(batch)} parts"
+        raise UserError(
+            f"data.input={key!r} is not in the batch (a {type(batch).__name__} with {has}): set data.input to the "
+            "position or key of the model's input, the part data.normalize applies to"
+        )
 
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
-    """`data.normalize` (a Hydra `_target_`) built on `device`, for whole batches; without one, uint8 images are
-    only scaled to [0, 1]."""
-    node = data_cfg.get("normalize")
+    """`data.normalize` (a Hydra `_target_`) built on `device`, for the input `data.input` names (0 when absent);
+    without a normalize, uint8 images are only scaled to [0, 1]."""
+    node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
     if node is None:
-        return PrepareBatch(Normalize(device=device, channels_last=channels_last))
-    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last))
+        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key)
+    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key)

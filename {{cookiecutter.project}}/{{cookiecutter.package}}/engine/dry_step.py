@@ -1,11 +1,11 @@
 """The config check's last part: build what the run will build and run it once on two real samples.
 
 The data sets, model, optimizer and task of the config are built, a batch of two training samples goes through
-`data.collate`, the device, `data.normalize`, `task.loss` and backward on the device the run will use, and a
-batch of two validation samples through `task.metrics`. So a wrong argument, a data path that does not exist, a
-model that does not fit the data, a task that does not fit the batches, an op without a deterministic kernel
-under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the command in one line
-before the run folder is written. All RNG (python, numpy, torch) is left as it was.
+`data.collate`, the device, `data.normalize`, `task.loss` (its return form checked) and backward on the device
+the run will use, and a batch of two validation samples through `task.metrics`. So a wrong argument, a data path
+that does not exist, a model that does not fit the data, a task that does not fit the batches, an op without a
+deterministic kernel under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the
+command in one line before the run folder is written. All RNG (python, numpy, torch) is left as it was.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from torch.utils.data import IterableDataset, default_collate
 from .checks import check_data, reason
 from .device import input_transform, pick_device, to_device
 from .errors import UserError
-from .evaluate import check_metrics
 from .init_from import init_weights
 from .optim import build_optimizer, clip_gradients
 from .schedule import build_schedule
+from .task_results import check_loss, check_metrics, report
 
 NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
 
@@ -42,6 +42,8 @@ def dry_step(cfg) -> None:
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         try:
             optimizer = build_optimizer(cfg.optim, model)
+        except UserError:  # a param_groups entry that matches nothing: its own line
+            raise
         except Exception as e:
             raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
         task = _build(cfg.task, "task")
@@ -60,9 +62,7 @@ def dry_step(cfg) -> None:
             with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
                 batch = transform(batch)
         with strict_determinism(cfg.deterministic, device), _named(cfg, target, "loss", "training"):
-            loss = task.loss(model.train(), batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise UserError(f"task {target}: loss() must return a scalar tensor with a gradient, got {loss!r}")
+            loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             optimizer.step()
@@ -71,7 +71,12 @@ def dry_step(cfg) -> None:
                 build_schedule(cfg.schedule, optimizer, total_steps=100).step()
         batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
         with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
-            names = check_metrics(task.metrics(model.eval(), batch), target)
+            metrics = task.metrics(model.eval(), batch)
+            names = check_metrics(metrics, target, hasattr(task, "compute"))
+        if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
+            totals = {k: torch.as_tensor(metrics[k]).detach().double().cpu() for k in names}
+            with _named(cfg, target, "compute", "validation"):
+                names = list(report(task, totals, target))
     reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
     if cfg.checkpoint.monitor not in reported:
         raise UserError(

@@ -6,15 +6,23 @@ the group are the loop's, not the optimizer's, and are taken out before it is bu
 - `grad_clip`: clip the global gradient norm to this value before each optimizer step (null = off).
 - `decay_norm_and_bias`: false (the default) puts biases and normalization weights, every parameter with fewer
   than two dimensions, in a group without weight decay, as nanoGPT and timm do.
+- `param_groups`: a list of `{match, lr_scale, weight_decay}` (the last two optional): the parameters whose
+  `named_parameters()` name matches the glob `match` (the first entry that matches wins) get `lr x lr_scale` and
+  that weight decay; the rest keep the optimizer's. The no-decay rule above applies inside each group. The
+  schedule scales each group's own lr, and the groups travel in the optimizer's state_dict, so a resume is exact.
 """
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-LOOP_KEYS = ("grad_clip", "decay_norm_and_bias")  # read by the loop; the optimizer never sees them
+from .errors import UserError
+
+LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
 
 
 def optimizer_node(optim_cfg):
@@ -24,14 +32,43 @@ def optimizer_node(optim_cfg):
 
 
 def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
-    """One group, or two when weight decay is on and `decay_norm_and_bias` is false: matrices and convolution
-    kernels decay, biases and normalization weights (ndim < 2) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if optim_cfg.get("decay_norm_and_bias", True) or not optim_cfg.get("weight_decay"):
-        return [{"params": params}]
+    """The optimizer's groups: the parameters no `param_groups` entry matches first, then each entry's, in order.
+    Each of them is one group, or two when its weight decay is on and `decay_norm_and_bias` is false: matrices and
+    convolution kernels decay, biases and normalization weights (ndim < 2) do not. Without entries this is the
+    one or two groups of the optimizer's own settings, as before param_groups existed (older checkpoints load)."""
+    entries = list(optim_cfg.get("param_groups") or [])
+    chosen: list[list[torch.Tensor]] = [[] for _ in range(len(entries) + 1)]  # [0]: matched by no entry
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            at = next((i for i, e in enumerate(entries) if fnmatchcase(name, e["match"])), None)
+            chosen[0 if at is None else at + 1].append(p)
+    for i, entry in enumerate(entries):
+        if not chosen[i + 1]:
+            first = next((n for n, _ in model.named_parameters()), "")
+            raise UserError(
+                f"optim.param_groups[{i}].match={entry['match']!r} matches no parameter of {type(model).__name__} "
+                f"that an earlier entry left (names look like {first!r}): fix the glob or remove the entry"
+            )
+    groups = _split_decay(chosen[0], {}, optim_cfg, optim_cfg.get("weight_decay")) if chosen[0] else []
+    for entry, params in zip(entries, chosen[1:]):
+        settings = {}
+        if entry.get("lr_scale") is not None:
+            if optim_cfg.get("lr") is None:
+                raise UserError("optim.param_groups: lr_scale needs optim.lr (the rate it scales): set optim.lr")
+            settings["lr"] = optim_cfg["lr"] * entry["lr_scale"]
+        if entry.get("weight_decay") is not None:
+            settings["weight_decay"] = entry["weight_decay"]
+        groups += _split_decay(params, settings, optim_cfg, settings.get("weight_decay", optim_cfg.get("weight_decay")))
+    return groups
+
+
+def _split_decay(params: list, settings: dict, optim_cfg, decay) -> list[dict]:
+    """`params` as one group with `settings`, or two when `decay` is on and norms and biases are kept from it."""
+    if optim_cfg.get("decay_norm_and_bias", True) or not decay:
+        return [{"params": params, **settings}]
     return [
-        {"params": [p for p in params if p.ndim >= 2]},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim >= 2], **settings},
+        {"params": [p for p in params if p.ndim < 2], **settings, "weight_decay": 0.0},
     ]
 
 

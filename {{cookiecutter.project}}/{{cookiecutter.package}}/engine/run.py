@@ -30,6 +30,7 @@ from .optim import build_optimizer
 from .preempt import StopRequest
 from .runlog import RunLog
 from .schedule import build_schedule
+from .task_results import split_loss
 
 log = logging.getLogger("train")
 
@@ -185,9 +186,11 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
-    distributed.settle_buckets(
-        net, lambda: spare.loss(net, prepare(to_device(two_samples(train_set, collate), device)))
-    )
+
+    def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
+        return split_loss(spare.loss(net, prepare(to_device(two_samples(train_set, collate), device))))[0]
+
+    distributed.settle_buckets(net, throwaway)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
     if ema is not None and ckpt and ckpt.get("ema") is not None:
         ema.load_state_dict(ckpt["ema"])

@@ -1,5 +1,6 @@
 """What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
-per `log_every_steps` optimizer steps, with the mean loss over them), TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, and the
+per `log_every_steps` optimizer steps, with the mean loss over them and of each of a task's loss parts,
+`loss_<name>`), TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, and the
 same figures to the trackers of `logger.use` (MLflow, W&B, CSV: tracking.py){% endif %}."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from .device import batch_size, sum_and_read
+from .errors import UserError
 {% if cookiecutter.with_tracking == "yes" %}
 from .tracking import Tracking
 {% endif %}
@@ -56,14 +58,18 @@ class RunLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None = None) -> None:
+    def step(
+        self, step: int, loss: float, lr: float, grad_norm: float | None = None, parts: dict | None = None
+    ) -> None:
         """One log interval: `loss` is the mean over the steps since the previous line, `lr` the rate after `step`,
-        `grad_norm` (with optim.grad_clip) the mean norm before clipping."""
+        `grad_norm` (with optim.grad_clip) the mean norm before clipping, `parts` ({loss_<name>: mean}) those of a
+        task's `(loss, parts)`."""
         if not self.enabled:
             return
         line = {"step": step, "loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        line.update(parts or {})
         self.steps.write(json.dumps(line) + "\n")
-        figures = {f"train/{key}": line[key] for key in ("loss", "lr", "grad_norm") if key in line}
+        figures = {f"train/{key}": value for key, value in line.items() if key != "step"}
         for key, value in figures.items():
             if self.tb is not None:
                 self.tb.add_scalar(key, value, step)
@@ -130,6 +136,7 @@ class EpochMeter:
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
         self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
+        self.window_parts: dict[str, torch.Tensor] = {}  # sums of a task's loss parts since the last read, by name
         self.window_batches, self.window_norms, self.samples, self.data_wait = 0, 0, 0, 0.0
         self.batches = 0
         self.started = time.perf_counter()
@@ -145,10 +152,18 @@ class EpochMeter:
             yield batch
             waiting_since = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, batch, step: int) -> None:
-        """One micro-batch's loss (and, on an optimizer step with clipping on, the norm), `step` the optimizer
-        step it belongs to; all device work, no read."""
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, parts: dict, batch, step: int) -> None:
+        """One micro-batch's loss (and, on an optimizer step with clipping on, the norm; the task's loss parts),
+        `step` the optimizer step it belongs to; all device work, no read."""
         n = batch_size(batch)
+        if self.window_parts.keys() != parts.keys() and (self.window_parts or self.batches):
+            # every rank packs the same parts in the same order for the one all-reduce of a log point
+            raise UserError(
+                f"task loss() returned parts {sorted(parts)} at step {step}, {sorted(self.window_parts)} before: "
+                "return the same part names on every step"
+            )
+        for name, part in parts.items():
+            self.window_parts[name] = self.window_parts.get(name, 0) + part.double()
         loss = loss.double()
         self.window_loss += loss
         self.epoch_loss += loss * n
@@ -162,12 +177,19 @@ class EpochMeter:
         """({loss, grad_norm when clipping is on}: means since the last read, over ranks; the first step with a
         non-finite loss (0: none); whether any rank was asked to stop): one host read."""
         bad = (self.first_bad > 0).to(torch.float64)
-        loss_sum, norm_sum, bad_step_sum, bad_ranks, signalled = sum_and_read(
-            [self.window_loss, self.window_norm, self.first_bad, bad, stop_requested], self.device, world
+        names = sorted(self.window_parts)
+        loss_sum, norm_sum, bad_step_sum, bad_ranks, signalled, *part_sums = sum_and_read(
+            [self.window_loss, self.window_norm, self.first_bad, bad, stop_requested]
+            + [self.window_parts[name] for name in names],
+            self.device,
+            world,
         )
-        figures = {"loss": loss_sum / world.world_size / max(self.window_batches, 1)}
+        batches = world.world_size * max(self.window_batches, 1)
+        figures = {"loss": loss_sum / batches}
         if self.window_norms:
             figures["grad_norm"] = norm_sum / world.world_size / self.window_norms
+        figures.update({f"loss_{name}": total / batches for name, total in zip(names, part_sums)})
+        self.window_parts = dict.fromkeys(names, 0)  # the names stay: the next window must bring the same
         self.window_loss.zero_()
         self.window_norm.zero_()
         self.window_batches = self.window_norms = 0

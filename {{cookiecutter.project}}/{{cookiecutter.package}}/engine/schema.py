@@ -249,11 +249,43 @@ OPEN_KEYS = {
     "schedule.min_lr_ratio": number(0, 1),
     "schedule.total_steps": integer(1, null="the planned epochs' steps"),
 }
+# An optim.param_groups entry's keys (engine/optim.py): the glob, and what its parameters get instead of optim's
+GROUP_KEYS = {
+    "match": text(),
+    "lr_scale": number(0, above=True, null="optim.lr as it is"),
+    "weight_decay": number(0, null="optim.weight_decay"),
+}
+
+
+def param_groups(v):
+    """optim.param_groups: a list of {match, lr_scale, weight_decay}, `match` required."""
+    v = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+    shape = "a list of {match: <glob over model.named_parameters() names>, lr_scale: <x>, weight_decay: <w>}"
+    if not isinstance(v, list):
+        return shape
+    for i, entry in enumerate(v):
+        if not isinstance(entry, dict) or "match" not in entry:
+            return f"{shape}: entry {i} has no match"
+        for name, value in entry.items():
+            wanted = GROUP_KEYS[name](value) if name in GROUP_KEYS else f"one of {', '.join(GROUP_KEYS)}"
+            if wanted:
+                return f"{shape}: entry {i}'s {name} must be {wanted}"
+
+
+def batch_part(v):
+    """data.input: a position in a tuple batch or a key of a dict batch."""
+    position = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not position and not (isinstance(v, str) and v.strip()):
+        return "a position in the batch (an integer >= 0, 0 for (image, label)) or a dict batch's key (a string)"
+
+
 # The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
 LOOP_OPEN_KEYS = {
     "optim.grad_clip": number(0, above=True, null="off"),
+    "optim.param_groups": param_groups,
     "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
     "data.on_bad_sample": one_of("error", "skip"),
+    "data.input": batch_part,
 }
 SHIPPED = {
     "data": "data.train._target_",

@@ -166,7 +166,8 @@ class Tracking:
 
 
 class CsvTracker:
-    """`steps.csv` (step, loss, lr, grad_norm) and `metrics.csv` (one row per validation, a column per figure)."""
+    """`steps.csv` (step, loss, lr, grad_norm, a task's loss_<name> parts) and `metrics.csv` (one row per
+    validation, a column per figure)."""
 
     name = "csv"
     run_id = None  # the files live in the run folder: nothing to continue elsewhere
@@ -201,8 +202,12 @@ class CsvTracker:
         steps = [p for p in points if "train/loss" in p[1]]
         if steps:
             new = not self.steps.exists()
+            parts = sorted({k.split("/", 1)[1] for _, m in steps for k in m if k.startswith("train/loss_")})
+            if not new:  # a resume into the same folder: the header written first (the same task, the same parts)
+                with open(self.steps, newline="") as f:
+                    parts = [c for c in next(csv.reader(f), []) if c.startswith("loss_")]
             with open(self.steps, "a", newline="") as f:
-                writer = csv.DictWriter(f, ["step", "loss", "lr", "grad_norm"])
+                writer = csv.DictWriter(f, ["step", "loss", "lr", "grad_norm", *parts], extrasaction="ignore")
                 if new:
                     writer.writeheader()
                 for step, m in steps:
