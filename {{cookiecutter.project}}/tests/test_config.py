@@ -238,8 +238,9 @@ def test_train_py_refuses_bad_values_in_one_line(tmp_path, override, message):
     assert message in refused(tmp_path, *override.split())
 
 
+@pytest.mark.slow
 def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
-    run_train(tmp_path / "made", *shapes, "max_steps=1")  # draws the shapes folder (4 classes)
+    make_shapes(shapes_root, per_class=40, image_size=32, data_seed=2026)  # the folder `shapes` names (4 classes)
     line = refused(tmp_path, "data=imagefolder", f"data.root={shapes_root}", "data.num_classes=5")
     assert "data.num_classes=5 but the train data holds 4 classes" in line and "set data.num_classes=4" in line
     line = refused(tmp_path, "+data.train.sizes=3", *shapes)

@@ -192,6 +192,7 @@ def free_port() -> int:
 PATCHED = {"on": [], "off": ["tests/patched.py", "{{ cookiecutter.package }}.engine.preempt:StopRequest.waiting_on_peers=nullcontext"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workarounds", ["on", "off"])
 def test_sigterm_while_joining_exits_at_once(tmp_path, workarounds):
     """A rank waiting for a peer that never comes (here: rank 1 of 2, no rank 0) exits on SIGTERM at once;

@@ -250,6 +250,7 @@ def test_param_groups_scale_the_lr_and_keep_no_decay_inside():
     assert len(build_optimizer({**sgd, "param_groups": []}, model).param_groups) == 2
 
 
+@pytest.mark.slow
 def test_param_groups_resume_exactly(tmp_path):
     run_train(tmp_path / "straight", *BASE, HEAD_GROUP)
     run_train(tmp_path / "first", *BASE, HEAD_GROUP, "max_steps=13")

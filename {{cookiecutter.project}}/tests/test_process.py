@@ -84,6 +84,7 @@ def test_settings_of_the_user_are_left_to_take_effect_and_none_reaches_a_child()
     assert faults_per_step("try", MALLOC_TRIM_THRESHOLD_="0") > 500
 
 
+@pytest.mark.slow
 @glibc
 def test_train_py_keeps_freed_memory_and_reports_page_faults(tmp_path):
     """metrics.jsonl's page_faults_per_batch (main process): a handful once the heap has grown (an epoch that grows

@@ -172,6 +172,7 @@ class PutModel(nn.Module):
 """
 
 
+@pytest.mark.slow
 def test_a_task_without_count_and_an_op_without_a_deterministic_kernel_are_refused(example):
     copy, _ = example
     (copy / "no_count.py").write_text(NO_COUNT)
@@ -189,6 +190,7 @@ def test_a_task_without_count_and_an_op_without_a_deterministic_kernel_are_refus
     assert (copy / "nondeterministic/checkpoints/last.pth").is_file()
 
 
+@pytest.mark.slow
 def test_data_collate_serves_both_loaders(example, tmp_path):
     """A collate of your own builds the batches of training and validation (the task reads its dicts)."""
     copy, _ = example
