@@ -37,6 +37,8 @@ SAME_RUN = {
     "*every_steps": "how often something is logged or saved",
     "loader.*": "speed and memory of loading, except batch_size",
     "logger.*": "where the figures are sent",
+    "process.omp_wait_policy": "how OpenMP's threads wait: speed only",
+    "process.keep_freed_memory": "the allocator's thresholds: speed only",
     # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
     "data.on_bad_sample": "what a bad sample does, from here on",
 }
