@@ -211,3 +211,24 @@ def test_the_shipped_models_pool_without_adaptive_avg_pool(example):
     for model in (SmallCNN(num_classes=3), resnet18(num_classes=3)):
         assert not [m for m in model.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d)]
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+# The imports a run ended with, printed as the process exits (after train.py's own sys.exit, if any).
+LOADED = (
+    "import atexit, runpy, sys; sys.argv = ['train.py', *sys.argv[1:]]; "
+    "atexit.register(lambda: print('torchvision' in sys.modules)); runpy.run_path('train.py', run_name='__main__')"
+)
+
+
+@pytest.mark.slow
+def test_a_task_without_images_imports_no_torchvision(example, tmp_path):
+    """The README's regression example (its own data, model and task) trains without torchvision being imported at
+    all; the control: the default image classifier does import it, so the probe can see it."""
+    copy, (train, _) = example
+    images = f"python train.py data.root={tmp_path / 'shapes'} data.per_class=8 loader.batch_size=8"
+    for name, command in (("regression", train), ("images", images)):
+        argv = [*shlex.split(command)[2:], "max_steps=2", f"hydra.run.dir={tmp_path / name}"]
+        proc = subprocess.run([sys.executable, "-c", LOADED, *argv], cwd=copy, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == ("False" if name == "regression" else "True"), name
