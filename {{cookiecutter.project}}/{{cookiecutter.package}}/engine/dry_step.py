@@ -56,7 +56,7 @@ def dry_step(cfg) -> None:
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         target = cfg.task._target_
-        batch = prepare(to_device(_two(train_set, collate, "data.train"), device, non_blocking=False))
+        batch = prepare(to_device(first_two(train_set, collate, "data.train"), device, non_blocking=False))
         if cfg.data.get("batch_transform") is not None:
             transform = _build(cfg.data.batch_transform, "data.batch_transform")
             with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
@@ -69,7 +69,7 @@ def dry_step(cfg) -> None:
             with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not so here
                 warnings.simplefilter("ignore", UserWarning)
                 build_schedule(cfg.schedule, optimizer, total_steps=100).step()
-        batch = prepare(to_device(_two(val_set, collate, "data.val"), device, non_blocking=False))
+        batch = prepare(to_device(first_two(val_set, collate, "data.val"), device, non_blocking=False))
         with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
@@ -147,8 +147,8 @@ def _build(node, name: str):
         raise UserError(f"{name}: cannot build {node._target_}: {reason(e)}") from None
 
 
-def _two(dataset, collate, name: str):
-    """A batch of the first two samples, through the configured collate."""
+def first_two(dataset, collate, name: str):
+    """A batch of the first two samples, through the configured collate (also the throwaway step's in run.py)."""
     try:
         if isinstance(dataset, IterableDataset):
             samples = [s for s, _ in zip(dataset, range(2))]

@@ -22,6 +22,7 @@ from . import checkpoint, distributed, failures, memory, resume, rng{% if cookie
 from .batch_transform import SeededBatchTransform
 from .checks import check_data
 from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
+from .dry_step import first_two
 from .ema import EMA
 from .init_from import init_weights
 from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
@@ -188,7 +189,9 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
 
     def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
-        return split_loss(spare.loss(net, prepare(to_device(two_samples(train_set, collate), device))))[0]
+        # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
+        batch = first_two(copy.copy(train_set), collate or default_collate, "data.train")
+        return split_loss(spare.loss(net, prepare(to_device(batch, device))))[0]
 
     distributed.settle_buckets(net, throwaway)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
@@ -238,14 +241,6 @@ def spare_task(cfg, world: distributed.World):
         return instantiate(cfg.task)
     finally:
         rng.restore_main(saved)
-
-
-def two_samples(dataset, collate):
-    """A batch of the data set's first two samples (or one), made in this process: for the throwaway step that
-    settles DDP's buckets (distributed.settle_buckets), which puts every generator back as it was. From a shallow
-    copy, so a data set that opens its files on first use does so on the copy: the workers inherit no open handle."""
-    copy_ = copy.copy(dataset)
-    return (collate or default_collate)([copy_[i] for i in range(min(2, len(dataset)))])
 {% if cookiecutter.with_tracking == "yes" %}
 
 
