@@ -13,6 +13,11 @@ from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 PROJECT = Path(__file__).resolve().parents[1]
 
+# Bytes that open like a pickle of protocol 62: torch warns of the protocol before it refuses them. About one random
+# file in 260 starts with a pickle's PROTO byte and a number above 5, which is how a run once saw three stderr lines.
+NOT_A_PICKLE = b"\x80\x3e" + bytes(range(256)) * 16
+
+
 # A dataset drawing from the workers' torch, numpy and python RNGs, plugged in like a user's own.
 RNG_DATA = [
     "data.train._target_=tests.datasets.RngDrawingDataset",

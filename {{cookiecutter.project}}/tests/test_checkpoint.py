@@ -1,19 +1,21 @@
 """Checkpoint files (checkpoint.py): a save is atomic, even when killed mid-write, and loading refuses anything else."""
 
 import os
+import pickle
 import signal
 import stat
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer, load
 from {{ cookiecutter.package }}.engine.errors import UserError
-from tests.helpers import PROJECT
+from tests.helpers import NOT_A_PICKLE, PROJECT
 
 BLOB = 4_000_000  # floats: 16 MB, far more than a pipe holds
 
@@ -91,6 +93,20 @@ def test_kill_9_mid_write_leaves_last_whole(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_refused_read_gives_no_warning(tmp_path):
+    (tmp_path / "odd.pth").write_bytes(NOT_A_PICKLE)
+    with warnings.catch_warnings(record=True) as raw:  # the control: torch itself warns on these bytes
+        warnings.simplefilter("always")
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(tmp_path / "odd.pth", weights_only=True)
+    assert any("pickle protocol" in str(w.message) for w in raw)
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError, match="not a readable checkpoint"):
+            load(tmp_path / "odd.pth")
+    assert held == []
+
+
 class Exploit:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
@@ -101,6 +117,7 @@ def test_load_refuses_garbage_in_one_line(tmp_path):
     data = (tmp_path / "last.pth").read_bytes()
     (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
     (tmp_path / "random.pth").write_bytes(os.urandom(4096))
+    (tmp_path / "odd.pth").write_bytes(NOT_A_PICKLE)
     torch.save({"model": Exploit()}, tmp_path / "malicious.pth")
     torch.save({"hello": 1}, tmp_path / "foreign.pth")
     torch.save({**state(1), "format": 99}, tmp_path / "future.pth")
@@ -108,6 +125,7 @@ def test_load_refuses_garbage_in_one_line(tmp_path):
         "missing.pth": "no checkpoint at",
         "truncated.pth": "not a readable checkpoint",
         "random.pth": "not a readable checkpoint",
+        "odd.pth": "not a readable checkpoint",
         "malicious.pth": "not a readable checkpoint",
         "foreign.pth": "not a checkpoint of this project (missing format, model",
         "future.pth": "format 99, this code reads 1",

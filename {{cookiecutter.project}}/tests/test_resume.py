@@ -16,7 +16,16 @@ import torch
 
 from {{ cookiecutter.package }}.engine import resume
 from {{ cookiecutter.package }}.engine.schedule import WarmupCosine
-from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights, wait_for_steps
+from tests.helpers import (
+    NOT_A_PICKLE,
+    PROJECT,
+    RNG_DATA,
+    load_ckpt,
+    read_jsonl,
+    run_train,
+    same_weights,
+    wait_for_steps,
+)
 
 # Each worker's own RNG streams, captured and restored: the mode whose exactness needs the most care.
 DATA = [*RNG_DATA, "rng_mode=per_worker"]
@@ -265,7 +274,7 @@ def test_bad_checkpoints_are_refused_in_one_line(tmp_path, straight):
     good = straight("loader=balanced") / "checkpoints/last.pth"
     data = good.read_bytes()
     (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
-    (tmp_path / "random.pth").write_bytes(os.urandom(4096))
+    (tmp_path / "random.pth").write_bytes(NOT_A_PICKLE)  # torch warns on these before it refuses them
     torch.save({"model": Exploit()}, tmp_path / "malicious.pth")
     torch.save({"hello": 1}, tmp_path / "foreign.pth")
     cases = {

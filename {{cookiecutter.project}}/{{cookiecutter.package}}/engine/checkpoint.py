@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -207,6 +208,18 @@ class CheckpointPolicy:
         return self.writer.last if self.writer is not None and self.writer.last.is_file() else None
 
 
+def read(path: Path, mmap: bool = False):
+    """`torch.load(weights_only=True)` of `path`, with the warnings torch gives while reading held back until the read
+    succeeds: bytes that are no checkpoint can make torch warn of a pickle protocol first, and the one `error:` line
+    that follows says all there is to say."""
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return loaded
+
+
 def load(path: Path, mmap: bool = False) -> dict:
     """The checkpoint at `path`, or a UserError saying why not. `mmap=True` maps the file instead of reading it: for a
     look at its config and shapes before the run (tensors are read only when touched)."""
@@ -215,7 +228,7 @@ def load(path: Path, mmap: bool = False) -> dict:
             f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        ckpt = read(path, mmap=mmap)
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way
         if mmap:  # torch maps zip archives only: anything else is refused as a plain read refuses it, same message
             return load(path)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def weights_of(path: str) -> dict:
     if not file.is_file():
         raise UserError(f"init_from={path}: no such file; give the path of a checkpoint or a state_dict file")
     try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
+        loaded = checkpoint.read(file)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"init_from={path}: not a readable weights file ({type(e).__name__}: {first[:200]})") from None

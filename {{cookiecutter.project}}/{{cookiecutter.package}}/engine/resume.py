@@ -134,7 +134,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
     """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
     tensors are not read, only the config and the progress."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = checkpoint.read(path, mmap=True)
         saved = ckpt["config"]
     except Exception as e:
         return f"not a readable checkpoint ({type(e).__name__})"
@@ -318,7 +318,7 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
     )
     resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
-        epochs = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["config"]["epochs"]
+        epochs = checkpoint.read(last, mmap=True)["config"]["epochs"]
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"
