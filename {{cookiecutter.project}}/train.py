@@ -40,13 +40,13 @@ def train(cfg) -> tuple[int, float]:
 {% if cookiecutter.with_slurm == "yes" %}
     slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
 {% endif %}
-    preflight.check_once(cfg)  # every key and a dry step, before any work: done already by the Hydra callback
+    unexact = preflight.check_once(cfg)  # every key and a dry step, before any work: done by the Hydra callback
     process.apply(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened
-        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup)
+        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, unexact)
         stopping = False  # a signal asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():
             run.model.train()

@@ -118,6 +118,7 @@ BAD = [
     ("loader.num_workers=many", "loader.num_workers must be"),
     ("loader.prefetch_factor=0", "loader.prefetch_factor must be"),
     ("loader.pin_memory=yes", "loader.pin_memory must be true, false or 'auto'"),
+    ("deterministic=sometimes", "deterministic must be true, false or 'warn'"),
     ("loader.timeout=-2", "loader.timeout must be"),
     ("loader.max_prefetch_mib=0", "loader.max_prefetch_mib must be a number > 0"),
     ("loader.max_prefetch_mib=-5", "loader.max_prefetch_mib must be"),

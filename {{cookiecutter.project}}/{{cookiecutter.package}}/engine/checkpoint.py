@@ -183,6 +183,7 @@ class CheckpointPolicy:
             )
             state["ema"] = run.ema.state_dict() if run.ema is not None else None
             state["best"] = self.best.state()
+            state["nondeterministic_ops"] = list(run.unexact)  # deterministic=warn: why this run is not bit-exact
 {% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
 {% endif %}

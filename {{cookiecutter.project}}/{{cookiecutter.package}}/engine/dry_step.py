@@ -5,7 +5,8 @@ The data sets, model, optimizer and task of the config are built, a batch of two
 the run will use, and a batch of two validation samples through `task.metrics`. So a wrong argument, a data path
 that does not exist, a model that does not fit the data, a task that does not fit the batches, an op without a
 deterministic kernel under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the
-command in one line before the run folder is written. All RNG (python, numpy, torch) is left as it was.
+command in one line before the run folder is written. Under `deterministic=warn` the ops without a deterministic
+kernel are let through and returned, for the run to name once. All RNG (python, numpy, torch) is left as it was.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from .task_results import check_loss, check_metrics, report
 NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
 
 
-def dry_step(cfg) -> None:
+def dry_step(cfg) -> list[str]:
+    """Refuses the run in one line, or returns the ops it runs that have no deterministic kernel (only
+    `deterministic=warn` lets any through)."""
     device = pick_device(cfg.device)
+    unexact: list[str] = []
     with kept_rng():
         model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
         if not isinstance(model, torch.nn.Module):
@@ -61,7 +65,7 @@ def dry_step(cfg) -> None:
             transform = _build(cfg.data.batch_transform, "data.batch_transform")
             with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
                 batch = transform(batch)
-        with strict_determinism(cfg.deterministic, device), _named(cfg, target, "loss", "training"):
+        with kernels(cfg.deterministic, device, unexact), _named(cfg, target, "loss", "training"):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
@@ -70,7 +74,7 @@ def dry_step(cfg) -> None:
                 warnings.simplefilter("ignore", UserWarning)
                 build_schedule(cfg.schedule, optimizer, total_steps=100).step()
         batch = prepare(to_device(first_two(val_set, collate, "data.val"), device, non_blocking=False))
-        with torch.no_grad(), _named(cfg, target, "metrics", "validation"):
+        with torch.no_grad(), kernels(cfg.deterministic, device, unexact), _named(cfg, target, "metrics", "validation"):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
         if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
@@ -83,6 +87,7 @@ def dry_step(cfg) -> None:
             f"checkpoint.monitor={cfg.checkpoint.monitor} is not reported by task {target}: "
             f"pick one of {', '.join(reported)}"
         )
+    return unexact
 
 
 @contextlib.contextmanager
@@ -98,9 +103,10 @@ def kept_rng():
 
 
 @contextlib.contextmanager
-def strict_determinism(on: bool, device: torch.device):
-    """With `deterministic=true`, an op without a deterministic kernel raises here instead of warning mid-run."""
-    if not on:
+def kernels(mode, device: torch.device, unexact: list[str]):
+    """With `deterministic=true`, an op without a deterministic kernel raises here instead of warning mid-run; with
+    `warn`, it runs and its name is added to `unexact` (torch's own warning about it is left out: the run names it)."""
+    if mode is False:
         yield
         return
     before, warn_only = (
@@ -109,11 +115,19 @@ def strict_determinism(on: bool, device: torch.device):
     )
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
     try:
-        yield
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield
     finally:
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
+    for w in seen:  # any other warning is shown as it would have been
+        op = NONDETERMINISTIC.search(str(w.message))
+        if op:
+            unexact.extend([op[1]] * (op[1] not in unexact))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 @contextlib.contextmanager
@@ -128,7 +142,8 @@ def _named(cfg, target: str, method: str, split: str):
         if op:
             raise UserError(
                 f"deterministic=true but {op[1]} (in {cfg.model._target_} on {pick_device(cfg.device).type}) has no "
-                "deterministic kernel: set deterministic=false (resume is then not bit-exact), or use another op"
+                "deterministic kernel: use another op, or set deterministic=warn to run it anyway (the run is then "
+                "not bit-exact, and says so)"
             ) from None
         raise UserError(
             f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}: {reason(e)}"

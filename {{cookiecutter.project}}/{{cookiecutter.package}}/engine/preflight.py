@@ -28,15 +28,19 @@ from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError
 
-checked: set[str] = set()  # run folders check_run passed in this process
+# Run folders check_run passed in this process, each with the ops the dry step found without a deterministic kernel
+checked: dict[str, list[str]] = {}
 
 
-def check_once(cfg: DictConfig) -> None:
+def check_once(cfg: DictConfig) -> list[str]:
     """train()'s call: `check_run`, unless CheckBeforeRun ran it for this run already (it always does, unless
-    `hydra.callbacks.checks` was taken out of the config): one check per run either way."""
+    `hydra.callbacks.checks` was taken out of the config): one check per run either way. Returns the ops the run
+    uses that have no deterministic kernel (any only under `deterministic=warn`)."""
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.runtime.output_dir not in checked:
-        check_run(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))
+    run_dir = hydra_cfg.runtime.output_dir
+    if run_dir not in checked:
+        check_run(cfg, Path(run_dir), hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))
+    return checked[run_dir]
 
 
 def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str]) -> None:
@@ -51,8 +55,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     checks.precheck_data(cfg)
     if cfg.resume:
         resume.precheck(cfg, run_dir)
-    dry_step(cfg)
-    checked.add(str(run_dir))
+    checked[str(run_dir)] = dry_step(cfg)
 
 
 class CheckBeforeRun(Callback):

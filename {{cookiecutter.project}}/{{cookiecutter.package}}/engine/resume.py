@@ -307,9 +307,13 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     return step
 
 
-def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int) -> str:
-    """The closing lines of a run: where it is, then on a line of its own, to copy as it is, the command that continues
-    it. Paths below the working directory are shown relative to it, which keeps the command about one terminal line."""
+def where(
+    run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int, note: str | None = None
+) -> str:
+    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
+    to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
+    which keeps the command about one terminal line."""
+    folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
     launch = (
         ["python", "train.py"]
@@ -322,9 +326,9 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"
-        return f"finished at step {step}; run folder {short(run_dir)}; to train {more}:\n  {command}"
+        return f"finished at step {step}; {folder}; to train {more}:\n  {command}"
     command = " ".join([*launch, *kept, resume_from])
-    return f"stopped at step {step}; run folder {short(run_dir)}; to continue:\n  {command}"
+    return f"stopped at step {step}; {folder}; to continue:\n  {command}"
 
 
 def short(path: Path) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,6 +63,7 @@ class Run:
     ema: EMA | None  # ema.decay: the averaged weights, what validation uses when on
     batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
     ddp: torch.nn.parallel.DistributedDataParallel | None  # the DDP module under torch.compile's wrapper, when on
+    unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
 
     @property
     def evaluated(self) -> torch.nn.Module:
@@ -118,17 +121,30 @@ class Run:
         if self.checkpoints.last is None:
             return None
         done = self.train_loader.epoch >= self.cfg.epochs
-        return resume.where(self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size)
+        note = f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)" if self.unexact else None
+        return resume.where(
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note
+        )
 
 
-def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack) -> Run:
+def build(
+    cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, unexact: list[str]
+) -> Run:
     """Join the ranks, seed, find the checkpoint to resume from, build data, loaders, model, optimizer, schedule and
-    logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends."""
+    logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
+    ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
     device = pick_device(cfg.device)
     world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
+    if unexact and world.is_main:
+        log.warning(
+            "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
+            "resume of it", ", ".join(unexact),
+        )  # fmt: skip
+    for op in unexact:  # named once above: torch's own warning, once per call site, adds nothing
+        warnings.filterwarnings("ignore", message=re.escape(op) + " does not have a deterministic implementation")
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
@@ -222,7 +238,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform, ddp,
+        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on

@@ -206,7 +206,7 @@ class Config:
     resume: str | None = key(text(null="start fresh"))
     resume_strict: bool = key(typed())
     device: Device = key(typed())
-    deterministic: bool = key(typed())
+    deterministic: Any = key(flag_or("warn"))  # warn: ops without a deterministic kernel run, named once
     amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
     channels_last: bool = key(typed())
     compile: bool = key(typed())
