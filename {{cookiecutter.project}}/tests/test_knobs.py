@@ -16,6 +16,7 @@ import torch
 
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.optim import build_optimizer
+from {{ cookiecutter.package }}.engine.resume import load_optimizer
 from {{ cookiecutter.package }}.model import SmallCNN
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
 
@@ -250,6 +251,27 @@ def test_param_groups_scale_the_lr_and_keep_no_decay_inside():
     assert len(build_optimizer({**sgd, "param_groups": []}, model).param_groups) == 2
 
 
+def test_a_resume_with_other_param_groups_carries_each_parameters_state():
+    torch.manual_seed(0)
+    model = SmallCNN(num_classes=3, width=4)
+    adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01, "weight_decay": 0.01}
+    adamw |= {"decay_norm_and_bias": False, "param_groups": []}
+    before = build_optimizer(adamw, model)
+    model(torch.rand(2, 3, 16, 16)).sum().backward()
+    before.step()
+    ckpt = {"optimizer": before.state_dict(), "config": {"optim": adamw}}
+    regrouped = {**adamw, "param_groups": [{"match": "head.*", "lr_scale": 10}]}
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # the control: torch's own load
+        build_optimizer(regrouped, model).load_state_dict(ckpt["optimizer"])
+    after = build_optimizer(regrouped, model)
+    load_optimizer(ckpt, model, after)
+    for p in model.parameters():
+        assert torch.equal(after.state[p]["exp_avg"], before.state[p]["exp_avg"]) and after.state[p] is not None
+    names = {id(p): n for n, p in model.named_parameters()}
+    lrs = {names[id(p)]: g["lr"] for g in after.param_groups for p in g["params"]}
+    assert lrs["head.weight"] == lrs["head.bias"] == pytest.approx(0.1) and lrs["features.0.0.weight"] == 0.01
+
+
 @pytest.mark.slow
 def test_param_groups_resume_exactly(tmp_path):
     run_train(tmp_path / "straight", *BASE, HEAD_GROUP)
@@ -264,3 +286,6 @@ def test_param_groups_resume_exactly(tmp_path):
     saved["scheduler"]["base_lrs"] = [0.05] * 4
     forgot = resume_from(tmp_path, saved, "forgot", HEAD_GROUP)
     assert not same_weights(straight, forgot / "checkpoints/last.pth")
+    # resume_strict=false without the head's group: each parameter's state carried over, in one log line
+    run_train(tmp_path / "regrouped", *BASE, "resume_strict=false", f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert "the parameters are grouped otherwise" in (tmp_path / "regrouped/train.log").read_text()

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from . import checkpoint, rng
 from .errors import UserError
+from .optim import parameter_groups
 from .schedule import fast_forward
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     check_fits(ckpt, cfg, model, world_size)
     model.load_state_dict(ckpt["model"])
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(ckpt["optimizer"])
+    load_optimizer(ckpt, model, optimizer)
     if run_changes(ckpt, cfg):
         # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
         # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
@@ -305,6 +306,28 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     )
     rng.seed_everything(rng.derived(cfg.seed, rank, step, 0))
     return step
+
+
+def load_optimizer(ckpt: dict, model, optimizer) -> None:
+    """The checkpoint's optimizer state into `optimizer`. When the parameters are grouped otherwise than in the
+    checkpoint (resume_strict=false with other `optim.param_groups`), torch's `load_state_dict` cannot match the
+    groups: each parameter's state (momentum, Adam's moments) is then carried over to where it is now, found through
+    the checkpoint's own grouping of this model, and the groups' settings are this run's."""
+    saved = ckpt["optimizer"]
+    then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
+    now = [p for group in optimizer.param_groups for p in group["params"]]
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if [id(p) for p in then] == [id(p) for p in now] and sizes == [len(g["params"]) for g in saved["param_groups"]]:
+        optimizer.load_state_dict(saved)  # the same groups: the state and the groups' settings as saved
+        return
+    at = {id(p): i for i, p in enumerate(now)}
+    state = optimizer.state_dict()
+    state["state"] = {at[id(p)]: saved["state"][i] for i, p in enumerate(then) if i in saved["state"] and id(p) in at}
+    optimizer.load_state_dict(state)
+    log.info(
+        "resume: the parameters are grouped otherwise (optim.param_groups): each one's optimizer state is carried "
+        "over, and the groups' lr and weight decay are this run's"
+    )
 
 
 def where(
