@@ -265,3 +265,47 @@ class HangsOnce(RngDrawingDataset):
             open(self.marker, "w").close()
             threading.Event().wait()  # never set: blocked until the process is ended
         return super().__getitem__(index)
+
+
+class SideTensorSamples(RngDrawingDataset):
+    """Dict samples `{"image": uint8 (3, H, W), "label": int, "side": uint8 (4,)}`: `side` is a tensor beside the
+    model's input (`data.input=image`), uint8 like an image, which must reach the task untouched (its value is
+    `SIDE(label)`, checked by MacroRecall). `draws=False`: fixed samples, from the index alone."""
+
+    def __getitem__(self, index: int):
+        image, label = super().__getitem__(index)
+        pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+        return {"image": pixels, "label": label, "side": torch.full((4,), side_value(label), dtype=torch.uint8)}
+
+
+def side_value(label):
+    return label * 50 + 5
+
+
+class MacroRecall:
+    """Dict batches of SideTensorSamples. The loss is `(ce + l2, {"ce", "l2"})`; validation reports a
+    dataset-level figure, `val_macro_recall` (the mean over classes of hits / support, from the split's per-class
+    totals), and `val_side_off`, how many side values arrived changed (0 when `data.normalize` left them alone)."""
+
+    def __init__(self, num_classes: int = 4):
+        self.num_classes = num_classes
+
+    def loss(self, model, batch):
+        ce = torch.nn.functional.cross_entropy(model(batch["image"]), batch["label"])
+        l2 = 1e-3 * sum(p.square().sum() for p in model.parameters())
+        return ce + l2, {"ce": ce, "l2": l2}
+
+    def metrics(self, model, batch):
+        side = batch["side"]
+        if side.dtype != torch.uint8:  # metadata: no read from the device
+            raise TypeError(f"the side tensor arrived as {side.dtype}, not uint8: something touched it")
+        truth = torch.nn.functional.one_hot(batch["label"], self.num_classes)
+        hit = (model(batch["image"]).argmax(1) == batch["label"]).unsqueeze(1)
+        off = (side.long() != side_value(batch["label"]).unsqueeze(1)).sum()
+        count = batch["label"].new_tensor(batch["label"].numel())
+        return {"hits": (truth * hit).sum(0), "support": truth.sum(0), "side_off": off, "count": count}
+
+    def compute(self, totals):
+        present = totals["support"] > 0
+        recall = totals["hits"][present] / totals["support"][present]
+        return {"macro_recall": recall.mean(), "side_off": totals["side_off"]}

@@ -119,6 +119,17 @@ def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
         return tensor.tolist()
 
 
+def main_buffers(model: torch.nn.Module, world: World | None) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. Each rank's last training forward updated
+    them from its own batch; DDP hands rank 0's out again only at the next forward. A validation before that would
+    judge a mix of ranks' statistics, not the weights the checkpoint keeps (rank 0's). Training is unchanged."""
+    if world is None or not world.distributed:
+        return
+    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S), torch.no_grad():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def gather_to_main(obj, world: World) -> list | None:
     """Every rank's `obj` on rank 0 (a list indexed by rank), None elsewhere."""
     if not world.distributed:

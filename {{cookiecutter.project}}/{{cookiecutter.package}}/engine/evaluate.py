@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import failures
+from . import distributed, failures
 from .device import device_batches, sum_and_read
 from .errors import UserError
 from .task_results import check_metrics, report
@@ -22,6 +22,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     (train.py builds it from `data.normalize`); pass the same one the model was trained with.
     """
     model.eval()
+    distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
     names, sums = None, None
     for batch in failures.named(device_batches(loader, device), "validation"):
