@@ -71,7 +71,7 @@ class UNet(nn.Module):
     backward has no deterministic kernel, so `deterministic=true` (needed for a bit-exact resume) would refuse it.
     """
 
-    def __init__(self, num_classes: int, width: int = 16, levels: int = 3, in_channels: int = 3):
+    def __init__(self, num_classes: int, width: int = 16, levels: int = 4, in_channels: int = 3):
         super().__init__()
         widths = [width * 2**i for i in range(levels)]
         self.down = nn.ModuleList()
