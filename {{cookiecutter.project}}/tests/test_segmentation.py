@@ -192,12 +192,12 @@ def refused_generate(root) -> str:
     return str(e.value)
 
 
-SMALL = ["data.per_class=40", "epochs=3", "loader.batch_size=16", "progress=false"]  # 10 steps an epoch
+SMALL = ["data.per_class=40", "epochs=3", "loader.batch_size=8", "progress=false"]  # 20 steps an epoch
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """`python train.py experiment=segmentation`, shrunk: 160 generated training pairs, 3 epochs of 10 steps."""
+    """`python train.py experiment=segmentation`, shrunk: 160 generated training pairs, 3 epochs of 20 steps."""
     root = tmp_path_factory.mktemp("segdata") / "segshapes"
     run_dir = tmp_path_factory.mktemp("segrun")
     run_train(run_dir, "experiment=segmentation", f"data.root={root}", *SMALL)
@@ -239,13 +239,13 @@ def test_the_experiment_learns_keeps_the_best_miou_and_evaluates_to_its_last_fig
 def test_the_experiment_resumes_exactly_with_another_worker_count(tmp_path, trained):
     run_dir, root = trained
     first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
-    run_train(first, "experiment=segmentation", f"data.root={root}", *SMALL, "max_steps=13")  # mid-epoch 1
+    run_train(first, "experiment=segmentation", f"data.root={root}", *SMALL, "max_steps=27")  # mid-epoch 1
     resumed = [f"resume={first}/checkpoints/last.pth", "loader.num_workers=1"]
     run_train(second, "experiment=segmentation", f"data.root={root}", *SMALL, *resumed)
     assert same_weights(run_dir / "checkpoints/last.pth", second / "checkpoints/last.pth")
     # negative control: resumed from the start of the stopped epoch (as if the loader position were lost)
     ckpt = load_ckpt(first / "checkpoints/last.pth")
-    assert ckpt["ranks"][0]["loader"]["position"] == 3
+    assert ckpt["ranks"][0]["loader"]["position"] == 7
     ckpt["ranks"][0]["loader"]["position"] = 0
     torch.save(ckpt, tmp_path / "restarted-epoch.pth")
     restarted = [f"resume={tmp_path / 'restarted-epoch.pth'}", "loader.num_workers=1"]
