@@ -20,10 +20,10 @@ import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
-from torchvision.transforms.v2.functional import pil_to_tensor
 {% if cookiecutter.with_benchmarks == "yes" %}
 from torchvision.transforms import v2
 {% endif %}
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from .engine.errors import UserError
 
