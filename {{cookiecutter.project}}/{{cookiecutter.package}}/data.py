@@ -1,4 +1,5 @@
-"""Data sets: the generated shapes default, any image folder, and CIFAR-10 from a local copy.
+"""Data sets: the generated shapes default, any image folder, segmentation image/mask pairs (generated shapes or
+your own folder), and CIFAR-10 from a local copy.
 
 Every `data.train` / `data.val` node in `conf/data/` is a Hydra `_target_`: plug in any map-style
 Dataset class the same way. File lists are kept in numpy arrays, not Python lists of tuples: each
@@ -15,17 +16,21 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
-from torchvision import datasets
+from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
 {% if cookiecutter.with_benchmarks == "yes" %}
 from torchvision.transforms import v2
 {% endif %}
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from .engine.errors import UserError
 
 SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
+IGNORE = 255  # a mask pixel of this value has no class: left out of the loss and the metrics
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 {% if cookiecutter.with_benchmarks == "yes" %}
@@ -111,8 +116,9 @@ def recipe(per_class: int, image_size: int, data_seed: int) -> dict:
     return {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
 
 
-def drawn(root: Path, wanted: dict) -> bool:
-    """True when `root` holds shapes drawn with the recipe `wanted`, False when it is not there yet; else UserError."""
+def drawn(root: Path, wanted: dict, other: str = "") -> bool:
+    """True when `root` holds shapes drawn with the recipe `wanted`, False when it is not there yet; else UserError
+    (`other`: another way out, ending the message of a folder that holds something else)."""
     marker = root / "shapes.json"
     if marker.exists():
         if json.loads(marker.read_text()) != wanted:
@@ -124,28 +130,38 @@ def drawn(root: Path, wanted: dict) -> bool:
     if root.exists():
         raise UserError(
             f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
+            + (f", {other}" if other else "")
         )
     return False
 
 
 def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> None:
-    """Draw the PNG files once; concurrent callers (DDP ranks, parallel tests) race safely.
+    """Draw the PNG files once, one class folder per shape (ImageFolder's layout); see `draw_once`."""
+
+    def draw(tmp: Path, rng: np.random.Generator) -> None:
+        for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
+            for name in SHAPES:
+                folder = tmp / split / name
+                folder.mkdir(parents=True)
+                for i in range(count):
+                    draw_shape(name, image_size, rng)[0].save(folder / f"{i:05d}.png")
+
+    draw_once(root, recipe(per_class, image_size, data_seed), draw)
+
+
+def draw_once(root: Path, wanted: dict, draw) -> None:
+    """`draw(folder, rng)` into `root` once; concurrent callers (DDP ranks, parallel tests) race safely.
 
     The folder is built under a temporary name and renamed into place, so a reader never sees
     half of it; the recipe is stored beside the images and checked on reuse.
     """
-    marker, wanted = root / "shapes.json", recipe(per_class, image_size, data_seed)
+    marker = root / "shapes.json"
     if drawn(root, wanted):
         return
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    rng = np.random.default_rng(data_seed)
-    for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
-        for name in SHAPES:
-            folder = tmp / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                draw_shape(name, image_size, rng).save(folder / f"{i:05d}.png")
+    tmp.mkdir(parents=True)
+    draw(tmp, np.random.default_rng(wanted["data_seed"]))
     (tmp / "shapes.json").write_text(json.dumps(wanted))
     try:
         os.rename(tmp, root)
@@ -155,43 +171,178 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> 
             raise
 
 
-def draw_shape(name: str, size: int, rng: np.random.Generator) -> Image.Image:
-    """One noisy image of `name`: random colours, size, position and rotation."""
+def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:
+    """One noisy image of `name` (random colours, size, position and rotation) and its mask: the shape's pixels
+    hold its class (1 + its index in SHAPES), the rest 0 (background), the shape's edge pixels IGNORE."""
     background = rng.integers(0, 256, 3)
     colour = (background + rng.integers(80, 176, 3)) % 256  # always far from the background
     pixels = np.clip(background + rng.normal(0, 12, (size, size, 3)), 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, "RGB")
+    image, mask = Image.fromarray(pixels, "RGB"), Image.new("L", (size, size), 0)
     radius = rng.uniform(0.2, 0.38) * size
     cx, cy = rng.uniform(radius, size - radius, 2)
     angle = rng.uniform(0, 2 * math.pi)
     fill = tuple(int(c) for c in colour)
-    pen = ImageDraw.Draw(image)
-    if name == "circle":
-        pen.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=fill)
-    elif name == "cross":
-        arm = radius * 0.3
-        for a in (angle, angle + math.pi / 2):
-            dx, dy = math.cos(a), math.sin(a)
-            px, py = -dy * arm, dx * arm
+    for pen, paint in ((ImageDraw.Draw(image), fill), (ImageDraw.Draw(mask), 1 + SHAPES.index(name))):
+        if name == "circle":
+            pen.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=paint)
+        elif name == "cross":
+            arm = radius * 0.3
+            for a in (angle, angle + math.pi / 2):
+                dx, dy = math.cos(a), math.sin(a)
+                px, py = -dy * arm, dx * arm
+                pen.polygon(
+                    [
+                        (cx + dx * radius + px, cy + dy * radius + py),
+                        (cx + dx * radius - px, cy + dy * radius - py),
+                        (cx - dx * radius - px, cy - dy * radius - py),
+                        (cx - dx * radius + px, cy - dy * radius + py),
+                    ],
+                    fill=paint,
+                )
+        else:
+            corners = 4 if name == "square" else 3
             pen.polygon(
                 [
-                    (cx + dx * radius + px, cy + dy * radius + py),
-                    (cx + dx * radius - px, cy + dy * radius - py),
-                    (cx - dx * radius - px, cy - dy * radius - py),
-                    (cx - dx * radius + px, cy - dy * radius + py),
+                    (cx + radius * math.cos(a), cy + radius * math.sin(a))
+                    for a in (angle + 2 * math.pi * k / corners for k in range(corners))
                 ],
-                fill=fill,
+                fill=paint,
             )
-    else:
-        corners = 4 if name == "square" else 3
-        pen.polygon(
-            [
-                (cx + radius * math.cos(a), cy + radius * math.sin(a))
-                for a in (angle + 2 * math.pi * k / corners for k in range(corners))
-            ],
-            fill=fill,
-        )
-    return image
+    return image, Image.fromarray(ignore_edge(np.array(mask)), "L")
+
+
+def ignore_edge(mask: np.ndarray) -> np.ndarray:
+    """`mask` with the shape's pixels that touch the background (4-neighbours) set to IGNORE: a resized image blends
+    the shape into the background there, and which class such a pixel holds is a matter of taste."""
+    inside = np.pad(mask > 0, 1, mode="edge")  # the image border is no edge
+    core = inside[1:-1, 1:-1] & inside[:-2, 1:-1] & inside[2:, 1:-1] & inside[1:-1, :-2] & inside[1:-1, 2:]
+    return np.where(inside[1:-1, 1:-1] & ~core, IGNORE, mask).astype(np.uint8)
+
+
+class SegmentationFolder(torch.utils.data.Dataset):
+    """Image/mask pairs: `<root>/<split>/images/<name>.<png|jpg>` and `<root>/<split>/masks/<name>.png`, a mask pixel
+    holding its class index (0 .. num_classes - 1) or IGNORE (255: no class, left out of the loss and metrics).
+
+    A sample is `(image, mask)`: uint8 (3, H, W) and int64 (H, W). `transform` (torchvision.transforms.v2) gets both
+    at once as `tv_tensors.Image` and `tv_tensors.Mask`, so a random crop or flip moves the mask with the image and
+    a resize takes the mask's nearest pixel (no blended class indices). `num_classes`, when given, refuses a mask
+    holding another value, naming the file, instead of an index error in the loss.
+    """
+
+    def __init__(self, root, split: str, transform=None, num_classes: int | None = None):
+        pairs = self.pairs(root, split)
+        self.images, self.masks = pairs[:, 0].copy(), pairs[:, 1].copy()
+        self.transform, self.num_classes = transform, num_classes
+
+    @classmethod
+    def precheck(cls, root, split: str, **_) -> None:
+        """What train.py checks before Hydra writes a run folder: the split's folders, and a mask for every image.
+        No class names to return: the masks' values are read with the samples."""
+        cls.pairs(root, split)
+
+    @staticmethod
+    def pairs(root, split: str) -> np.ndarray:
+        """The (image, mask) paths of the split, an array of shape (n, 2); a missing piece is a UserError."""
+        folder = Path(root) / split
+        layout = f"{folder}/images/<name>.png|jpg and {folder}/masks/<name>.png"
+        if not folder.is_dir():
+            raise UserError(f"data folder {str(folder)!r} does not exist: point data.root at a folder holding {layout}")
+        for sub in ("images", "masks"):
+            if not (folder / sub).is_dir():
+                raise UserError(f"no {sub}/ folder in {str(folder)!r}: segmentation data is laid out as {layout}")
+        images = sorted(p for p in (folder / "images").iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not images:
+            raise UserError(f"no .png or .jpg images in {str(folder / 'images')!r}: lay the data out as {layout}")
+        masks = [folder / "masks" / f"{p.stem}.png" for p in images]
+        missing = [str(m) for m in masks if not m.is_file()]
+        if missing:
+            raise UserError(
+                f"{len(missing)} of the {len(images)} images in {str(folder / 'images')!r} have no mask "
+                f"(first: {missing[0]!r}): give every image a mask of the same name, or take the image out"
+            )
+        return np.array([[str(i), str(m)] for i, m in zip(images, masks)])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def sample_source(self, index: int) -> str:
+        """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
+        return f"file {self.images[index]} (mask {self.masks[index]})"
+
+    def __getitem__(self, index: int):
+        with Image.open(self.images[index]) as file:
+            image = tv_tensors.Image(pil_to_tensor(file.convert("RGB")))
+        with Image.open(self.masks[index]) as file:
+            if file.mode not in ("L", "P"):  # P: a palette PNG (VOC's), whose pixel values are the indices
+                raise ValueError(f"mask mode {file.mode}: save masks as 8-bit single-channel PNGs (mode L or P)")
+            mask = np.array(file)
+        if mask.shape != tuple(image.shape[1:]):
+            raise ValueError(f"mask of {mask.shape[1]}x{mask.shape[0]} pixels for an image of {image.shape[2]}x"
+                             f"{image.shape[1]}: give them the same size")  # fmt: skip
+        if self.num_classes is not None:
+            odd = np.setdiff1d(np.unique(mask), [*range(self.num_classes), IGNORE])
+            if odd.size:
+                raise ValueError(
+                    f"mask value {int(odd[0])}, but data.num_classes={self.num_classes} (classes 0 .. "
+                    f"{self.num_classes - 1}, and {IGNORE} = ignore)"
+                )
+        mask = tv_tensors.Mask(torch.from_numpy(mask))
+        if self.transform is not None:
+            image, mask = self.transform(image, mask)
+        # plain tensors out: the batch is then what any other data set gives, not tv_tensors
+        return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor).long()
+
+
+def segmentation(
+    root,
+    split: str,
+    transform=None,
+    generate: bool = True,
+    num_classes: int | None = None,
+    per_class: int = 100,
+    image_size: int = 32,
+    data_seed: int = 2026,
+):
+    """One split of segmentation data: with `generate`, the shapes drawn into `root` on first use (masks with class
+    1 + the shape's index in SHAPES, 0 the background); without it, your own folder of pairs in `root`."""
+    if generate:
+        make_segmentation_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
+    return SegmentationFolder(root, split, transform=transform, num_classes=num_classes)
+
+
+def precheck_segmentation(
+    root, split: str, generate: bool = True, per_class: int = 100, image_size: int = 32, data_seed: int = 2026, **_
+) -> None:
+    """What `segmentation()` would refuse, without drawing anything: your folder's layout, or a folder in the way of
+    the generated shapes."""
+    if not generate:
+        return SegmentationFolder.precheck(root, split)
+    drawn(Path(root), segmentation_recipe(per_class, image_size, data_seed), "or data.generate=false to read your own")
+    return None
+
+
+segmentation.precheck = precheck_segmentation
+
+
+def segmentation_recipe(per_class: int, image_size: int, data_seed: int) -> dict:
+    """The recipe of a segmentation shapes folder: a classification folder's, marked as the other layout."""
+    return {**recipe(per_class, image_size, data_seed), "layout": "segmentation"}
+
+
+def make_segmentation_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> None:
+    """Draw the shapes and their masks once, in SegmentationFolder's layout; see `draw_once`."""
+
+    def draw(tmp: Path, rng: np.random.Generator) -> None:
+        for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
+            (tmp / split / "images").mkdir(parents=True)
+            (tmp / split / "masks").mkdir()
+            for name in SHAPES:
+                for i in range(count):
+                    image, mask = draw_shape(name, image_size, rng)
+                    image.save(tmp / split / "images" / f"{name}-{i:05d}.png")
+                    mask.save(tmp / split / "masks" / f"{name}-{i:05d}.png")
+
+    draw_once(root, segmentation_recipe(per_class, image_size, data_seed), draw)
 
 
 def cifar10(root, train: bool, transform=None, download: bool = False):

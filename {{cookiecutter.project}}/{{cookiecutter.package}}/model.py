@@ -1,6 +1,6 @@
 """Models. `conf/model/*.yaml` names one of these (or any nn.Module) as its `_target_`.
 
-Both use only ops with deterministic CUDA kernels, so `deterministic=true` keeps a resume bit-exact on a GPU too:
+All use only ops with deterministic CUDA kernels, so `deterministic=true` keeps a resume bit-exact on a GPU too:
 global pooling is a mean over H and W, not `nn.AdaptiveAvgPool2d`, whose CUDA backward has no deterministic
 kernel (pytorch/pytorch#149130).
 """
@@ -61,3 +61,40 @@ class KeepDims(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)[:, :, None, None]
+
+
+class UNet(nn.Module):
+    """A small U-Net: `levels` resolutions, each two conv blocks, widths doubling per level; (N, C, H, W) in,
+    (N, num_classes, H, W) logits out. H and W must be multiples of 2 ** (levels - 1).
+
+    The decoder upsamples with `nn.ConvTranspose2d`, not bilinear interpolation: bilinear upsampling's CUDA
+    backward has no deterministic kernel, so `deterministic=true` (needed for a bit-exact resume) would refuse it.
+    """
+
+    def __init__(self, num_classes: int, width: int = 16, levels: int = 4, in_channels: int = 3):
+        super().__init__()
+        widths = [width * 2**i for i in range(levels)]
+        self.down = nn.ModuleList()
+        for c_in, c_out in zip([in_channels, *widths], widths):
+            self.down.append(nn.Sequential(conv_block(c_in, c_out), conv_block(c_out, c_out)))
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ModuleList(nn.ConvTranspose2d(c, c // 2, 2, stride=2) for c in reversed(widths[1:]))
+        self.merge = nn.ModuleList(
+            nn.Sequential(conv_block(c, c // 2), conv_block(c // 2, c // 2)) for c in reversed(widths[1:])
+        )
+        self.head = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 2 ** (len(self.down) - 1)
+        if x.shape[-2] % scale or x.shape[-1] % scale:
+            raise ValueError(
+                f"UNet with {len(self.down)} levels takes sides that are multiples of {scale}, got "
+                f"{x.shape[-2]}x{x.shape[-1]}: change data.image_size or model.levels"
+            )
+        skips = []
+        for i, block in enumerate(self.down):
+            x = block(x if i == 0 else self.pool(x))
+            skips.append(x)
+        for up, merge, skip in zip(self.up, self.merge, reversed(skips[:-1])):
+            x = merge(torch.cat([up(x), skip], dim=1))
+        return self.head(x)

@@ -47,3 +47,51 @@ class Classification:
             "acc": (logits.argmax(1) == labels).sum(),
             "count": labels.new_tensor(labels.shape[0]),
         }
+
+
+class Segmentation:
+    """Semantic segmentation: batches `(images, masks)`, masks (N, H, W) of class indices; the model returns
+    (N, num_classes, H, W) logits. Pixels of `ignore_index` count nowhere: not in the loss, not in the metrics.
+
+    Reported: `val_loss` (cross-entropy per valid pixel), `val_pixel_acc` (correct / valid pixels) and `val_miou`,
+    the mean over classes of intersection / union, from the split's summed per-class counts (not a mean of batch
+    figures); a class absent from both the predictions and the masks (union 0) is left out of the mean.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = 255):
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+
+    def loss(self, model, batch) -> torch.Tensor:
+        images, masks = batch
+        return F.cross_entropy(model(images), masks, ignore_index=self.ignore_index)
+
+    def metrics(self, model, batch) -> dict[str, torch.Tensor]:
+        images, masks = batch
+        logits = model(images).float()
+        valid = masks != self.ignore_index
+        truth = torch.where(valid, masks, 0)  # ignored pixels weigh 0 below: their cell is any valid one
+        cells = truth * self.num_classes + logits.argmax(1)
+        # the confusion matrix (truth x prediction) by a scatter-add of each valid pixel: no boolean indexing,
+        # which would read the number of valid pixels back to the host; scatter_add_ has a deterministic CUDA kernel
+        confusion = torch.zeros(self.num_classes**2, dtype=torch.long, device=masks.device)
+        confusion.scatter_add_(0, cells.flatten(), valid.flatten().long())
+        confusion = confusion.view(self.num_classes, self.num_classes)
+        intersection = confusion.diagonal()
+        return {
+            "loss": F.cross_entropy(logits, masks, ignore_index=self.ignore_index, reduction="sum"),
+            "intersection": intersection,
+            "union": confusion.sum(0) + confusion.sum(1) - intersection,
+            "correct": intersection.sum(),
+            "valid": valid.sum(),
+            "count": masks.new_tensor(masks.shape[0]),
+        }
+
+    def compute(self, totals: dict) -> dict[str, float]:
+        present = totals["union"] > 0
+        iou = totals["intersection"][present] / totals["union"][present]
+        valid = max(float(totals["valid"]), 1.0)
+        return {
+            "loss": float(totals["loss"]) / valid,
+            "miou": float(iou.mean()) if present.any() else 0.0,
+            "pixel_acc": float(totals["correct"]) / valid,
+        }
