@@ -21,6 +21,7 @@ from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.tasks import Segmentation
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights
+from tests.test_task import COMMANDS, FILE_BLOCK, project_copy, readme_section
 
 COLOUR = (200, 40, 90)  # the shape's colour in the hand-made pairs, far from their grey background
 LABEL = 3
@@ -251,3 +252,31 @@ def test_the_experiment_resumes_exactly_with_another_worker_count(tmp_path, trai
     restarted = [f"resume={tmp_path / 'restarted-epoch.pth'}", "loader.num_workers=1"]
     run_train(third, "experiment=segmentation", f"data.root={root}", *SMALL, *restarted)
     assert not same_weights(run_dir / "checkpoints/last.pth", third / "checkpoints/last.pth")
+
+
+@pytest.mark.slow
+def test_the_readmes_torchmetrics_task_runs_under_torchrun_and_agrees_with_the_built_in_one(tmp_path, trained):
+    """The README's torchmetrics example, copied out: 2 ranks, each validating its share into the metric object
+    that torchmetrics gathers; its val_miou is the built-in task's over the whole split (eval.py, one process)."""
+    pytest.importorskip("torchmetrics", reason="the test extra brings torchmetrics (pip install -e '.[test]')")
+    _, root = trained
+    copy = project_copy(tmp_path / "copy")
+    section = readme_section("Segmentation")
+    for path, body in FILE_BLOCK.findall(section):
+        (copy / path).write_text(f"# {path}\n{body}")
+    (command,) = [line for block in COMMANDS.findall(section) for line in block.splitlines() if "torchrun" in line]
+    argv = command.split("#")[0].split()
+    assert argv[:3] == ["torchrun", "--nproc_per_node=2", "train.py"], command
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    run_dir = tmp_path / "tm"
+    train = [*launcher, *argv[3:], f"data.root={root}", *SMALL, "epochs=2", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(train, cwd=copy, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    cmd = [sys.executable, "eval.py", f"ckpt={run_dir}/checkpoints/last.pth", "task=segmentation",
+           f"hydra.run.dir={tmp_path / 'eval'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built_in = json.loads((tmp_path / "eval/eval.json").read_text())["val_miou"]
+    assert records[-1]["val_miou"] == pytest.approx(built_in, abs=1e-6)
+    assert records[0]["val_miou"] != pytest.approx(built_in, abs=1e-6)  # control: another epoch's figure differs
