@@ -28,9 +28,10 @@ $(VENV)/.installed: requirements-dev.txt requirements-demo.txt
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -rA tests -m "not slow"
 
-# The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps).
+# The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps), beside the
+# Quick start test, which waits mostly on pip: two template tests at a time (pytest-xdist).
 test-slow: $(VENV)/.installed
-	$(VPY) -m pytest -q -rA tests -m slow
+	$(VPY) -m pytest -q -rA tests -m slow -n 2
 
 # Everything: what .ci/run runs, as the two steps above.
 test-all: test test-slow

@@ -1,5 +1,7 @@
 """checkpoints/best.pth: the best epoch by checkpoint.monitor/mode, kept across a resume, refused when unknown."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -69,9 +71,10 @@ def test_a_resumed_run_does_not_overwrite_a_better_best(tmp_path):
     assert expected["epoch"] == 0, "the data no longer gives an early best epoch: this test checks nothing"
     assert load_ckpt(tmp_path / "straight/checkpoints/best.pth")["metrics"] == expected
     stop = expected["step"] + 3  # inside the epoch after the best one
+    run_train(tmp_path / "resumed", *RNG_DATA, *RULE, f"max_steps={stop}")
+    shutil.copytree(tmp_path / "resumed", tmp_path / "control")  # the same stopped run, for the control
     for name, keep_best in (("resumed", True), ("control", False)):
         run_dir = tmp_path / name
-        run_train(run_dir, *RNG_DATA, *RULE, f"max_steps={stop}")
         if not keep_best:  # negative control: a checkpoint without the best value, as a naive resume would have
             ckpt = load_ckpt(run_dir / "checkpoints/last.pth")
             del ckpt["best"]
