@@ -28,10 +28,11 @@ $(VENV)/.installed: requirements-dev.txt requirements-demo.txt
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -rA tests -m "not slow"
 
-# The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps), beside the
-# Quick start test, which waits mostly on pip: two template tests at a time (pytest-xdist).
+# The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps), then the
+# Quick start test. One after the other: beside the slow tier, the Quick start's pip install slowed it from 15 to 19
+# minutes and a SIGTERM test missed its save.
 test-slow: $(VENV)/.installed
-	$(VPY) -m pytest -q -rA tests -m slow -n 2
+	$(VPY) -m pytest -q -rA tests -m slow
 
 # Everything: what .ci/run runs, as the two steps above.
 test-all: test test-slow
