@@ -30,7 +30,8 @@ from .optim import build_optimizer, clip_gradients
 from .schedule import build_schedule
 from .task_results import check_loss, check_metrics, report
 
-NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
+NO_KERNEL = " does not have a deterministic implementation"  # the words of torch's error and warning
+NONDETERMINISTIC = re.compile(r"(\S+)" + NO_KERNEL)
 
 
 def dry_step(cfg) -> list[str]:
@@ -125,9 +126,16 @@ def kernels(mode, device: torch.device, unexact: list[str]):
     for w in seen:  # any other warning is shown as it would have been
         op = NONDETERMINISTIC.search(str(w.message))
         if op:
-            unexact.extend([op[1]] * (op[1] not in unexact))
+            if op[1] not in unexact:
+                unexact.append(op[1])
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def quiet(unexact: list[str]) -> None:
+    """torch's own warning for each of these ops left out from here on: the run has named them once."""
+    for op in unexact:
+        warnings.filterwarnings("ignore", message=re.escape(op) + NO_KERNEL)
 
 
 @contextlib.contextmanager

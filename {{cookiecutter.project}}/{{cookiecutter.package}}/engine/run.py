@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import re
 import sys
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from . import checkpoint, distributed, failures, memory, resume, rng{% if cookie
 from .batch_transform import SeededBatchTransform
 from .checks import check_data
 from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
-from .dry_step import first_two
+from .dry_step import first_two, quiet
 from .ema import EMA
 from .init_from import init_weights
 from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
@@ -143,8 +141,7 @@ def build(
             "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
-    for op in unexact:  # named once above: torch's own warning, once per call site, adds nothing
-        warnings.filterwarnings("ignore", message=re.escape(op) + " does not have a deterministic implementation")
+    quiet(unexact)  # named once above: torch's own warning, once per call site, adds nothing
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
