@@ -61,7 +61,7 @@ def evaluate_checkpoint(cfg) -> dict:
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
     try:
-        ckpt = checkpoint.load(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
+        ckpt = checkpoint.full(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
     except UserError as e:  # the same refusal train.py's resume= gives, named for this command
         raise UserError(str(e).replace("resume: ", "eval: ", 1).replace("resume=latest", "ckpt=latest")) from None
     saved = ckpt["config"]

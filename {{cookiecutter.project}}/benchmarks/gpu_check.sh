@@ -7,6 +7,8 @@
 # 2. A short training under torch.cuda.set_sync_debug_mode("warn"), listing every place the host waits for the GPU.
 # 3. Exact resume on the GPU with deterministic=true: ResNet-18 stopped mid-epoch and resumed, compared with
 #    torch.equal to the run that never stopped (and the dry step refuses any op without a deterministic kernel).
+# 4. Exact resume under parallel=fsdp: model=vit sharded over the visible GPUs (2 at most; one GPU: a group of one),
+#    stopped mid-epoch and resumed from its sharded checkpoint, compared through the export command.
 # About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,5 +77,30 @@ a = torch.load(f"{out}/exact-straight/checkpoints/last.pth", weights_only=True)[
 b = torch.load(f"{out}/exact-resumed/checkpoints/last.pth", weights_only=True)["model"]
 same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 print(f"exact resume on {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'} ({len(a)} tensors)")
+sys.exit(0 if same else 1)
+PY
+
+echo
+# 4. exact under FSDP: the same comparison with sharded checkpoints, through python -m <package>.export
+gpus=$($PY -c "import torch; print(min(torch.cuda.device_count(), 2))")
+fsdp=(device=cuda parallel=fsdp model=vit optim=adamw optim.lr=0.002 deterministic=true data.root="$out/shapes-200")
+fsdp+=(data.per_class=200 epochs=2 loader.batch_size=32 progress=false)
+launch=($PY -m torch.distributed.run --standalone --nproc_per_node="$gpus" train.py)
+"${launch[@]}" "${fsdp[@]}" hydra.run.dir="$out/fsdp-straight" > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+"${launch[@]}" "${fsdp[@]}" max_steps=9 hydra.run.dir="$out/fsdp-stopped" > "$out/last.log" 2>&1 \
+  || { cat "$out/last.log" >&2; exit 1; }
+"${launch[@]}" "${fsdp[@]}" resume="$out/fsdp-stopped/checkpoints/last.pth" hydra.run.dir="$out/fsdp-resumed" \
+  > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+for run in straight resumed; do
+  $PY -m {{ cookiecutter.package }}.export "$out/fsdp-$run/checkpoints/last.pth" "$out/fsdp-$run.pth" > /dev/null
+done
+$PY - "$out" "$gpus" <<'PY'
+import sys
+import torch
+out, gpus = sys.argv[1], sys.argv[2]
+a = torch.load(f"{out}/fsdp-straight.pth", weights_only=True)["model"]
+b = torch.load(f"{out}/fsdp-resumed.pth", weights_only=True)["model"]
+same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+print(f"fsdp exact resume on {gpus} x {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'}")
 sys.exit(0 if same else 1)
 PY

@@ -15,7 +15,9 @@ def test_best_keeps_the_first_best_epoch(tmp_path, mode, values, kept):
     saver, best = Checkpointer(tmp_path, keep=0), Best("val_acc", mode)
     for epoch, value in enumerate(values):
         state = {"step": epoch, "w": torch.full((3,), float(epoch))}
-        best.update({"epoch": epoch, "val_acc": value}, state, saver)
+        record = {"epoch": epoch, "val_acc": value}
+        if best.judge(record, state):  # as CheckpointPolicy.save does with whole checkpoints
+            saver.save_best({**state, "metrics": record})
         assert state["best"] == {
             "monitor": "val_acc",
             "mode": mode,

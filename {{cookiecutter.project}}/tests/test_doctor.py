@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.doctor import recommend
+from {{ cookiecutter.package }}.doctor import model_memory, recommend
 from tests.helpers import PROJECT
 
 PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
@@ -37,6 +38,19 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
     assert "recommendation: loader=" in proc.stdout and "batches/s" in proc.stdout
     assert report["machine"]["shm_size_mib"] > 0 and "/dev/shm: " in proc.stdout  # where the batches in flight live
     assert all("MiB free of" in r["plan"] for r in report["profiles"] if r["num_workers"])
+    assert "model memory per rank: parameters" in proc.stdout and report["model_memory_mib"]["ddp_per_rank"] > 0
+
+
+def test_model_memory_per_rank_whole_under_ddp_and_split_under_fsdp():
+    layer = {"_target_": "torch.nn.Linear", "in_features": 256, "out_features": 256}
+    adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1}
+    plain_sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    params = (256 * 256 + 256) * 4 / 2**20
+    found = model_memory(OmegaConf.create({"model": layer, "optim": adamw}))
+    assert found["parameters"] == found["gradients"] == pytest.approx(params)
+    assert found["optimizer_state"] == pytest.approx(2 * params)  # Adam's two moments
+    assert found["ddp_per_rank"] == pytest.approx(4 * params) and found["fsdp_per_rank"]["4"] == pytest.approx(params)
+    assert model_memory(OmegaConf.create({"model": layer, "optim": plain_sgd}))["optimizer_state"] == 0  # no momentum
 
 
 def profile(name, workers, prefetch, persistent, rate, peak, restart=0.05):

@@ -21,6 +21,8 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
 - the prefetch plan, and what was measured in shared memory once the queue had filled.
 - model batches/s: forward + backward of the configured model on one batch, on the run's device;
   the rate the loader has to keep up with.
+- model memory per rank: its parameters, gradients and optimizer state, whole under DDP and about 1/W of them
+  under parallel=fsdp on W ranks.
 
 The recommendation follows the decision table in the README ("Loader doctor"): memory tight -> fewer
 workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
@@ -48,10 +50,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
-from .engine import memory, monitor, rng, schema
+from .engine import fsdp, memory, monitor, rng, schema
 from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
+from .engine.optim import build_optimizer
 from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")
@@ -227,6 +230,18 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     return steps / (time.perf_counter() - began)
 
 
+def model_memory(cfg) -> dict:
+    """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of
+    them under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
+    with torch.random.fork_rng(devices=[]):  # the model's initialisation draws: leave the RNG as it was
+        model = instantiate(cfg.model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
+    slots = fsdp.state_slots(build_optimizer(cfg.optim, model))
+    whole = params * (2 + slots)
+    return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
+            "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
+
+
 def recommend(
     results: list[dict], current: str, model_bps: float, available_mib: float, cores: int, full_batches: int
 ) -> dict:
@@ -342,6 +357,7 @@ def diagnose(cfg) -> dict:
         log.info("measuring loader=%s", name)
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed))
     model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
+    weights = model_memory(cfg)
     full_batches = max(len(train_set) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     report = {
@@ -356,6 +372,7 @@ def diagnose(cfg) -> dict:
         },
         "data": {"train_samples": len(train_set), "build_s": build_s, "full_epoch_batches": full_batches},
         "model_batches_per_s": model_bps,
+        "model_memory_mib": weights,
         "current": current,
         "profiles": results,
         "recommendation": advice,
@@ -365,6 +382,12 @@ def diagnose(cfg) -> dict:
     print(
         f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
         f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s"
+    )
+    fsdp_line = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights["fsdp_per_rank"].items())
+    print(
+        f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
+        f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP; "
+        f"parallel=fsdp: {fsdp_line} ranks"
     )
     if shm_free is not None:
         print(f"{memory.SHM_DIR}: {shm_free / MiB:.1f} MiB free of {shm_size / MiB:.1f} MiB (batches in flight)")

@@ -52,6 +52,22 @@ def resnet18(num_classes: int) -> nn.Module:
     return model
 
 
+def vit(
+    num_classes: int, image_size: int, patch_size: int = 4, num_layers: int = 4, num_heads: int = 4,
+    hidden_dim: int = 64, mlp_dim: int = 128,
+) -> nn.Module:  # fmt: skip
+    """torchvision's VisionTransformer, randomly initialised, sized by the arguments. Its `shard_modules` names its
+    encoder block: under parallel=fsdp with shard_modules=null, each block is its own FSDP unit."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(
+        image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
+        hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
+    )  # fmt: skip
+    model.shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
+    return model
+
+
 class KeepDims(nn.Module):
     """`inner`'s (N, C) output as (N, C, 1, 1), where the surrounding code expects a pooled map."""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -21,8 +20,9 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from . import distributed, rng
+from . import distributed, rng, sharded_checkpoint
 from .errors import UserError
+from .weights_only import read
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
@@ -33,12 +33,11 @@ def rank_state(train_loader) -> dict:
     return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
 
 
-def snapshot(cfg, step: int, model, optimizer, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
-    """The whole checkpoint; `ranks` holds `rank_state()` of every process, indexed by rank."""
+def snapshot(cfg, step: int, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
+    """The checkpoint but for the tensors of the model, optimizer and EMA (written whole, or sharded);
+    `ranks` holds `rank_state()` of every process, indexed by rank."""
     return {
         "format": FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "epoch": train_loader.epoch,
@@ -146,15 +145,13 @@ class Best:
             return True
         return value > self.value if self.mode == "max" else value < self.value
 
-    def update(self, record: dict, state: dict, checkpointer: Checkpointer) -> bool:
-        """Write `state` plus `record` under `metrics` as best.pth when this epoch is the best so far;
-        `state["best"]` is set either way, so last.pth carries the best value too."""
+    def judge(self, record: dict, state: dict) -> bool:
+        """Whether this epoch is the best so far (then its value is kept); `state["best"]` is set either way, so
+        last.pth carries the best value too."""
         better = self.improves(record)
         if better:
             self.value = record[self.monitor]
         state["best"] = self.state()
-        if better:
-            checkpointer.save_best({**state, "metrics": record})
         return better
 
 
@@ -162,12 +159,18 @@ class CheckpointPolicy:
     """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
     optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far.
 
-    Every rank hands its RNG and loader state to rank 0, which alone writes; all ranks wait for the write.
+    Every rank hands its RNG and loader state to rank 0. Whole checkpoints: rank 0 alone writes. Sharded ones
+    (parallel=fsdp, sharded_checkpoint.py): every rank writes its shards, rank 0 the rest. All ranks wait for the write.
     """
 
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
-        self.writer = Checkpointer(folder, keep) if world.is_main else None
+    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0,
+                 sharded: bool = False):  # fmt: skip
+        if sharded:
+            self.writer = sharded_checkpoint.ShardedCheckpointer(folder, keep, world)
+        else:
+            self.writer = Checkpointer(folder, keep) if world.is_main else None
         self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
+        self.sharded = sharded
         self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
@@ -177,18 +180,26 @@ class CheckpointPolicy:
     def save(self, run, record: dict | None = None) -> None:
         """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line."""
         ranks = distributed.gather_to_main(rank_state(run.train_loader), self.world)
+        state, better = None, False
         if self.world.is_main:
-            state = snapshot(
-                run.cfg, run.step, run.model, run.optimizer, run.scheduler, run.scaler, run.train_loader, ranks
-            )
-            state["ema"] = run.ema.state_dict() if run.ema is not None else None
+            state = snapshot(run.cfg, run.step, run.scheduler, run.scaler, run.train_loader, ranks)
             state["best"] = self.best.state()
             state["nondeterministic_ops"] = list(run.unexact)  # deterministic=warn: why this run is not bit-exact
 {% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
 {% endif %}
-            if record is not None:  # an epoch end: best.pth too when this epoch is the best so far
-                self.best.update(record, state, self.writer)
+            better = record is not None and self.best.judge(record, state)  # an epoch end: best.pth too when best
+        if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
+            if state is not None and record is not None:
+                state["metrics"] = record
+            ema = run.ema.model if run.ema is not None else None
+            tensors = sharded_checkpoint.live_state(run.model, run.optimizer, ema)
+            self.writer.save(tensors, state, run.step, better)
+        elif self.world.is_main:
+            state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
+            state["ema"] = run.ema.state_dict() if run.ema is not None else None
+            if better:
+                self.writer.save_best({**state, "metrics": record})
             self.writer.save(state)
         self.saved_step = run.step
         distributed.barrier(self.world)
@@ -206,24 +217,17 @@ class CheckpointPolicy:
     @property
     def last(self) -> Path | None:
         """The newest `last.pth` when this process writes checkpoints and one is on disk."""
-        return self.writer.last if self.writer is not None and self.writer.last.is_file() else None
-
-
-def read(path: Path, mmap: bool = False):
-    """`torch.load(weights_only=True)` of `path`, with the warnings torch gives while reading held back until the read
-    succeeds: bytes that are no checkpoint can make torch warn of a pickle protocol first, and the one `error:` line
-    that follows says all there is to say."""
-    with warnings.catch_warnings(record=True) as held:
-        warnings.simplefilter("always")
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    for w in held:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-    return loaded
+        if self.writer is None or not self.world.is_main or not self.writer.last.exists():
+            return None
+        return self.writer.last
 
 
 def load(path: Path, mmap: bool = False) -> dict:
     """The checkpoint at `path`, or a UserError saying why not. `mmap=True` maps the file instead of reading it: for a
-    look at its config and shapes before the run (tensors are read only when touched)."""
+    look at its config and shapes before the run (tensors are read only when touched). A sharded checkpoint (a
+    folder) comes without its tensors' values: `model` and `ema` as shapes; resume loads its shards into the run."""
+    if path.is_dir():
+        return checked(sharded_checkpoint.read_run(path), path)
     if not path.is_file():
         raise UserError(
             f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
@@ -240,7 +244,25 @@ def load(path: Path, mmap: bool = False) -> dict:
             f"resume: {str(path)!r} is not a readable checkpoint ({type(e).__name__}: {reason}); "
             "it is truncated, corrupt or not from this project: pick another, e.g. an older checkpoints/step-*.pth"
         ) from None
-    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+    return checked(ckpt, path)
+
+
+def full(path: Path) -> dict:
+    """The checkpoint at `path` with its model (and EMA) weights whole, sharded or not: what eval.py, init_from and
+    export read."""
+    ckpt = load(path)
+    return checked(sharded_checkpoint.read_full(path), path) if path.is_dir() else ckpt
+
+
+def is_sharded(ckpt: dict) -> bool:
+    """A sharded checkpoint's `load`: its tensors are still on disk (`model` holds shapes only)."""
+    return bool(ckpt.get("sharded"))
+
+
+def checked(ckpt, path: Path) -> dict:
+    """`ckpt` when it has this project's keys and format, else a UserError."""
+    required = [k for k in REQUIRED if k != "optimizer"] if path.is_dir() else REQUIRED
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UserError(f"resume: {str(path)!r} is not a checkpoint of this project (missing {', '.join(missing)})")
     if ckpt["format"] != FORMAT:

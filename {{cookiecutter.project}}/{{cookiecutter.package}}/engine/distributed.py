@@ -37,9 +37,14 @@ class World:
         return self.world_size > 1
 
 
-def join(device: torch.device) -> World:
+def join(device: torch.device, group_of_one: bool = False) -> World:
+    """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
+    `group_of_one`: a plain run joins a process group of its own too (FSDP shards over a group, even of one)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
+        if group_of_one and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
@@ -119,6 +124,16 @@ def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
         return tensor.tolist()
 
 
+def most(count: int, world: World | None, device: torch.device) -> int:
+    """The largest `count` over ranks (read to the host)."""
+    if world is None or not world.distributed:
+        return count
+    value = torch.tensor([count], device=device)
+    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+
 def main_buffers(model: torch.nn.Module, world: World | None) -> None:
     """Rank 0's buffers (BatchNorm's running statistics) on every rank. Each rank's last training forward updated
     them from its own batch; DDP hands rank 0's out again only at the next forward. A validation before that would
@@ -147,5 +162,5 @@ def barrier(world: World) -> None:
 
 
 def leave(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()

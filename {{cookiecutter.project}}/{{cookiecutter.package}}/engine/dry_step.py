@@ -22,8 +22,9 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import IterableDataset, default_collate
 
+from . import fsdp
 from .checks import check_data, reason
-from .device import input_transform, pick_device, to_device
+from .device import amp_dtype, input_transform, pick_device, to_device
 from .errors import UserError
 from .init_from import init_weights
 from .optim import build_optimizer, clip_gradients
@@ -43,6 +44,9 @@ def dry_step(cfg) -> list[str]:
         model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"model: {cfg.model._target_} built a {type(model).__name__}, not a torch.nn.Module")
+        if cfg.parallel.strategy == "fsdp":  # a shard class naming nothing in the model, amp=fp16: refused here
+            fsdp.units(model, fsdp.unit_names(cfg.parallel, model))
+            fsdp.policy(amp_dtype(cfg.amp, device))
         if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         try:

@@ -14,24 +14,31 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
 class EMA:
-    def __init__(self, model: torch.nn.Module, decay: float):
+    """`average`: the model the average is kept in, a copy of `model`'s weights (parallel=fsdp builds one sharded
+    like it); by default a deep copy."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, average: torch.nn.Module | None = None):
         self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = (average if average is not None else copy.deepcopy(model)).eval().requires_grad_(False)
         self._pair(model)
 
     def _pair(self, model: torch.nn.Module) -> None:
         """The tensors to average, matched by name once: state_dict() hands out the live tensors."""
         ours, theirs = self.model.state_dict(), model.state_dict()
         floats = [k for k, v in ours.items() if v.is_floating_point()]
-        self.floats = ([ours[k] for k in floats], [theirs[k] for k in floats])
+        kinds = {type(ours[k]) for k in floats}  # FSDP: DTensor weights and plain buffers, averaged apart
+        self.floats = [
+            ([ours[k] for k in floats if type(ours[k]) is kind], [theirs[k] for k in floats if type(ours[k]) is kind])
+            for kind in sorted(kinds, key=lambda kind: kind.__name__)
+        ]
         others = [k for k, v in ours.items() if not v.is_floating_point()]
         self.others = ([ours[k] for k in others], [theirs[k] for k in others])
 
     @torch.no_grad()
     def update(self) -> None:
         """One step toward the model's current weights; all on the device, no host read."""
-        if self.floats[0]:
-            self.average(*self.floats, None)
+        for ours, theirs in self.floats:
+            self.average(ours, theirs, None)
         for mine, theirs in zip(*self.others):
             mine.copy_(theirs)
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import distributed, failures
+from . import distributed, failures, fsdp
 from .device import device_batches, sum_and_read
 from .errors import UserError
 from .task_results import check_metrics, report
@@ -25,6 +25,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
     names, sums = None, None
+    batch = None
     for batch in failures.named(device_batches(loader, device), "validation"):
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if names is None:
@@ -41,6 +42,9 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
             sums[k] += value.double()
     if names is None:
         raise UserError("validation: the split holds no samples for this process: give it more data")
+    if fsdp.is_sharded(model):  # every rank's forward gathers the weights with the others': as many on each
+        for _ in range(distributed.most(len(loader), world, device) - len(loader)):
+            task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
     flat = sum_and_read([sums[k] for k in names], device, world)
     if not hasattr(task, "compute"):  # 0-dim sums only (check_metrics): the floats read are the totals
         return report(task, dict(zip(names, flat)), target)

@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from .errors import UserError
+from .fsdp import full
 
 LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
 
@@ -84,4 +85,4 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, sc
         return None
     if scaler.is_enabled():
         scaler.unscale_(optimizer)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))  # FSDP: the norm over every shard

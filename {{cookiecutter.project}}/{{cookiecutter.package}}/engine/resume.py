@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate, to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, rng
+from . import checkpoint, rng, weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -42,6 +42,7 @@ SAME_RUN = {
     "process.keep_freed_memory": "the allocator's thresholds: speed only",
     # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
     "data.on_bad_sample": "what a bad sample does, from here on",
+    "parallel.reshard_after_forward": "when FSDP frees gathered weights: memory and communication, not the math",
 }
 RUN_KEYS_UNDER_SAME = {
     "loader.batch_size": None,
@@ -109,8 +110,8 @@ def locate(
     """
     if value != "latest":
         return Path(to_absolute_path(value))
-    own = run_dir / "checkpoints" / "last.pth"
-    if own.is_file():
+    own = run_dir / "checkpoints" / "last.pth"  # a file, or a sharded save's folder (a link to it)
+    if own.exists():
         return own
     root = Path(to_absolute_path(cfg.checkpoint.search_dir))
     found = sorted(root.glob("**/checkpoints/last.pth"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -135,7 +136,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
     """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
     tensors are not read, only the config and the progress."""
     try:
-        ckpt = checkpoint.read(path, mmap=True)
+        ckpt = checkpoint.load(path, mmap=True)
         saved = ckpt["config"]
     except Exception as e:
         return f"not a readable checkpoint ({type(e).__name__})"
@@ -265,16 +266,26 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
     per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
 
 
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
+def group_settings(optimizer) -> list[dict]:
+    """The optimizer's group settings (lr, weight decay...) as this run's config built them."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore(
+    ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0, fresh: list | None = None
+) -> int:
     """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
 
     One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
-    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes."""
+    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes.
+    A sharded checkpoint's weights and optimizer state are loaded before (run.py); `fresh` is then `group_settings`
+    as they were before that load."""
     world_size = train_loader.sampler.world_size
     check_fits(ckpt, cfg, model, world_size)
-    model.load_state_dict(ckpt["model"])
-    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    load_optimizer(ckpt, model, optimizer)
+    fresh = fresh if fresh is not None else group_settings(optimizer)
+    if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
+        model.load_state_dict(ckpt["model"])
+        load_optimizer(ckpt, model, optimizer)
     if run_changes(ckpt, cfg):
         # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
         # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
@@ -345,7 +356,8 @@ def where(
     )
     resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
-        epochs = checkpoint.read(last, mmap=True)["config"]["epochs"]
+        saved = checkpoint.load(last) if last.is_dir() else weights_only.read(last, mmap=True)  # dir: sharded
+        epochs = saved["config"]["epochs"]
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"
@@ -356,5 +368,5 @@ def where(
 
 def short(path: Path) -> str:
     """`path` relative to the working directory when it lies below it, else as it is."""
-    here, path = Path.cwd().resolve(), Path(path).resolve()
+    here, path = Path.cwd().resolve(), Path(os.path.abspath(path))  # not resolved: last.pth may be a link
     return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)

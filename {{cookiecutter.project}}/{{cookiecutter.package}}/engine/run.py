@@ -18,12 +18,13 @@ from hydra.utils import instantiate
 from torch.utils.data import default_collate
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, memory, resume, rng{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import checkpoint, distributed, failures, fsdp, memory, resume, rng, sharded_checkpoint{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .checks import check_data
 from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
 from .dry_step import first_two, quiet
 from .ema import EMA
+from .errors import UserError
 from .init_from import init_weights
 from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
 from .monitor import Monitor
@@ -69,10 +70,20 @@ class Run:
         return self.ema.model if self.ema is not None else self.model
 
     def no_sync(self, skip: bool):
-        """DDP's no_sync on all but a window's last micro-batch: their gradients add up locally, unreduced."""
+        """On all but a window's last micro-batch, DDP's no_sync (FSDP's the same): their gradients add up locally,
+        unreduced."""
         if skip and self.ddp is not None:
             return self.ddp.no_sync()
+        if skip and fsdp.is_sharded(self.model):
+            return fsdp.no_gradient_sync(self.model)
         return contextlib.nullcontext()
+
+    def share_buffers(self) -> None:
+        """After each optimizer step under FSDP: rank 0's buffers (BatchNorm's running statistics) on every rank, as
+        DDP hands them out at every forward. FSDP leaves each rank its own, and a sharded checkpoint keeps one copy:
+        equal on every rank, it is each rank's, and a resume continues all of them exactly."""
+        if fsdp.is_sharded(self.model):
+            distributed.main_buffers(self.model, self.world)
 
     def at_epoch_end(self) -> bool:
         """The batch just taken is the epoch's last."""
@@ -132,7 +143,7 @@ def build(
     logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
     ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
     device = pick_device(cfg.device)
-    world = distributed.join(device)  # one process per rank under torchrun; a no-op otherwise
+    world = distributed.join(device, cfg.parallel.strategy == "fsdp")  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
@@ -181,6 +192,15 @@ def build(
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate
     )
     prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on device
+    amp = amp_dtype(cfg.amp, device)  # None: float32
+    if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
+        log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
+    sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
+    if sharded and ckpt and not checkpoint.is_sharded(ckpt):
+        raise UserError(
+            f"resume: {found} is a whole checkpoint (parallel=ddp) and parallel=fsdp resumes sharded ones: resume it "
+            f"with parallel=ddp, or start from its weights with init_from={found}"
+        )
     model = instantiate(cfg.model)
     if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict)
@@ -189,17 +209,30 @@ def build(
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if sharded:  # before the optimizer, which must hold the sharded parameters
+        model = fsdp.shard(model, cfg.parallel, amp)
     optimizer = build_optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
     steps_per_epoch = -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
     scheduler = build_schedule(cfg.schedule, optimizer, total_steps=cfg.epochs * steps_per_epoch)
-    amp = amp_dtype(cfg.amp, device)  # None: float32
-    if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
-        log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
-    step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank) if ckpt else 0
-    net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged across ranks
+    ema, fresh = None, resume.group_settings(optimizer)
+    if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
+        ema = sharded_ema(cfg, model, amp, device)
+        if ckpt and not sharded_checkpoint.load_into(found, model, optimizer, ema.model if ema else None) and ema:
+            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+        if world.is_main:
+            log.info(fsdp.memory_line(model, optimizer, world.world_size))
+    elif ckpt and checkpoint.is_sharded(ckpt):
+        raise UserError(
+            f"resume: {found} is a sharded checkpoint (parallel=fsdp): resume it with parallel=fsdp, or write it "
+            f"as one file with python -m {__name__.split('.')[0]}.export and start from that with init_from"
+        )
+    step = 0
+    if ckpt:
+        step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
+    net = model if sharded else distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
 
     def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
@@ -207,11 +240,12 @@ def build(
         return split_loss(spare.loss(net, prepare(to_device(batch, device))))[0]
 
     distributed.settle_buckets(net, throwaway)
-    ema = EMA(model, cfg.ema.decay) if cfg.ema.decay is not None else None  # after DDP's broadcast of rank 0's
-    if ema is not None and ckpt and ckpt.get("ema") is not None:
-        ema.load_state_dict(ckpt["ema"])
-    elif ema is not None and ckpt:
-        log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+    if not sharded and cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
+        ema = EMA(model, cfg.ema.decay)
+        if ckpt and ckpt.get("ema") is not None:
+            ema.load_state_dict(ckpt["ema"])
+        elif ckpt:
+            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
     node = cfg.data.get("batch_transform")
     batch_transform = SeededBatchTransform(instantiate(node), cfg.seed, world.rank) if node is not None else None
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
@@ -221,7 +255,7 @@ def build(
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
     policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step
+        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step, sharded
     )
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
@@ -235,12 +269,20 @@ def build(
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-        optimizer, scheduler, scaler, amp, step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
+        optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
+        step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
 {% endif %}
     return run
+
+
+def sharded_ema(cfg, model: torch.nn.Module, amp, device) -> EMA | None:
+    """`ema.decay` under FSDP: the average kept in a second model sharded like the first (fsdp.twin)."""
+    if cfg.ema.decay is None:
+        return None
+    return EMA(model, cfg.ema.decay, fsdp.twin(cfg.model, model, cfg.parallel, amp, device))
 
 
 def spare_task(cfg, world: distributed.World):

@@ -198,6 +198,24 @@ class ProcessConfig:
     threads: int | None = key(integer(1, null="torch's default"))
 
 
+class Strategy(str, Enum):
+    ddp = "ddp"  # a whole copy of the model per rank, gradients all-reduced
+    fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the ranks (engine/fsdp.py)
+
+
+def class_paths(v):
+    names = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)):
+        return "null or a list of module class import paths, e.g. [torchvision.models.vision_transformer.EncoderBlock]"
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = key(typed())
+    shard_modules: Any = key(class_paths)  # fsdp: the classes whose instances each become an FSDP unit
+    reshard_after_forward: bool = key(typed())  # fsdp: free the gathered weights after each unit's forward
+
+
 @dataclass
 class Config:
     seed: int = key(integer(0, SEED_MAX))
@@ -226,6 +244,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 {% endif %}
     process: ProcessConfig = field(default_factory=ProcessConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING
     optim: Any = MISSING

@@ -1,0 +1,202 @@
+"""parallel=fsdp (engine/fsdp.py, engine/sharded_checkpoint.py): a model of the user's own blocks sharded over
+torchrun ranks, resumed exactly from a sharded checkpoint with another worker count and closely on another number
+of processes, compared through the export command; a kill mid-save, a metadata file that would run code, refusals;
+model=vit trained sharded, then read by eval.py, init_from and export."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.engine import checkpoint
+from {{ cookiecutter.package }}.engine.distributed import World
+from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, read_full
+from tests.helpers import PROJECT, read_jsonl, run_torchrun, run_train
+
+BLOCKS = [
+    "parallel=fsdp",
+    "model._target_=tests.blocks.BlockNet",
+    "+model.image_size=${data.image_size}",
+    "parallel.shard_modules=[tests.blocks.ResidualBlock]",  # each block its own unit, then the root
+    "data.per_class=50",  # 200 samples: 8 micro-batches of 2 x 12 per epoch, 4 optimizer steps
+    "loader.batch_size=12",
+    "accumulate_steps=2",
+    "optim.grad_clip=0.5",
+    "ema.decay=0.9",
+    "epochs=3",
+    "progress=false",
+]
+
+
+def export(ckpt: Path, out: Path) -> dict:
+    """`python -m <package>.export CKPT OUT`, read back as a user would."""
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.export", str(ckpt), str(out)]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return torch.load(out, weights_only=True)
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resumed_copy(stopped: Path, to: Path) -> Path:
+    shutil.copytree(stopped, to, symlinks=True)  # the links last.pth -> .saves/... stay links
+    return to / "checkpoints/last.pth"
+
+
+@pytest.mark.slow
+def test_sharded_resume_is_exact_with_other_workers_and_close_on_three_processes(tmp_path, shapes_root):
+    data = f"data.root={shapes_root}"
+    run_torchrun(tmp_path / "straight", data, *BLOCKS)
+    run_torchrun(tmp_path / "stopped", data, *BLOCKS, "max_steps=6")  # mid-epoch 1
+    last = tmp_path / "stopped/checkpoints/last.pth"
+    assert last.is_symlink() and (last / ".metadata").is_file() and (last / "run.pth").is_file()
+    straight = export(tmp_path / "straight/checkpoints/last.pth", tmp_path / "straight.pth")
+    assert straight.keys() == {"model", "ema"} and not equal(straight["model"], straight["ema"])
+
+    ckpt = resumed_copy(tmp_path / "stopped", tmp_path / "resumed")
+    run_torchrun(tmp_path / "resumed", data, *BLOCKS, f"resume={ckpt}", "loader.num_workers=3")
+    resumed = export(tmp_path / "resumed/checkpoints/last.pth", tmp_path / "resumed.pth")
+    assert equal(resumed["model"], straight["model"]) and equal(resumed["ema"], straight["ema"])
+
+    # negative control: the same resume without the optimizer's state (SGD's momentum) loaded from the shards
+    ckpt = resumed_copy(tmp_path / "stopped", tmp_path / "control")
+    patch = "{{ cookiecutter.package }}.engine.sharded_checkpoint:set_optimizer_state_dict=noop"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/patched.py",
+           patch, "train.py", data, *BLOCKS, f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'control'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    control = export(tmp_path / "control/checkpoints/last.pth", tmp_path / "control.pth")
+    assert not equal(control["model"], straight["model"])
+
+    # 3 processes share the global batch of 24 (8 each): the same steps, the sums in another order
+    ckpt = resumed_copy(tmp_path / "stopped", tmp_path / "three")
+    proc = run_torchrun(tmp_path / "three", data, *BLOCKS, f"resume={ckpt}", nproc=3)
+    assert "resuming a 2-process run on 3 processes: global batch 24, 8 per process" in proc.stdout + proc.stderr
+    three = export(tmp_path / "three/checkpoints/last.pth", tmp_path / "three.pth")
+    last_step = {run: read_jsonl(tmp_path / run / "metrics.jsonl")[-1]["step"] for run in ("three", "straight")}
+    assert last_step["three"] == last_step["straight"]
+    for name, tensor in straight["model"].items():
+        torch.testing.assert_close(three["model"][name], tensor, rtol=1e-4, atol=1e-5)
+    assert not all(torch.allclose(control["model"][k], t, rtol=1e-4, atol=1e-5) for k, t in straight["model"].items())
+
+
+@pytest.mark.slow
+def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shapes_root):
+    vit = [f"data.root={shapes_root}", "data.per_class=50", "parallel=fsdp", "model=vit", "optim=adamw",
+           "optim.lr=0.002", "epochs=3", "loader.batch_size=16", "progress=false"]  # fmt: skip
+    proc = run_torchrun(tmp_path / "vit", *vit)
+    assert "fsdp: per rank of 2: parameters" in proc.stdout + proc.stderr
+    records = read_jsonl(tmp_path / "vit/metrics.jsonl")
+    assert records[-1]["train_loss"] < records[0]["train_loss"], records  # it learns (slowly: a ViT on 200 images)
+    last = tmp_path / "vit/checkpoints/last.pth"
+    run = checkpoint.load(last)
+    assert run["sharded"] and any("encoder.layers" in name for name in run["model"])
+
+    cmd = [sys.executable, "eval.py", f"ckpt={last}", f"hydra.run.dir={tmp_path / 'eval'}"]
+    done = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "eval/eval.json").read_text())
+    assert result["val_acc"] == records[-1]["val_acc"]  # one process here, two ranks' sums there: the loss to 1e-6
+    assert result["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6)
+
+    weights = export(last, tmp_path / "vit.pth")
+    assert weights.keys() == {"model"} and weights["model"].keys() == run["model"].keys()
+    proc = run_train(tmp_path / "init", *vit[:2], "model=vit", "optim=adamw", f"init_from={last}", "max_steps=1",
+                     "progress=false")  # fmt: skip
+    n = len(run["model"])
+    assert f"init_from={last}: loaded {n} of {n} tensors" in proc.stdout
+    proc = run_train(tmp_path / "init_file", *vit[:2], "model=vit", "optim=adamw", f"init_from={tmp_path}/vit.pth",
+                     "max_steps=1", "progress=false")  # fmt: skip
+    assert f"loaded {n} of {n} tensors" in proc.stdout
+
+
+def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
+    """Through train.py; a path naming no class is among test_config's refusals."""
+    proc = run_train(tmp_path / "r", "parallel=fsdp", "parallel.shard_modules=[torch.nn.GRU]", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: parallel.shard_modules: torch.nn.GRU names nothing in SmallCNN: list a class the model "
+                     "is built of, or [] to shard the root only"], proc.stderr  # fmt: skip
+    assert not (tmp_path / "r").exists()  # refused before the run folder is written
+
+
+# Saves step 1 sharded in a process group of one, then step 2 with a FIFO planted where rank 0 writes run.pth, once
+# DCP has written the shards: the write blocks once the pipe is full, so the kill lands inside the save, the shards
+# on disk and run.pth partly written. (DCP's own writer seeks, which a FIFO cannot.)
+SAVER = """
+import os, sys, torch, torch.distributed as dist
+from pathlib import Path
+from torch.distributed.fsdp import fully_shard
+from {{ cookiecutter.package }}.engine.distributed import World
+from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, live_state
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = fully_shard(torch.nn.Linear(512, 512))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+saver = ShardedCheckpointer(Path(sys.argv[1]), keep=1, world=World())
+with torch.no_grad():
+    model.weight.fill_(1.0)
+saver.save(live_state(model, optimizer, None), {"format": 1, "step": 1}, 1, best=False)
+with torch.no_grad():
+    model.weight.fill_(2.0)
+tmp = saver.saves / ".tmp-00000002"
+tmp.mkdir()
+os.mkfifo(tmp / "run.pth")
+print("saved", flush=True)
+saver.save(live_state(model, optimizer, None), {"format": 1, "step": 2, "pad": torch.zeros(1 << 20)}, 2, best=False)
+"""
+
+
+def test_kill_9_mid_sharded_save_leaves_last_whole(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        fifo = tmp_path / ".saves/.tmp-00000002/run.pth"
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        with open(fifo, "rb") as reader:  # the saver's open() waits for this reader
+            head = reader.read(1 << 10)
+            time.sleep(0.2)
+            assert proc.poll() is None, "the save finished: the kill would not land mid-write"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL and head.startswith(b"PK")
+        assert (tmp_path / ".saves/.tmp-00000002/__0_0.distcp").stat().st_size > 512 * 512 * 4  # the shards are in
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    whole = read_full(tmp_path / "last.pth")  # the links still name step 1's save
+    assert whole["step"] == 1 and torch.equal(whole["model"]["weight"], torch.ones(512, 512))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.pth", "step-00000001.pth"]
+    assert (tmp_path / ".saves/.tmp-00000002").exists()
+    ShardedCheckpointer(tmp_path, keep=1, world=World())  # the next run writing here: the cut save goes
+    assert [p.name for p in (tmp_path / ".saves").iterdir()] == [os.readlink(tmp_path / "last.pth").split("/")[-1]]
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_sharded_metadata_that_would_run_code_is_refused(tmp_path):
+    save = tmp_path / "last.pth"
+    save.mkdir()
+    (save / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    torch.save({"format": 1}, save / "run.pth")
+    with pytest.raises(UserError, match=r"not a readable sharded checkpoint \(UnpicklingError: posix.system is not"):
+        checkpoint.load(save)
+    assert not (tmp_path / "pwned").exists()
+    # the control: a plain unpickling of the same file runs the command
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({str(save / '.metadata')!r}, 'rb'))"],
+                   cwd=tmp_path, check=True)  # fmt: skip
+    assert (tmp_path / "pwned").exists()

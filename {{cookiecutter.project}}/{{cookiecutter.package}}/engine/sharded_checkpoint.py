@@ -1,0 +1,222 @@
+"""Sharded checkpoints (`parallel=fsdp`): one torch.distributed.checkpoint (DCP) folder per save, published whole.
+
+A save is a folder under `checkpoints/.saves/`: every rank's shards of the model, the optimizer and the EMA
+(`__<rank>_0.distcp`, DCP's `.metadata`), and `run.pth`, rank 0's file holding the rest of the checkpoint as
+checkpoint.py writes it (progress, every rank's RNG and loader state, config, schedule). `last.pth`,
+`step-XXXXXXXX.pth` and `best.pth` are symbolic links to such folders, each replaced by an atomic rename, so a
+reader sees a complete save or the previous one, never half of one. A kill mid-save leaves a `.tmp-*` folder no link
+names, removed when the next run starts writing there. DCP reshards on load: W ranks' save resumes on W'.
+
+Loading reads no pickle that could run code: DCP's `.metadata` is unpickled with only DCP's own classes and
+torch's dtypes allowed, and its non-tensor entries (the optimizer's group settings) with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import distributed
+from .errors import UserError
+from .weights_only import read
+
+RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
+SAVES = ".saves"
+DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` with only the classes such a file holds: DCP's dataclasses, torch's dtypes and sizes."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and (name == "Size" or name in DTYPES))
+            or (module == "torch.serialization" and name == "_get_layout")  # how DCP pickles torch.strided
+            or (module == "pathlib" and name in PATHS)
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+def metadata(path: Path) -> Metadata:
+    """The save's DCP metadata (every tensor's name, shape and dtype), read safely; a UserError when unreadable."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            found = MetadataUnpickler(f).load()
+        if not isinstance(found, Metadata):
+            raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
+        return found
+    except Exception as e:
+        raise UserError(
+            f"resume: {str(path)!r} is not a readable sharded checkpoint ({type(e).__name__}: {str(e)[:200]}); "
+            "it is incomplete, corrupt or not from this project: pick another, e.g. an older checkpoints/step-*.pth"
+        ) from None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load, with its non-tensor entries read `weights_only=True` (DCP itself unpickles them fully)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), checked)  # refuses anything but data, then hands it on
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
+def shapes(found: Metadata, part: str) -> dict[str, torch.Tensor]:
+    """`part`'s tensors (model, ema) as shapes and dtypes only: tensors on the meta device, nothing read."""
+    prefix = part + "."
+    return {
+        name.removeprefix(prefix): torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+        for name, item in found.state_dict_metadata.items()
+        if name.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def read_run(path: Path) -> dict:
+    """The save's checkpoint without its tensors' values: run.pth, and `model` (and `ema`) as shapes (`shapes`)."""
+    found = metadata(path)
+    try:
+        ckpt = read(path / RUN_FILE)
+    except Exception as e:
+        raise UserError(
+            f"resume: {str(path / RUN_FILE)!r} is not readable ({type(e).__name__}): the save is incomplete or "
+            "corrupt: pick another, e.g. an older checkpoints/step-*.pth"
+        ) from None
+    if not isinstance(ckpt, dict):
+        raise UserError(f"resume: {str(path)!r} is not a checkpoint of this project (its {RUN_FILE} is no dict)")
+    ema = shapes(found, "ema")
+    return {**ckpt, "model": shapes(found, "model"), "ema": ema or None, "sharded": True}
+
+
+def read_full(path: Path) -> dict:
+    """The save as one process's plain checkpoint: run.pth, with `model` (and `ema`) as whole tensors on the CPU,
+    gathered from every rank's shards. For eval.py, init_from and export; not the optimizer's state."""
+    ckpt, found = read_run(path), metadata(path)
+    del ckpt["sharded"]  # whole tensors from here on
+    wanted = {
+        name: torch.empty(item.size, dtype=item.properties.dtype)
+        for name, item in found.state_dict_metadata.items()
+        if name.split(".", 1)[0] in ("model", "ema") and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # DCP's note that it loads in one process, which is the point here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(wanted, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
+    for part in ("model", "ema"):
+        tensors = {k.removeprefix(part + "."): v for k, v in wanted.items() if k.startswith(part + ".")}
+        ckpt[part] = tensors or None
+    return ckpt
+
+
+def live_state(model: torch.nn.Module, optimizer, ema_model: torch.nn.Module | None) -> dict:
+    """The sharded tensors a save writes and a resume fills: each rank's slices (DTensors), by parameter name."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema_model is not None:
+        state["ema"] = get_model_state_dict(ema_model)
+    return state
+
+
+def load_into(path: Path, model, optimizer, ema_model=None) -> bool:
+    """The save's shards into the live sharded model, optimizer and EMA, resharded to this run's ranks (a
+    collective). Returns whether the save held EMA weights (when `ema_model` is given)."""
+    has_ema = ema_model is not None and bool(shapes(metadata(path), "ema"))
+    state = live_state(model, optimizer, ema_model if has_ema else None)
+    dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if has_ema:
+        set_model_state_dict(ema_model, state["ema"])
+    return has_ema
+
+
+class ShardedCheckpointer:
+    """Writes sharded saves and the links `last.pth`, `step-XXXXXXXX.pth` (the newest `keep`) and `best.pth`.
+    Every rank calls `save`; rank 0 alone publishes."""
+
+    def __init__(self, folder: Path, keep: int, world):
+        self.folder, self.keep, self.world = folder, keep, world
+        self.saves = folder / SAVES
+        if world.is_main:
+            self.saves.mkdir(parents=True, exist_ok=True)
+            for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+            self._collect()
+        distributed.barrier(world)
+
+    @property
+    def last(self) -> Path:
+        return self.folder / "last.pth"
+
+    @property
+    def best(self) -> Path:
+        return self.folder / "best.pth"
+
+    def save(self, tensors: dict, state: dict | None, step: int, best: bool) -> None:
+        """Write `tensors` (every rank's shards) and rank 0's `state` as one save; link it as last (step-N, best)."""
+        tmp = self.saves / f".tmp-{step:08d}"
+        if self.world.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)
+        distributed.barrier(self.world)
+        dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
+        if not self.world.is_main:
+            return
+        with open(tmp / RUN_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        sync(tmp)
+        done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
+        os.rename(tmp, done)  # complete now; no link names it yet
+        sync(self.saves)
+        self._link(done, self.last)
+        if self.keep > 0:
+            self._link(done, self.folder / f"step-{step:08d}.pth")
+            for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep]:
+                old.unlink()
+        if best:
+            self._link(done, self.best)
+        sync(self.folder)
+        self._collect()
+
+    def _link(self, target: Path, name: Path) -> None:
+        """`name` -> `target`, replaced atomically: a new link under a temporary name, renamed over the old one."""
+        tmp = self.folder / f".link-{name.name}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(target, self.folder), tmp)  # relative: the run folder may be moved or copied
+        os.replace(tmp, name)
+
+    def _collect(self) -> None:
+        """Remove the saves no link names any more (rotated out, replaced)."""
+        named = {link.resolve() for link in self.folder.glob("*.pth") if link.is_symlink()}
+        for save in self.saves.iterdir():
+            if not save.name.startswith(".") and save.resolve() not in named:
+                shutil.rmtree(save)
+
+
+def sync(folder: Path) -> None:
+    """fsync a folder: the files and renames in it are durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
