@@ -2,6 +2,8 @@
 
 import json
 import os
+import signal
+import stat
 import subprocess
 import sys
 import time
@@ -157,3 +159,25 @@ def loader_settings(
 ) -> LoaderSettings:
     """LoaderSettings as resolve_settings() would give them for `workers` (no prefetch nor persistence at 0)."""
     return LoaderSettings(batch_size, workers, prefetch if workers else None, pin, persistent and workers > 0, 0.0)
+
+
+def kill_mid_write(script: str, folder: Path, fifo, size: int) -> bytes:
+    """Run `script` (python -c, `folder` its argument), which prints "saved" and then writes into the FIFO it planted
+    at `fifo` (a path, or a function of the script's pid giving it); read `size` bytes of that write, then kill -9
+    the script while it is still writing. Returns the bytes read."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        fifo = fifo(proc.pid) if callable(fifo) else fifo
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        with open(fifo, "rb") as reader:  # the script's open() waits for this reader
+            head = reader.read(size)
+            time.sleep(0.2)
+            assert proc.poll() is None, "the save finished: the kill would not land mid-write"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return head

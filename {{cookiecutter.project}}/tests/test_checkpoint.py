@@ -2,12 +2,7 @@
 
 import os
 import pickle
-import signal
-import stat
-import subprocess
-import sys
 import threading
-import time
 import warnings
 
 import pytest
@@ -15,7 +10,7 @@ import torch
 
 from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer, load
 from {{ cookiecutter.package }}.engine.errors import UserError
-from tests.helpers import NOT_A_PICKLE, PROJECT
+from tests.helpers import NOT_A_PICKLE, PROJECT, kill_mid_write
 
 BLOB = 4_000_000  # floats: 16 MB, far more than a pipe holds
 
@@ -68,22 +63,7 @@ saver.save(state(2))
 
 
 def test_kill_9_mid_write_leaves_last_whole(tmp_path):
-    cmd = [sys.executable, "-c", SAVER, str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "saved"
-        fifo = tmp_path / f".tmp-{proc.pid}.pth"
-        assert stat.S_ISFIFO(fifo.stat().st_mode)
-        with open(fifo, "rb") as reader:  # the saver's open() waits for this reader
-            head = reader.read(1 << 20)
-            time.sleep(0.2)
-            assert proc.poll() is None, "the save finished: the kill would not land mid-write"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    head = kill_mid_write(SAVER, tmp_path, lambda pid: tmp_path / f".tmp-{pid}.pth", 1 << 20)
     whole = (tmp_path / "last.pth").stat().st_size
     assert head.startswith(b"PK") and len(head) == 1 << 20 < whole  # step 2 was partly written when it was killed
     saved = load(tmp_path / "last.pth")

@@ -7,11 +7,8 @@ import json
 import os
 import pickle
 import shutil
-import signal
-import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from {{ cookiecutter.package }}.engine import checkpoint
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, read_full
-from tests.helpers import PROJECT, read_jsonl, run_torchrun, run_train
+from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train
 
 BLOCKS = [
     "parallel=fsdp",
@@ -158,23 +155,9 @@ saver.save(live_state(model, optimizer, None), {"format": 1, "step": 2, "pad": t
 
 
 def test_kill_9_mid_sharded_save_leaves_last_whole(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
-        assert proc.stdout.readline().strip() == "saved"
-        fifo = tmp_path / ".saves/.tmp-00000002/run.pth"
-        assert stat.S_ISFIFO(fifo.stat().st_mode)
-        with open(fifo, "rb") as reader:  # the saver's open() waits for this reader
-            head = reader.read(1 << 10)
-            time.sleep(0.2)
-            assert proc.poll() is None, "the save finished: the kill would not land mid-write"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL and head.startswith(b"PK")
-        assert (tmp_path / ".saves/.tmp-00000002/__0_0.distcp").stat().st_size > 512 * 512 * 4  # the shards are in
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    head = kill_mid_write(SAVER, tmp_path, tmp_path / ".saves/.tmp-00000002/run.pth", 1 << 10)
+    assert head.startswith(b"PK")
+    assert (tmp_path / ".saves/.tmp-00000002/__0_0.distcp").stat().st_size > 512 * 512 * 4  # the shards are in
     whole = read_full(tmp_path / "last.pth")  # the links still name step 1's save
     assert whole["step"] == 1 and torch.equal(whole["model"]["weight"], torch.ones(512, 512))
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.pth", "step-00000001.pth"]

@@ -70,17 +70,10 @@ class Checkpointer:
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
+        self.last, self.best = folder / sharded_checkpoint.LAST, folder / sharded_checkpoint.BEST
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
-
-    @property
-    def last(self) -> Path:
-        return self.folder / "last.pth"
-
-    @property
-    def best(self) -> Path:
-        return self.folder / "best.pth"
 
     def save(self, state: dict) -> Path:
         tmp = self._write_tmp(state)
@@ -108,11 +101,7 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
-        directory = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # make the rename itself durable
-        finally:
-            os.close(directory)
+        sharded_checkpoint.sync(self.folder)  # make the rename itself durable
 
 
 class Best:

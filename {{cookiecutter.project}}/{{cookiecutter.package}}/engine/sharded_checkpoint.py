@@ -36,6 +36,7 @@ from . import distributed
 from .errors import UserError
 from .weights_only import read
 
+LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
 SAVES = ".saves"
 DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
@@ -155,6 +156,7 @@ class ShardedCheckpointer:
 
     def __init__(self, folder: Path, keep: int, world):
         self.folder, self.keep, self.world = folder, keep, world
+        self.last, self.best = folder / LAST, folder / BEST
         self.saves = folder / SAVES
         if world.is_main:
             self.saves.mkdir(parents=True, exist_ok=True)
@@ -162,14 +164,6 @@ class ShardedCheckpointer:
                 shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
             self._collect()
         distributed.barrier(world)
-
-    @property
-    def last(self) -> Path:
-        return self.folder / "last.pth"
-
-    @property
-    def best(self) -> Path:
-        return self.folder / "best.pth"
 
     def save(self, tensors: dict, state: dict | None, step: int, best: bool) -> None:
         """Write `tensors` (every rank's shards) and rank 0's `state` as one save; link it as last (step-N, best)."""
