@@ -396,29 +396,3 @@ def test_shards_train_as_well_as_the_image_folder(tmp_path):
     print(f"val_acc after 4 epochs: {acc}")
     assert abs(acc["folder"] - acc["shards"]) <= 0.03, acc
     assert acc["folder"] - acc["in class order"] >= 0.10, acc
-
-
-@pytest.mark.slow
-def test_two_then_three_then_one_process_continue_the_same_global_batches(packed, tmp_path):
-    """tests/test_world_size.py's scenario on shards, with their random crops and flips (rng_mode=per_sample keys them
-    on the sample): 80 samples, a global batch of 12, 6 steps per epoch; stopped mid-epoch 0 on 2 processes, mid-epoch
-    1 on 3, ended on 1. The per-step samples and the weights are those of the run that never stopped."""
-    from tests.test_world_size import assert_same_run, resumed, straight_run
-
-    run = shard_run(
-        packed,
-        "data.train._target_=tests.datasets.IndexedShards",
-        "data.val._target_=tests.datasets.IndexedShards",
-        "model._target_=tests.datasets.Linear",
-        "~model.width",
-        "+model.in_features=3072",
-        "task._target_=tests.datasets.RecordingClassification",
-        "optim.lr=0.5",
-        "log_every_steps=1",
-        "checkpoint.keep=0",
-        "loader.num_workers=1",
-        batch_size=6,
-    )
-    straight = straight_run(tmp_path / "straight", run)
-    sets, weights = resumed(tmp_path / "job", run, [2, 3, 1], [4, 8])
-    assert_same_run(sets, weights, *straight, per_epoch=6)
