@@ -54,7 +54,7 @@ def check_decode(decode) -> None:
     """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
     other words earlier, this covers code outside Hydra and what only this machine can tell (no CUDA)."""
     if decode not in DECODERS:
-        raise UserError(f"data.decode must be one of {', '.join(DECODERS)}, got {decode!r}")
+        raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
     if decode == "gpu" and not torch.cuda.is_available():
         raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
     if decode == "gpu":
@@ -161,7 +161,9 @@ class CropDecoder:
         """The decoded image as a (3, H, W) uint8 tensor and the scale it was decoded at (1, 2, 4 or 8)."""
         _, _, height, width = box
         scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
-        if image.mode in ("RGB", "L") and (self.decode == "torchvision" or scale == 1):
+        if self.decode == "torchvision":
+            scale = 1  # decoded whole
+        if image.mode in ("RGB", "L") and scale == 1:
             try:
                 return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB), 1
             except RuntimeError:
