@@ -218,8 +218,12 @@ class ImageFiles(datasets.ImageFolder):
         """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
         return f"file {self.paths[index]}"
 
+    def read(self, index: int) -> bytes:
+        """The file's bytes, read whole: PIL and torchvision.io decode from memory (one open and one read)."""
+        return Path(self.paths[index]).read_bytes()
+
     def __getitem__(self, index: int):
-        return self.reader(Path(self.paths[index]).read_bytes()), int(self.labels[index])
+        return self.reader(self.read(index)), int(self.labels[index])
 
 
 def shapes(
