@@ -7,6 +7,8 @@
 # 2. A short training under torch.cuda.set_sync_debug_mode("warn"), listing every place the host waits for the GPU.
 # 3. Exact resume on the GPU with deterministic=true: ResNet-18 stopped mid-epoch and resumed, compared with
 #    torch.equal to the run that never stopped (and the dry step refuses any op without a deterministic kernel).
+# 4. JPEG decoding on the device: nvJPEG (torchvision.io.decode_jpeg, device="cuda", 64 files a call) against
+#    libjpeg-turbo on one CPU thread, on the photos of benchmarks/p7_photos.py (the bench extra brings scikit-learn's).
 # About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,3 +79,7 @@ same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 print(f"exact resume on {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'} ({len(a)} tensors)")
 sys.exit(0 if same else 1)
 PY
+
+echo
+# 4. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536
+$PY -m benchmarks.p7_photos --gpu

@@ -7,9 +7,10 @@ torchvision's ImageFolder with PIL, the same v2 transforms.
 The photos: scikit-learn's two sample photographs (640 x 427, shipped with the package: `pip install -e
 ".[bench]"`), cut at random 4:3 windows and re-encoded as JPEG (quality 90) at 500 x 375 and at 2048 x 1536,
 FILES per size. Each variant makes every sample once in this one process with one intra-op thread, as a
-DataLoader worker does: images/s per worker process. The variants take turns for ROUNDS rounds, and the table
-shows the median round with the spread (min-max) beside it, so a busy moment on a shared machine shows up as
-spread instead of deciding the result. The ratio's spread is that of the per-round ratios.
+DataLoader worker does: images/s per worker process. The variants take turns sample by sample, with the same
+random boxes and flips, for ROUNDS rounds; the table shows the median round with the spread (min-max) beside
+it, so a busy moment on a shared machine shows up as spread instead of deciding the result. The ratio's spread
+is that of the per-round ratios.
 
 - `ImageFolder + PIL`: torchvision.datasets.ImageFolder, PIL decodes the whole file, then the transform.
 - `ImageFiles decode=pil`: this project's reader doing the same (what data.decode=pil keeps).
@@ -68,14 +69,27 @@ def transform() -> v2.Compose:
     return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip()])
 
 
-def rate(make, count: int, seed: int = 0) -> float:
-    """Images/s making samples 0 .. count - 1 once each, torch's generator seeded first: every variant of a round
-    draws the same boxes and flips, so they do the same work (a large box costs ImageFolder's resize far more)."""
-    torch.manual_seed(seed)
+def rate(make, count: int) -> float:
+    """Images/s making samples 0 .. count - 1 once each."""
     began = time.perf_counter()
     for i in range(count):
         make(i)
     return count / (time.perf_counter() - began)
+
+
+def one_round(variants: dict, count: int, round_: int) -> dict[str, float]:
+    """Images/s of each variant over samples 0 .. count - 1, the variants taking turns sample by sample (a burst
+    of other work on the machine then slows them all alike), torch's generator seeded per sample and round: every
+    variant draws the same boxes and flips, so they do the same work (a large box costs ImageFolder's resize far
+    more than a small one)."""
+    spent = dict.fromkeys(variants, 0.0)
+    for i in range(count):
+        for name, dataset in variants.items():
+            torch.manual_seed(round_ * count + i)
+            began = time.perf_counter()
+            dataset[i]
+            spent[name] += time.perf_counter() - began
+    return {name: count / seconds for name, seconds in spent.items()}
 
 
 class WholeDecode:
@@ -104,11 +118,10 @@ def cpu(args) -> int:
         data = [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files]
         variants["decode_jpeg, whole"] = WholeDecode(data)
         results = {name: [] for name in variants}
-        for dataset in variants.values():  # warm-up: the files in the page cache, the code paths run once
-            rate(dataset.__getitem__, 4)
+        one_round(variants, len(files), -1)  # warm-up: the files in the page cache, every code path run once
         for round_ in range(args.rounds):
-            for name, dataset in variants.items():
-                results[name].append(rate(dataset.__getitem__, len(files), seed=round_))
+            for name, value in one_round(variants, len(files), round_).items():
+                results[name].append(value)
         print(f"{width} x {height}, {len(files)} JPEG files")
         for name, values in results.items():
             print(f"  {name:<28} {spread(values)}")

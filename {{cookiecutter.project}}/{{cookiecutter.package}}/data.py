@@ -23,7 +23,7 @@ from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
-from torchvision.transforms.v2.functional import pil_to_tensor, resized_crop
+from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .engine.errors import UserError
 
@@ -103,12 +103,13 @@ def crop_plan(transform):
     """(the box of the crop the transform starts with, the steps after it), for a `v2.Compose` of `ToImage` then
     `RandomResizedCrop`, or `ToImage`, `Resize(short side)`, `CenterCrop` (the shipped train and val lists); None
     for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
-    a subclass of yours may crop otherwise."""
+    a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
     steps = list(transform.transforms) if type(transform) is v2.Compose else []
-    if len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
+    public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
+    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
         return RandomBox(steps[1]), steps[2:]
     if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
-        if len(steps[1].size) == 1 and steps[1].max_size is None:
+        if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
             return CentreBox(steps[1], steps[2]), steps[3:]
     return None
 
@@ -141,13 +142,8 @@ class CropDecoder:
             box = crop.box(image)
             if box is None:
                 return self.whole(image)
-            pixels, scale = self.pixels(data, image, box, crop.size)
-        top, left, height, width = box
-        # the box in the decoded image's pixels, to the nearest one (a decoded pixel is `scale` pixels of the file)
-        y0, x0 = round(top / scale), round(left / scale)
-        y1 = max(y0 + 1, min(pixels.shape[1], round((top + height) / scale)))
-        x1 = max(x0 + 1, min(pixels.shape[2], round((left + width) / scale)))
-        out = resized_crop(pixels, y0, x0, y1 - y0, x1 - x0, crop.size, crop.interpolation, antialias=crop.antialias)
+            pixels, _ = self.region(data, image, box, crop.size)
+        out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
         for step in rest:
             out = step(out)
@@ -157,21 +153,38 @@ class CropDecoder:
         image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
         return image if self.transform is None else self.transform(image)
 
-    def pixels(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
-        """The decoded image as a (3, H, W) uint8 tensor and the scale it was decoded at (1, 2, 4 or 8)."""
+    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
+        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
         _, _, height, width = box
         scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
         if self.decode == "torchvision":
             scale = 1  # decoded whole
         if image.mode in ("RGB", "L") and scale == 1:
             try:
-                return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB), 1
+                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
             except RuntimeError:
-                scale = 1  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
+                pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
+            else:
+                y0, x0, y1, x1 = cut(box, 1, image.size)
+                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
         if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
             scale = 1  # PIL could not draft this file: decoded whole
-        # an RGB file is read as it is: convert("RGB") would only copy it (the same pixels, one copy more)
-        return pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB")), scale
+        y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
+        # cut before the conversion to a tensor, which copies every pixel it is given (a third of the decode's time
+        # for a whole 1/2-scale photo); an RGB file is not converted: convert("RGB") would only copy it again
+        part = image.crop((x0, y0, x1, y1))
+        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+
+
+def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of `box` (top, left, height, width in the file's pixels) in an image decoded at
+    1/`scale` of `size` = (width, height) pixels: to the nearest pixel (a decoded pixel is `scale` of the file's), at
+    least one pixel, inside the image. At scale 1, RandomResizedCrop's box as it is."""
+    top, left, height, width = box
+    y0, x0 = min(round(top / scale), size[1] - 1), min(round(left / scale), size[0] - 1)
+    y1 = max(y0 + 1, min(size[1], round((top + height) / scale)))
+    x1 = max(x0 + 1, min(size[0], round((left + width) / scale)))
+    return y0, x0, y1, x1
 
 
 class ImageFiles(datasets.ImageFolder):
