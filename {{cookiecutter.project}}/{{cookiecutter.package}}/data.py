@@ -57,11 +57,8 @@ def check_decode(decode) -> None:
         raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
     if decode == "gpu" and not torch.cuda.is_available():
         raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
-    if decode == "gpu":
-        raise UserError(
-            "data.decode=gpu is not built into the loader yet (benchmarks/gpu_check.sh measures nvJPEG against the "
-            "CPU decoders): use data.decode=auto"
-        )
+    if decode == "gpu":  # the batch-by-batch nvJPEG decode in the main process is yet to come
+        raise UserError("data.decode=gpu is not built into the loader yet: use data.decode=auto")
 
 
 class RandomBox:
