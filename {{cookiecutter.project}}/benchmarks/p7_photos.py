@@ -20,6 +20,9 @@ is that of the per-round ratios.
   (1/2, 1/4, 1/8) that holds the box at 224 pixels or more, else as decode=torchvision.
 - `decode_jpeg, whole`: the reference, libjpeg-turbo's full-size decode rate of the same bytes (in memory, no
   crop, no transform).
+
+ImageFolder's rate at 2,048 x 1,536 depends on whether glibc maps its 9 MB buffers fresh for each image: run it
+also with `MALLOC_MMAP_THRESHOLD_=134217728 MALLOC_TRIM_THRESHOLD_=268435456` set, which keeps them in the heap.
 """
 
 import argparse
