@@ -137,8 +137,8 @@ def test_the_box_is_the_transforms_and_a_large_photo_decodes_at_a_smaller_scale(
     """With the same sample seed, decode=torchvision (libjpeg-turbo, whole, then the box cut) gives to the bit what
     decode=pil gives (the whole transform on PIL's decode): the box drawn first is the one the transform draws, and
     the flip after it too. decode=auto decodes the large photo at 1/4 scale and comes out within a grey level or two
-    of it on average; validation's resize + centre crop, cut first and resized once, within one grey level.
-    Negative control: another seed draws another box, tens of grey levels away."""
+    of it on average; validation's resize + centre crop, cut first and resized once, within one grey level; a
+    camera's MPO file likewise. Negative control: another seed draws another box, tens of grey levels away."""
     train_list = crop_list(64)
     for transform in (train_list, centre_list(64)):
         pil, tv, auto = (ImageFiles(jpegs, transform, decode=d) for d in ("pil", "torchvision", "auto"))
@@ -150,6 +150,14 @@ def test_the_box_is_the_transforms_and_a_large_photo_decodes_at_a_smaller_scale(
             assert got.shape == (3, 64, 64) and mean_gap(got, want) < 3, (transform, index)
     train = ImageFiles(jpegs, crop_list(64), decode="auto")
     assert mean_gap(made(train, 0, 11), made(train, 0, 12)) > 10  # the comparison above can fail
+    # a camera's MPO file (a JPEG with a second picture after the first): decoded as its first picture, as PIL does
+    mpo = jpegs.parent / "camera.jpg"
+    photo(1600, 1200, 1).save(mpo, "MPO", save_all=True, append_images=[photo(800, 600, 7)])
+    rng.seed_sample(2)
+    want = CropDecoder(crop_list(64), "pil")(mpo.read_bytes())
+    for decode, gap in (("torchvision", 0), ("auto", 3)):
+        rng.seed_sample(2)
+        assert mean_gap(CropDecoder(crop_list(64), decode)(mpo.read_bytes()), want) <= gap, decode
     data = (jpegs / "a" / "0-large.jpg").read_bytes()
     for out, wanted in ((64, 8), (200, 4), (400, 2), (700, 1)):  # a 1200 px box: 1/8 holds it at 150 px, 1/4 at 300
         with Image.open(jpegs / "a" / "0-large.jpg") as image:

@@ -32,6 +32,7 @@ SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not sile
 IGNORE = 255  # a mask pixel of this value has no class: left out of the loss and the metrics
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
+JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
@@ -115,7 +116,7 @@ class CropDecoder:
     """An image file's bytes -> `transform(image)`, decoding only what the transform's first crop keeps.
 
     `decode=pil`: PIL decodes the whole file and `convert("RGB")`s it, then the whole transform runs (ImageFolder's
-    way). Otherwise, for a JPEG and a transform `crop_plan` knows: the crop's box is drawn first (the same draws the
+    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn first (the same draws the
     transform makes, from the same generator), then the file is decoded at the smallest DCT scale (1/2, 1/4, 1/8:
     libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the output size or more, and the
     box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo through torchvision.io
@@ -133,7 +134,7 @@ class CropDecoder:
 
     def __call__(self, data: bytes):
         with Image.open(io.BytesIO(data)) as image:
-            if self.plan is None or image.format != "JPEG":
+            if self.plan is None or image.format not in JPEG_FORMATS:
                 return self.whole(image)
             crop, rest = self.plan
             box = crop.box(image)
