@@ -116,15 +116,15 @@ class CropDecoder:
     """An image file's bytes -> `transform(image)`, decoding only what the transform's first crop keeps.
 
     `decode=pil`: PIL decodes the whole file and `convert("RGB")`s it, then the whole transform runs (ImageFolder's
-    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn first (the same draws the
-    transform makes, from the same generator), then the file is decoded at the smallest DCT scale (1/2, 1/4, 1/8:
-    libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the output size or more, and the
-    box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo through torchvision.io
-    (`torchvision`, and `auto` when no smaller scale holds the box: faster than PIL at full size). The steps after
-    the crop (the flip) then run as before. A CMYK JPEG decodes through PIL (torchvision converts CMYK otherwise);
-    PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit PNG is what comes out,
-    and EXIF orientation is not applied (ImageFolder does not apply it either). A file that does not decode raises
-    PIL's error, as with `pil`, for `data.on_bad_sample`.
+    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn
+    first (the same draws the transform makes, from the same generator), then the file is decoded at the smallest
+    DCT scale (1/2, 1/4, 1/8: libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the
+    output size or more, and the box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo
+    through torchvision.io (`torchvision`, and `auto` when no smaller scale holds the box: faster than PIL at full
+    size). The steps after the crop (the flip) then run as before. A CMYK JPEG decodes through PIL (torchvision
+    converts CMYK otherwise); PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit
+    PNG is what comes out, and EXIF orientation is not applied (ImageFolder does not apply it either). A file that
+    does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
     """
 
     def __init__(self, transform, decode: str = "auto"):
