@@ -9,6 +9,8 @@
 #    torch.equal to the run that never stopped (and the dry step refuses any op without a deterministic kernel).
 # 4. Exact resume under parallel=fsdp: model=vit sharded over the visible GPUs (2 at most; one GPU: a group of one),
 #    stopped mid-epoch and resumed from its sharded checkpoint, compared through the export command.
+# 5. JPEG decoding on the device: nvJPEG (torchvision.io.decode_jpeg, device="cuda", 64 files a call) against
+#    libjpeg-turbo on one CPU thread, on the photos of benchmarks/p7_photos.py (the bench extra brings scikit-learn's).
 # About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -104,3 +106,6 @@ same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 print(f"fsdp exact resume on {gpus} x {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'}")
 sys.exit(0 if same else 1)
 PY
+echo
+# 5. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536
+$PY -m benchmarks.p7_photos --gpu

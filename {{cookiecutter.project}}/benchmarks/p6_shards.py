@@ -39,13 +39,12 @@ class CountingImageFiles(ImageFiles):
 
     def __init__(self, root, transform, counter):
         super().__init__(root, transform=transform)
-        self.counter, self.load = counter, self.loader
-        self.loader = self.counted_load
+        self.counter = counter
 
-    def counted_load(self, path):
+    def read(self, index):
         with self.counter.get_lock():
             self.counter.value += 1
-        return self.load(path)
+        return super().read(index)
 
 
 class CountingShards(ShardDataset):

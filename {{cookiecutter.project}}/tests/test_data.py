@@ -1,16 +1,23 @@
-"""The shapes data set (data.py): the same files for a given recipe, and a folder it did not draw is refused."""
+"""The shapes data set (data.py): the same files for a given recipe, and a folder it did not draw is refused.
+data.decode: a JPEG decoded only as far as the transform's first crop needs (CropDecoder), with the box the
+transform would draw, the same for any worker count and on resume; grayscale, CMYK, EXIF and 16-bit PNG files as
+PIL's convert("RGB") gives them; a broken file raising PIL's own error; digits trained as well either way."""
 
 import json
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from PIL import Image
+from torchvision.transforms import v2
 
-from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
-from {{ cookiecutter.package }}.engine import checks, schema
+from {{ cookiecutter.package }}.data import SHAPES, CropDecoder, ImageFiles, make_shapes, shapes
+from {{ cookiecutter.package }}.engine import checks, failures, rng, schema
 from {{ cookiecutter.package }}.engine.errors import UserError
-from tests.helpers import PROJECT
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
+from tests.helpers import PROJECT, loader_settings, read_jsonl, run_train
 
 
 def files(root):
@@ -78,3 +85,211 @@ def test_each_recipe_draws_its_own_folder(tmp_path):
     checks.precheck_data(shapes_config(tmp_path / "one", per_class=2))
     with pytest.raises(UserError, match="drawn with other settings"):
         checks.precheck_data(shapes_config(tmp_path / "one", per_class=3))
+
+
+# ---------------------------------------------------------------------------------------------- data.decode
+
+
+def photo(width: int, height: int, seed: int) -> Image.Image:
+    """A photo-like RGB image: smooth colour fields (a coarse random grid, upscaled) and fine grain on top."""
+    gen = np.random.default_rng(seed)
+    coarse = Image.fromarray(gen.integers(0, 256, (6, 8, 3), dtype=np.uint8), "RGB")
+    coarse = coarse.resize((width, height), Image.BICUBIC)
+    grain = gen.normal(0, 10, (height, width, 3))
+    return Image.fromarray(np.clip(np.asarray(coarse) + grain, 0, 255).astype(np.uint8), "RGB")
+
+
+def crop_list(size: int, scale=(0.3, 1.0)) -> v2.Compose:
+    """The shipped training list: ToImage, RandomResizedCrop, RandomHorizontalFlip."""
+    crop = v2.RandomResizedCrop(size, scale=scale, antialias=True)
+    return v2.Compose([v2.ToImage(), crop, v2.RandomHorizontalFlip()])
+
+
+def centre_list(size: int) -> v2.Compose:
+    """The shipped validation list: ToImage, Resize (short side), CenterCrop."""
+    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+
+def made(dataset, index: int, seed: int) -> torch.Tensor:
+    """Sample `index` made after seeding as TrainLoader seeds it (rng_mode=per_sample)."""
+    rng.seed_sample(seed)
+    return dataset[index][0]
+
+
+def mean_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.int() - b.int()).abs().float().mean().item()
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    """A class folder of real JPEG files: a 1600x1200 photo (its crops fit a 1/2 or 1/4 scale decode at 64 px), a
+    400x300 one, a grayscale one and a CMYK one."""
+    root = tmp_path_factory.mktemp("jpegs") / "photos"
+    (root / "a").mkdir(parents=True)
+    photo(1600, 1200, 1).save(root / "a" / "0-large.jpg", quality=90)
+    photo(400, 300, 2).save(root / "a" / "1-small.jpg", quality=90)
+    photo(640, 480, 3).convert("L").save(root / "a" / "2-gray.jpg", quality=90)
+    photo(640, 480, 4).convert("CMYK").save(root / "a" / "3-cmyk.jpg", quality=90)
+    return root
+
+
+def test_the_box_is_the_transforms_and_a_large_photo_decodes_at_a_smaller_scale(jpegs):
+    """With the same sample seed, decode=torchvision (libjpeg-turbo, whole, then the box cut) gives to the bit what
+    decode=pil gives (the whole transform on PIL's decode): the box drawn first is the one the transform draws, and
+    the flip after it too. decode=auto decodes the large photo at 1/4 scale and comes out within a grey level or two
+    of it on average; validation's resize + centre crop, cut first and resized once, within one grey level; a
+    camera's MPO file likewise. Negative control: another seed draws another box, tens of grey levels away."""
+    train_list = crop_list(64)
+    for transform in (train_list, centre_list(64)):
+        pil, tv, auto = (ImageFiles(jpegs, transform, decode=d) for d in ("pil", "torchvision", "auto"))
+        for index in range(len(pil)):
+            want, got, whole = made(pil, index, 11), made(auto, index, 11), made(tv, index, 11)
+            if transform is train_list:
+                assert torch.equal(whole, want), index
+            assert mean_gap(whole, want) < 1, (transform, index)
+            assert got.shape == (3, 64, 64) and mean_gap(got, want) < 3, (transform, index)
+    train = ImageFiles(jpegs, crop_list(64), decode="auto")
+    assert mean_gap(made(train, 0, 11), made(train, 0, 12)) > 10  # the comparison above can fail
+    # a camera's MPO file (a JPEG with a second picture after the first): decoded as its first picture, as PIL does
+    mpo = jpegs.parent / "camera.jpg"
+    photo(1600, 1200, 1).save(mpo, "MPO", save_all=True, append_images=[photo(800, 600, 7)])
+    rng.seed_sample(2)
+    want = CropDecoder(crop_list(64), "pil")(mpo.read_bytes())
+    for decode, gap in (("torchvision", 0), ("auto", 3)):
+        rng.seed_sample(2)
+        assert mean_gap(CropDecoder(crop_list(64), decode)(mpo.read_bytes()), want) <= gap, decode
+    data = (jpegs / "a" / "0-large.jpg").read_bytes()
+    for out, wanted in ((64, 8), (200, 4), (400, 2), (700, 1)):  # a 1200 px box: 1/8 holds it at 150 px, 1/4 at 300
+        with Image.open(jpegs / "a" / "0-large.jpg") as image:
+            pixels, scale = train.reader.region(data, image, (0, 100, 1200, 1200), [out, out])
+        assert scale == wanted and tuple(pixels.shape) == (3, 1200 // scale, 1200 // scale), out
+
+
+def test_small_photos_grayscale_cmyk_exif_and_16_bit_png_come_out_as_pil_converts_them(jpegs, tmp_path):
+    """Where no smaller scale holds the box (224 px from a 400x300 photo), decode=auto gives to the bit what PIL's
+    convert("RGB") then the transform give: for RGB and grayscale through torchvision.io (the same libjpeg-turbo
+    decode), for CMYK through PIL. A JPEG with EXIF orientation 6 (rotate 90 degrees) comes out unrotated, as
+    ImageFolder gives it; a 16-bit PNG as PIL converts it. Negative control: the rotated photo differs."""
+    (tmp_path / "x" / "a").mkdir(parents=True)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to view
+    photo(400, 300, 5).save(tmp_path / "x" / "a" / "exif.jpg", quality=90, exif=exif)
+    photo(400, 300, 5).rotate(-90, expand=True).save(tmp_path / "x" / "a" / "exif-rotated.jpg", quality=90)
+    deep = (np.asarray(photo(300, 300, 6).convert("L"), dtype=np.uint16) * 257).astype(np.uint16)
+    Image.fromarray(deep).save(tmp_path / "x" / "a" / "png16.png")
+    with Image.open(tmp_path / "x" / "a" / "png16.png") as png:
+        assert png.mode.startswith("I")  # 16 bits on disk
+    for root, names in ((jpegs, ["1-small", "2-gray", "3-cmyk"]), (tmp_path / "x", ["exif", "exif-rotated", "png16"])):
+        transform = crop_list(224, scale=(0.5, 1.0))
+        pil, auto = ImageFiles(root, transform, decode="pil"), ImageFiles(root, transform, decode="auto")
+        files = [p.split("/")[-1].split(".")[0] for p in pil.paths]
+        for index, name in enumerate(files):
+            if name in names:
+                assert torch.equal(made(auto, index, 3), made(pil, index, 3)), name
+    x = ImageFiles(tmp_path / "x", centre_list(224), decode="auto")
+    assert mean_gap(made(x, 0, 3), made(x, 1, 3)) > 10  # exif.jpg unrotated is not the rotated photo
+
+
+def test_a_broken_jpeg_raises_pils_error_with_every_decoder(jpegs, tmp_path):
+    """A truncated JPEG raises PIL's OSError whatever data.decode says, so the bad-sample line reads as before: through
+    TrainLoader's worker, data.on_bad_sample=error names the file in the line decode=pil gives."""
+    (tmp_path / "b" / "a").mkdir(parents=True)
+    data = (jpegs / "a" / "1-small.jpg").read_bytes()
+    (tmp_path / "b" / "a" / "cut.jpg").write_bytes(data[: len(data) // 2])
+    for decode in ("pil", "torchvision", "auto"):
+        with pytest.raises(OSError, match="image file is truncated"):
+            CropDecoder(crop_list(64), decode)(data[: len(data) // 2])
+    assert CropDecoder(crop_list(64), "auto")(data).shape == (3, 64, 64)  # negative control: the whole file decodes
+    lines = {}
+    for decode in ("pil", "auto"):
+        dataset = ImageFiles(tmp_path / "b", crop_list(32), decode=decode)
+        with pytest.raises(failures.BadSample) as caught:
+            for _ in TrainLoader(dataset, loader_settings(1, workers=1), seed=0):
+                pass
+        lines[decode] = str(caught.value)
+    bad = tmp_path / "b" / "a" / "cut.jpg"
+    assert lines["auto"] == lines["pil"] and lines["auto"].startswith(f"data set index 0 (file {bad}): OSError: image")
+
+
+def test_auto_is_the_same_for_any_worker_count_and_resumes_exactly(jpegs):
+    """TrainLoader seeds each sample from (seed, epoch, index): the boxes drawn before decoding, and so the batches,
+    are the same with 0 and 2 workers, and a loader stopped mid-epoch and resumed from its state_dict goes on with the
+    same batches. Negative control: another seed gives other batches."""
+    dataset = ImageFiles(jpegs, crop_list(32), decode="auto")
+
+    def batches(workers, seed=4, stop=None, state=None):
+        loader = TrainLoader(dataset, loader_settings(2, workers), seed=seed)
+        if state is not None:
+            loader.load_state_dict(state)
+        out = []
+        for _ in range(2):  # two epochs
+            for x, _ in loader:
+                out.append(x.clone())
+                if stop is not None and len(out) == stop:
+                    return out, loader.state_dict()
+        return out, None
+
+    straight, _ = batches(0)
+    assert len(straight) == 4 and all(torch.equal(a, b) for a, b in zip(straight, batches(2)[0], strict=True))
+    first, state = batches(2, stop=3)
+    rest, _ = batches(0, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(first + rest[:1], straight, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(batches(0, seed=5)[0], straight, strict=True))
+
+
+NO_CUDA = "data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto"
+
+
+def test_a_decoder_that_is_not_one_is_refused_in_one_line(tmp_path):
+    """A word data.decode does not know is refused naming the choices (train.py's schema check says the same:
+    tests/test_config.py); data.decode=gpu on a machine without CUDA is one `error:` line from train.py, before any
+    run folder is made (the only test gpu gets on a CPU machine)."""
+    make_shapes(tmp_path / "s", per_class=2, image_size=8, data_seed=1)
+    with pytest.raises(UserError, match=r"data.decode must be auto, pil, torchvision or gpu, got 'fast'"):
+        ImageFiles(tmp_path / "s" / "train", decode="fast")
+    assert len(ImageFiles(tmp_path / "s" / "train", decode="torchvision")) == 8  # negative control: a word it knows
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: data.decode=gpu is not refused for want of it")
+    shapes = [f"data.root={tmp_path / 's'}", "data.per_class=2", "data.image_size=8"]
+    proc = run_train(tmp_path / "run", *shapes, "data.decode=gpu", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0] == f"error: {NO_CUDA}"
+    assert not (tmp_path / "run").exists()
+
+
+def export_digits_jpeg(root, size: int = 48, val_every: int = 5, scramble: bool = False):
+    """scikit-learn's handwritten digits (1,797 real 8x8 scans, shipped with the package) as JPEG files of `size`
+    pixels a side, `root/{train,val}/<digit>/<n>.jpg`: every `val_every`-th scan goes to val. `scramble`: each train
+    scan under a digit drawn at random instead of its own (what no decoder can learn from)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    wrong = np.random.default_rng(0).integers(0, 10, len(digits.target))
+    for n, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        split = "val" if n % val_every == 0 else "train"
+        folder = root / split / str(wrong[n] if scramble and split == "train" else label)
+        folder.mkdir(parents=True, exist_ok=True)
+        scan = Image.fromarray((image * 255 / 16).round().astype(np.uint8), "L").resize((size, size), Image.BILINEAR)
+        scan.save(folder / f"{n:04d}.jpg", quality=90)
+    return root
+
+
+@pytest.mark.slow
+def test_digits_as_jpeg_train_as_well_with_auto_as_with_pil(tmp_path):
+    """48 px grayscale JPEG digits cropped to 16 px: decode=auto decodes most crops at 1/2 scale, and trains to the
+    accuracy decode=pil reaches, within a few points (seeds 0-2 gave 0.967-0.983 with auto, 0.958-0.969 with pil).
+    Negative control: the train scans under random digits end far behind (0.13), so the accuracy compared is the
+    decoder's to lose."""
+    pytest.importorskip("sklearn", reason="the test extra brings scikit-learn (pip install -e '.[test]')")
+    run = ["data=imagefolder", "data.num_classes=10", "data.image_size=16", "epochs=4", "seed=2", "loader=memory-tight",
+           "loader.num_workers=0", "loader.prefetch_factor=null", "progress=false"]  # fmt: skip
+    acc = {}
+    for name, decode, scramble in (("auto", "auto", False), ("pil", "pil", False), ("scrambled", "auto", True)):
+        images = tmp_path / ("scrambled" if scramble else "digits")
+        if not images.exists():
+            export_digits_jpeg(images, scramble=scramble)
+        run_train(tmp_path / name, *run, f"data.root={images}", f"data.decode={decode}", env={"OMP_NUM_THREADS": "1"})
+        acc[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["val_acc"]
+    print(f"val_acc after 4 epochs: {acc}")
+    assert abs(acc["auto"] - acc["pil"]) <= 0.03 and acc["pil"] - acc["scrambled"] >= 0.5, acc

@@ -17,13 +17,14 @@ from hydra.utils import instantiate
 from PIL import Image
 from torchvision.transforms import v2
 
-from {{ cookiecutter.package }}.data import make_shapes
+from {{ cookiecutter.package }}.data import ImageFiles, make_shapes
 from {{ cookiecutter.package }}.engine import schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoader
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
 from {{ cookiecutter.package }}.shards import main as shards_main
 from tests.helpers import PROJECT, load_ckpt, loader_settings, read_jsonl, run_torchrun, run_train
+from tests.test_data import crop_list, made, mean_gap, photo
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
 
@@ -39,6 +40,22 @@ def export_digits(root: Path, val_every: int = 5) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray((image * 255 / 16).round().astype(np.uint8), "L").save(folder / f"{n:04d}.png")  # 0-16 scale
     return root
+
+
+def test_shards_decode_a_jpeg_as_the_image_folder_does(tmp_path):
+    """The shard reader decodes through the image folder's CropDecoder: with data.decode=auto a sample of the shards
+    is, to the bit, the same file's sample of the folder (same seed, the crop's box drawn before a 1/4-scale
+    decode). Negative control: decode=pil on the same shards decodes the photo whole, and differs."""
+    for split in ("train", "val"):
+        (tmp_path / "photos" / split / "a").mkdir(parents=True)
+        photo(1600, 1200, 8).save(tmp_path / "photos" / split / "a" / "0.jpg", quality=90)
+        photo(400, 300, 9).save(tmp_path / "photos" / split / "a" / "1.jpg", quality=90)
+    pack(tmp_path / "photos", tmp_path / "shards", 2, report=lambda line: None, seed=None)  # the folder's order
+    folder = ImageFiles(tmp_path / "photos" / "train", crop_list(64), decode="auto")
+    shards = {d: ShardDataset(tmp_path / "shards" / "train", crop_list(64), decode=d) for d in ("auto", "pil")}
+    assert all(torch.equal(made(shards["auto"], i, 5), made(folder, i, 5)) for i in range(2))
+    assert not torch.equal(made(shards["pil"], 0, 5), made(shards["auto"], 0, 5))
+    assert mean_gap(made(shards["pil"], 0, 5), made(shards["auto"], 0, 5)) < 3  # the same box, decoded otherwise
 
 
 def pack_cli(

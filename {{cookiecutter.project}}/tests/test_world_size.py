@@ -35,6 +35,8 @@ INDEXED = [
     "data.train._target_=tests.datasets.IndexedSamples",
     "data.val._target_=tests.datasets.IndexedSamples",
     *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform")],
+    "~data.train.decode",
+    "~data.val.decode",
     "~data.train.image_size",
     "~data.val.image_size",
     f"+data.train.size={SAMPLES}",

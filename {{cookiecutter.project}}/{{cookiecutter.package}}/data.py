@@ -9,6 +9,7 @@ it forked from the parent (copy-on-read, pytorch/pytorch#13246); a numpy array i
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -20,10 +21,9 @@ import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
-{% if cookiecutter.with_benchmarks == "yes" %}
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
-{% endif %}
-from torchvision.transforms.v2.functional import pil_to_tensor
+from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .engine.errors import UserError
 
@@ -31,6 +31,9 @@ SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
 IGNORE = 255  # a mask pixel of this value has no class: left out of the loss and the metrics
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
+JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
+SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
 {% if cookiecutter.with_benchmarks == "yes" %}
@@ -48,13 +51,149 @@ def train_transform(image_size: int) -> v2.Compose:
 
 
 {% endif %}
-class ImageFiles(datasets.ImageFolder):
-    """`torchvision.datasets.ImageFolder` (one subfolder per class, PIL decoding in the worker)
-    with its file list held in numpy arrays instead of a list of (path, class) tuples."""
+def check_decode(decode) -> None:
+    """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
+    other words earlier, this covers code outside Hydra and what only this machine can tell (no CUDA)."""
+    if decode not in DECODERS:
+        raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
+    if decode == "gpu" and not torch.cuda.is_available():
+        raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
+    if decode == "gpu":  # the batch-by-batch nvJPEG decode in the main process is yet to come
+        raise UserError("data.decode=gpu is not built into the loader yet: use data.decode=auto")
 
-    def __init__(self, root, transform=None):
+
+class RandomBox:
+    """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
+    (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
+
+    def __init__(self, step: v2.RandomResizedCrop):
+        self.step, self.size = step, list(step.size)
+        self.interpolation, self.antialias = step.interpolation, step.antialias
+
+    def box(self, image: Image.Image) -> tuple[float, float, float, float]:
+        params = self.step.make_params([image])
+        return params["top"], params["left"], params["height"], params["width"]
+
+
+class CentreBox:
+    """`v2.Resize(short side)` then `v2.CenterCrop`: the part of the image they keep, in the image's own pixels."""
+
+    def __init__(self, resize: v2.Resize, centre: v2.CenterCrop):
+        self.short, self.size = resize.size[0], list(centre.size)
+        self.interpolation, self.antialias = resize.interpolation, resize.antialias
+
+    def box(self, image: Image.Image) -> tuple[float, float, float, float] | None:
+        width, height = image.size
+        # the resized size as torchvision's Resize computes it: the short side to `short`, the long one truncated
+        if width <= height:
+            new_w, new_h = self.short, int(self.short * height / width)
+        else:
+            new_w, new_h = int(self.short * width / height), self.short
+        crop_h, crop_w = self.size
+        if crop_h > new_h or crop_w > new_w:
+            return None  # CenterCrop would pad: the whole transform runs, as without data.decode
+        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+        fy, fx = height / new_h, width / new_w
+        return top * fy, left * fx, crop_h * fy, crop_w * fx
+
+
+def crop_plan(transform):
+    """(the box of the crop the transform starts with, the steps after it), for a `v2.Compose` of `ToImage` then
+    `RandomResizedCrop`, or `ToImage`, `Resize(short side)`, `CenterCrop` (the shipped train and val lists); None
+    for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
+    a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
+    steps = list(transform.transforms) if type(transform) is v2.Compose else []
+    public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
+    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
+        return RandomBox(steps[1]), steps[2:]
+    if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
+        if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
+            return CentreBox(steps[1], steps[2]), steps[3:]
+    return None
+
+
+class CropDecoder:
+    """An image file's bytes -> `transform(image)`, decoding only what the transform's first crop keeps.
+
+    `decode=pil`: PIL decodes the whole file and `convert("RGB")`s it, then the whole transform runs (ImageFolder's
+    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn
+    first (the same draws the transform makes, from the same generator), then the file is decoded at the smallest
+    DCT scale (1/2, 1/4, 1/8: libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the
+    output size or more, and the box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo
+    through torchvision.io (`torchvision`, and `auto` when no smaller scale holds the box: faster than PIL at full
+    size). The steps after the crop (the flip) then run as before. A CMYK JPEG decodes through PIL (torchvision
+    converts CMYK otherwise); PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit
+    PNG is what comes out, and EXIF orientation is not applied (ImageFolder does not apply it either). A file that
+    does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
+    """
+
+    def __init__(self, transform, decode: str = "auto"):
+        check_decode(decode)
+        self.transform, self.decode = transform, decode
+        self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
+
+    def __call__(self, data: bytes):
+        with Image.open(io.BytesIO(data)) as image:
+            if self.plan is None or image.format not in JPEG_FORMATS:
+                return self.whole(image)
+            crop, rest = self.plan
+            box = crop.box(image)
+            if box is None:
+                return self.whole(image)
+            pixels, _ = self.region(data, image, box, crop.size)
+        out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
+        out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
+        for step in rest:
+            out = step(out)
+        return out
+
+    def whole(self, image: Image.Image):
+        image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
+        return image if self.transform is None else self.transform(image)
+
+    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
+        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
+        _, _, height, width = box
+        scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
+        if self.decode == "torchvision":
+            scale = 1  # decoded whole
+        if image.mode in ("RGB", "L") and scale == 1:
+            try:
+                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            except RuntimeError:
+                pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
+            else:
+                y0, x0, y1, x1 = cut(box, 1, image.size)
+                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
+        if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
+            scale = 1  # PIL could not draft this file: decoded whole
+        y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
+        # cut before the conversion to a tensor, which copies every pixel it is given (for a whole 1/4-scale decode
+        # of a 2,048 x 1,536 photo, a fifth of the decode's own time); an RGB file is not converted: convert("RGB")
+        # would only copy it again
+        part = image.crop((x0, y0, x1, y1))
+        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+
+
+def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of `box` (top, left, height, width in the file's pixels) in the image decoded at
+    1/`scale`, of `size` = (width, height) pixels: to the nearest pixel (a decoded pixel is `scale` of the file's),
+    at least one pixel, inside the image. At scale 1, RandomResizedCrop's box as it is."""
+    top, left, height, width = box
+    y0, x0 = min(round(top / scale), size[1] - 1), min(round(left / scale), size[0] - 1)
+    y1 = max(y0 + 1, min(size[1], round((top + height) / scale)))
+    x1 = max(x0 + 1, min(size[0], round((left + width) / scale)))
+    return y0, x0, y1, x1
+
+
+class ImageFiles(datasets.ImageFolder):
+    """`torchvision.datasets.ImageFolder` (one subfolder per class, decoding in the worker) with its file list held
+    in numpy arrays instead of a list of (path, class) tuples; a JPEG decoded only as far as the transform's first
+    crop needs (`decode`, data.decode: `CropDecoder`)."""
+
+    def __init__(self, root, transform=None, decode: str = "auto"):
         root = Path(root)
-        self.precheck(root)
+        self.precheck(root, decode)
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as e:
@@ -64,11 +203,13 @@ class ImageFiles(datasets.ImageFolder):
         self.paths = np.array([path for path, _ in self.samples])
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
+        self.reader = CropDecoder(transform, decode)
 
     @staticmethod
-    def precheck(root, **_) -> list[str]:
+    def precheck(root, decode: str = "auto", **_) -> list[str]:
         """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
         without listing the images (one directory read, however many files there are)."""
+        check_decode(decode)
         root = Path(root)
         if not root.is_dir():
             raise UserError(
@@ -89,21 +230,34 @@ class ImageFiles(datasets.ImageFolder):
         """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
         return f"file {self.paths[index]}"
 
+    def read(self, index: int) -> bytes:
+        """The file's bytes, read whole: PIL and torchvision.io decode from memory (one open and one read)."""
+        return Path(self.paths[index]).read_bytes()
+
     def __getitem__(self, index: int):
-        image = self.loader(str(self.paths[index]))
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, int(self.labels[index])
+        return self.reader(self.read(index)), int(self.labels[index])
 
 
-def shapes(root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026):
+def shapes(
+    root,
+    split: str,
+    transform=None,
+    per_class: int = 600,
+    image_size: int = 32,
+    data_seed: int = 2026,
+    decode: str = "auto",
+):
     """One split of the shapes data set, drawn into `root` on first use."""
+    check_decode(decode)
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
-    return ImageFiles(Path(root) / split, transform=transform)
+    return ImageFiles(Path(root) / split, transform=transform, decode=decode)
 
 
-def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, **_) -> list[str]:
+def precheck_shapes(
+    root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, decode: str = "auto", **_
+) -> list[str]:
     """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
+    check_decode(decode)
     drawn(Path(root), recipe(per_class, image_size, data_seed))
     return sorted(SHAPES)  # the class folders, in ImageFolder's order
 

@@ -43,10 +43,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
+from .data import CropDecoder, check_decode
 from .engine.errors import UserError
 
 INDEX = "index.json"
@@ -193,13 +193,21 @@ class ShardDataset(Dataset):
     `num_classes`, when given, must match the index's class list. `shuffle_window`: how many shards
     (in the epoch's random shard order) have their samples shuffled together; 0 shuffles everything
     together like an image folder. `max_open`: files one process keeps open (default: enough for two
-    windows, so a batch straddling two windows reads without re-opening).
+    windows, so a batch straddling two windows reads without re-opening). `decode` (data.decode): how
+    a JPEG is decoded, only as far as the transform's first crop needs by default (data.py's `CropDecoder`).
     """
 
     def __init__(
-        self, root, transform=None, num_classes: int | None = None, shuffle_window: int = 4, max_open: int | None = None
+        self,
+        root,
+        transform=None,
+        num_classes: int | None = None,
+        shuffle_window: int = 4,
+        max_open: int | None = None,
+        decode: str = "auto",
     ):
         self.root, self.transform = Path(root), transform
+        self.reader = CropDecoder(transform, decode)
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
         self.classes = list(index["classes"])
         shards = index["shards"]
@@ -223,10 +231,11 @@ class ShardDataset(Dataset):
         self._pid: int | None = None
 
     @staticmethod
-    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
+    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, decode: str = "auto", **_) -> list[str]:
         """The classes of the split, or the UserError the constructor would raise (no index, a wrong
-        data.num_classes or shuffle_window, a missing or truncated shard): train.py checks this before Hydra writes
-        a run folder. It reads the index and stats every shard, as the constructor does."""
+        data.num_classes, shuffle_window or decode, a missing or truncated shard): train.py checks this before Hydra
+        writes a run folder. It reads the index and stats every shard, as the constructor does."""
+        check_decode(decode)
         return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
 
     def __len__(self) -> int:
@@ -281,11 +290,7 @@ class ShardDataset(Dataset):
         return np.concatenate(parts)
 
     def _sample(self, data: bytes, label: int):
-        with Image.open(io.BytesIO(data)) as image:
-            image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, label
+        return self.reader(data), label  # decoded as an image folder's file is (data.py's CropDecoder)
 
     def _file(self, shard: int):
         pid = os.getpid()
