@@ -119,6 +119,28 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
     assert f"loaded {n} of {n} tensors" in proc.stdout
 
 
+@pytest.mark.slow
+def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
+    """parallel=fsdp in a plain `python train.py` (a process group of one), amp=bf16 as FSDP's mixed precision: the
+    checkpoint keeps float32 weights, and a stop resumes torch.equal; the control resumes without the optimizer."""
+    one = [f"data.root={shapes_root}", *BLOCKS, "amp=bf16"]
+    run_train(tmp_path / "straight", *one)
+    run_train(tmp_path / "stopped", *one, "max_steps=5")
+    for name in ("resumed", "control"):
+        shutil.copytree(tmp_path / "stopped", tmp_path / name, symlinks=True)
+    run_train(tmp_path / "resumed", *one, f"resume={tmp_path / 'resumed/checkpoints/last.pth'}")
+    straight = export(tmp_path / "straight/checkpoints/last.pth", tmp_path / "straight.pth")
+    resumed = export(tmp_path / "resumed/checkpoints/last.pth", tmp_path / "resumed.pth")
+    assert {t.dtype for t in straight["model"].values()} == {torch.float32}
+    assert equal(resumed["model"], straight["model"]) and equal(resumed["ema"], straight["ema"])
+    patch = "{{ cookiecutter.package }}.engine.sharded_checkpoint:set_optimizer_state_dict=noop"
+    cmd = [sys.executable, "tests/patched.py", patch, "train.py", *one,
+           f"resume={tmp_path / 'control/checkpoints/last.pth'}", f"hydra.run.dir={tmp_path / 'control'}"]  # fmt: skip
+    assert subprocess.run(cmd, cwd=PROJECT, capture_output=True, timeout=300).returncode == 0
+    assert not equal(export(tmp_path / "control/checkpoints/last.pth", tmp_path / "control.pth")["model"],
+                     straight["model"])  # fmt: skip
+
+
 def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
     """Through train.py; a path naming no class is among test_config's refusals."""
     proc = run_train(tmp_path / "r", "parallel=fsdp", "parallel.shard_modules=[torch.nn.GRU]", expect=2)
