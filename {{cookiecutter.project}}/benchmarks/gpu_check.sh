@@ -63,49 +63,45 @@ $PY -m benchmarks.sync_report model=resnet18 epochs=1 hydra.run.dir="$out/sync_r
 
 echo
 # 3. exact on the GPU: a straight run against one stopped at step 30 (mid-epoch 0 of 2) and resumed
-exact=(device=cuda model=resnet18 deterministic=true data.root="$out/shapes-200" data.per_class=200 epochs=2)
-exact+=(loader.batch_size=64 progress=false)
-$PY train.py "${exact[@]}" hydra.run.dir="$out/exact-straight" > "$out/last.log" 2>&1 \
-  || { cat "$out/last.log" >&2; exit 1; }
-$PY train.py "${exact[@]}" max_steps=30 hydra.run.dir="$out/exact-stopped" > "$out/last.log" 2>&1 \
-  || { cat "$out/last.log" >&2; exit 1; }
-$PY train.py "${exact[@]}" resume="$out/exact-stopped/checkpoints/last.pth" hydra.run.dir="$out/exact-resumed" \
-  > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
-$PY - "$out" <<'PY'
+# Runs COMMAND... straight, stopped at step STOP, and resumed from that stop: $out/NAME-{straight,stopped,resumed}.
+straight_stop_resume() {
+  local name=$1 stop=$2
+  shift 2
+  "$@" hydra.run.dir="$out/$name-straight" > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+  "$@" max_steps="$stop" hydra.run.dir="$out/$name-stopped" > "$out/last.log" 2>&1 \
+    || { cat "$out/last.log" >&2; exit 1; }
+  "$@" resume="$out/$name-stopped/checkpoints/last.pth" hydra.run.dir="$out/$name-resumed" > "$out/last.log" 2>&1 \
+    || { cat "$out/last.log" >&2; exit 1; }
+}
+# Compares the "model" weights of two files (checkpoints or exports) with torch.equal; LABEL names the check.
+same_model() {
+  $PY - "$@" <<'PY'
 import sys
 import torch
-out = sys.argv[1]
-a = torch.load(f"{out}/exact-straight/checkpoints/last.pth", weights_only=True)["model"]
-b = torch.load(f"{out}/exact-resumed/checkpoints/last.pth", weights_only=True)["model"]
+label, first, second = sys.argv[1:]
+a = torch.load(first, weights_only=True)["model"]
+b = torch.load(second, weights_only=True)["model"]
 same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-print(f"exact resume on {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'} ({len(a)} tensors)")
+print(f"{label} on {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'} ({len(a)} tensors)")
 sys.exit(0 if same else 1)
 PY
+}
+
+exact=(device=cuda model=resnet18 deterministic=true data.root="$out/shapes-200" data.per_class=200 epochs=2)
+exact+=(loader.batch_size=64 progress=false)
+straight_stop_resume exact 30 $PY train.py "${exact[@]}"
+same_model "exact resume" "$out/exact-straight/checkpoints/last.pth" "$out/exact-resumed/checkpoints/last.pth"
 
 echo
 # 4. exact under FSDP: the same comparison with sharded checkpoints, through python -m <package>.export
 gpus=$($PY -c "import torch; print(min(torch.cuda.device_count(), 2))")
 fsdp=(device=cuda parallel=fsdp model=vit optim=adamw optim.lr=0.002 deterministic=true data.root="$out/shapes-200")
 fsdp+=(data.per_class=200 epochs=2 loader.batch_size=32 progress=false)
-launch=($PY -m torch.distributed.run --standalone --nproc_per_node="$gpus" train.py)
-"${launch[@]}" "${fsdp[@]}" hydra.run.dir="$out/fsdp-straight" > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
-"${launch[@]}" "${fsdp[@]}" max_steps=9 hydra.run.dir="$out/fsdp-stopped" > "$out/last.log" 2>&1 \
-  || { cat "$out/last.log" >&2; exit 1; }
-"${launch[@]}" "${fsdp[@]}" resume="$out/fsdp-stopped/checkpoints/last.pth" hydra.run.dir="$out/fsdp-resumed" \
-  > "$out/last.log" 2>&1 || { cat "$out/last.log" >&2; exit 1; }
+straight_stop_resume fsdp 9 $PY -m torch.distributed.run --standalone --nproc_per_node="$gpus" train.py "${fsdp[@]}"
 for run in straight resumed; do
   $PY -m {{ cookiecutter.package }}.export "$out/fsdp-$run/checkpoints/last.pth" "$out/fsdp-$run.pth" > /dev/null
 done
-$PY - "$out" "$gpus" <<'PY'
-import sys
-import torch
-out, gpus = sys.argv[1], sys.argv[2]
-a = torch.load(f"{out}/fsdp-straight.pth", weights_only=True)["model"]
-b = torch.load(f"{out}/fsdp-resumed.pth", weights_only=True)["model"]
-same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-print(f"fsdp exact resume on {gpus} x {torch.cuda.get_device_name()}: {'torch.equal' if same else 'DIFFERENT'}")
-sys.exit(0 if same else 1)
-PY
+same_model "fsdp exact resume on $gpus GPUs" "$out/fsdp-straight.pth" "$out/fsdp-resumed.pth"
 echo
 # 5. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536
 $PY -m benchmarks.p7_photos --gpu

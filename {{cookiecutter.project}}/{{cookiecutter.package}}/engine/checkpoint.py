@@ -239,8 +239,7 @@ def load(path: Path, mmap: bool = False) -> dict:
 def full(path: Path) -> dict:
     """The checkpoint at `path` with its model (and EMA) weights whole, sharded or not: what eval.py, init_from and
     export read."""
-    ckpt = load(path)
-    return checked(sharded_checkpoint.read_full(path), path) if path.is_dir() else ckpt
+    return checked(sharded_checkpoint.read_full(path), path) if path.is_dir() else load(path)
 
 
 def is_sharded(ckpt: dict) -> bool:

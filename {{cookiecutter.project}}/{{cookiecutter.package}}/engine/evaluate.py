@@ -25,7 +25,6 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
     names, sums = None, None
-    batch = None
     for batch in failures.named(device_batches(loader, device), "validation"):
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if names is None:

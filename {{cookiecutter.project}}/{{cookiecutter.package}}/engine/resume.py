@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate, to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, rng, weights_only
+from . import checkpoint, rng, sharded_checkpoint, weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -356,8 +356,8 @@ def where(
     )
     resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
-        saved = checkpoint.load(last) if last.is_dir() else weights_only.read(last, mmap=True)  # dir: sharded
-        epochs = saved["config"]["epochs"]
+        run_file = last / sharded_checkpoint.RUN_FILE if last.is_dir() else last  # a sharded save keeps it apart
+        epochs = weights_only.read(run_file, mmap=True)["config"]["epochs"]
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"

@@ -220,8 +220,9 @@ def build(
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         ema = sharded_ema(cfg, model, amp, device)
-        if ckpt and not sharded_checkpoint.load_into(found, model, optimizer, ema.model if ema else None) and ema:
-            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+        if ckpt:
+            saved_ema = ema is not None and ckpt["ema"] is not None
+            sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
         if world.is_main:
             log.info(fsdp.memory_line(model, optimizer, world.world_size))
     elif ckpt and checkpoint.is_sharded(ckpt):
@@ -244,8 +245,8 @@ def build(
         ema = EMA(model, cfg.ema.decay)
         if ckpt and ckpt.get("ema") is not None:
             ema.load_state_dict(ckpt["ema"])
-        elif ckpt:
-            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+    if ema is not None and ckpt and ckpt.get("ema") is None:
+        log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
     node = cfg.data.get("batch_transform")
     batch_transform = SeededBatchTransform(instantiate(node), cfg.seed, world.rank) if node is not None else None
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None

@@ -113,12 +113,12 @@ def read_run(path: Path) -> dict:
 def read_full(path: Path) -> dict:
     """The save as one process's plain checkpoint: run.pth, with `model` (and `ema`) as whole tensors on the CPU,
     gathered from every rank's shards. For eval.py, init_from and export; not the optimizer's state."""
-    ckpt, found = read_run(path), metadata(path)
+    ckpt = read_run(path)
     del ckpt["sharded"]  # whole tensors from here on
-    wanted = {
-        name: torch.empty(item.size, dtype=item.properties.dtype)
-        for name, item in found.state_dict_metadata.items()
-        if name.split(".", 1)[0] in ("model", "ema") and isinstance(item, TensorStorageMetadata)
+    wanted = {  # read_run's shapes, as CPU tensors for DCP to fill
+        f"{part}.{name}": torch.empty(shape.shape, dtype=shape.dtype)
+        for part in ("model", "ema")
+        for name, shape in (ckpt[part] or {}).items()
     }
     with warnings.catch_warnings():  # DCP's note that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -137,17 +137,15 @@ def live_state(model: torch.nn.Module, optimizer, ema_model: torch.nn.Module | N
     return state
 
 
-def load_into(path: Path, model, optimizer, ema_model=None) -> bool:
-    """The save's shards into the live sharded model, optimizer and EMA, resharded to this run's ranks (a
-    collective). Returns whether the save held EMA weights (when `ema_model` is given)."""
-    has_ema = ema_model is not None and bool(shapes(metadata(path), "ema"))
-    state = live_state(model, optimizer, ema_model if has_ema else None)
+def load_into(path: Path, model, optimizer, ema_model=None) -> None:
+    """The save's shards into the live sharded model, optimizer and EMA (`ema_model`: only when the save holds EMA
+    weights), resharded to this run's ranks (a collective)."""
+    state = live_state(model, optimizer, ema_model)
     dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    if has_ema:
+    if ema_model is not None:
         set_model_state_dict(ema_model, state["ema"])
-    return has_ema
 
 
 class ShardedCheckpointer:
