@@ -18,21 +18,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
-import torch
-from hydra.core.config_store import ConfigStore
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
+from {{ cookiecutter.package }}.engine import process
 
-from {{ cookiecutter.package }}.engine import checkpoint, resume, schema
-from {{ cookiecutter.package }}.engine.device import input_transform, pick_device
-from {{ cookiecutter.package }}.engine.distributed import World
-from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-from {{ cookiecutter.package }}.engine.evaluate import evaluate
-from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
-from {{ cookiecutter.package }}.engine.preempt import StopRequest
-from {{ cookiecutter.package }}.engine.process import use_deterministic_kernels
+# The objects these imports make live as long as the process: frozen, no garbage collection walks them.
+with process.long_lived_imports():
+    import hydra
+    import torch
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf, open_dict
+
+    from {{ cookiecutter.package }}.engine import checkpoint, resume, schema
+    from {{ cookiecutter.package }}.engine.device import input_transform, pick_device
+    from {{ cookiecutter.package }}.engine.distributed import World
+    from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+    from {{ cookiecutter.package }}.engine.evaluate import evaluate
+    from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
+    from {{ cookiecutter.package }}.engine.preempt import StopRequest
 
 log = logging.getLogger("eval")
 
@@ -79,7 +82,7 @@ def evaluate_checkpoint(cfg) -> dict:
 
     device = pick_device(cfg.device)
     if cfg.deterministic:  # the same kernels as the training run's validation
-        use_deterministic_kernels()
+        process.use_deterministic_kernels()
     model_cfg = cfg.model
     model = instantiate(model_cfg)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged

@@ -16,22 +16,22 @@ from pathlib import Path
 
 from {{ cookiecutter.package }}.engine import process
 
-# OpenMP reads its wait policy once, as torch loads: `process.omp_wait_policy` is applied around this import.
-with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"):
+# OpenMP reads its wait policy once, as torch loads: `process.omp_wait_policy` is applied around these imports.
+# The objects they make live as long as the process: frozen, no garbage collection walks them (process.py).
+with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"), process.long_lived_imports():
+    import hydra
     import torch
+    from hydra.core.hydra_config import HydraConfig
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-
-from {{ cookiecutter.package }}.engine import preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
-from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-from {{ cookiecutter.package }}.engine.evaluate import evaluate
-from {{ cookiecutter.package }}.engine.monitor import worker_death
-from {{ cookiecutter.package }}.engine.optim import clip_gradients
-from {{ cookiecutter.package }}.engine.preempt import StopRequest
-from {{ cookiecutter.package }}.engine.run import Run, build
-from {{ cookiecutter.package }}.engine.runlog import EpochMeter
-from {{ cookiecutter.package }}.engine.task_results import split_loss
+    from {{ cookiecutter.package }}.engine import preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+    from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+    from {{ cookiecutter.package }}.engine.evaluate import evaluate
+    from {{ cookiecutter.package }}.engine.monitor import worker_death
+    from {{ cookiecutter.package }}.engine.optim import clip_gradients
+    from {{ cookiecutter.package }}.engine.preempt import StopRequest
+    from {{ cookiecutter.package }}.engine.run import Run, build
+    from {{ cookiecutter.package }}.engine.runlog import EpochMeter
+    from {{ cookiecutter.package }}.engine.task_results import split_loss
 
 log = logging.getLogger("train")
 

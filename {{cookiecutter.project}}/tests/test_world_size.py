@@ -179,6 +179,9 @@ def agent(run_dir, port: int, node: int) -> subprocess.Popen:
     every attempt resumes from the run folder's own last.pth. Its output goes to node<node>.log."""
     launcher = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d"]
     launcher += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"]
+    # Once the minimum of nodes has joined, a rendezvous waits last_call_timeout (30 s) for more: the re-formed group
+    # of one would sit idle that long. 10 s still leaves the second agent, started 2 s after the first, time to join.
+    launcher += ["--rdzv-conf=last_call_timeout=10"]
     run = command("resume=latest", f"checkpoint.search_dir={run_dir}", "checkpoint.every_steps=2")
     run += ["+data.train.item_s=0.01", f"hydra.run.dir={run_dir}"]  # ~60 ms a step: time to kill a node mid-run
     out = open(run_dir / f"node{node}.log", "w")
