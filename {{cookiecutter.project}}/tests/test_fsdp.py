@@ -6,6 +6,7 @@ model=vit trained sharded, then read by eval.py, init_from and export."""
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,8 @@ BLOCKS = [
     "accumulate_steps=2",
     "optim.grad_clip=0.5",
     "ema.decay=0.9",
+    "optim.param_groups=[{match:head.*,lr_scale:10}]",  # a group of its own: its lr and state sharded as the rest
+    "val_every_steps=2",  # a stop at step 5 comes after the mid-epoch validation of step 4
     "epochs=3",
     "progress=false",
 ]
@@ -139,6 +142,23 @@ def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
     assert subprocess.run(cmd, cwd=PROJECT, capture_output=True, timeout=300).returncode == 0
     assert not equal(export(tmp_path / "control/checkpoints/last.pth", tmp_path / "control.pth")["model"],
                      straight["model"])  # fmt: skip
+
+
+def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_save(tmp_path, shapes_root):
+    """The non-finite stop under FSDP: one line, no save of the bad step, last.pth the sharded save before it."""
+    run_dir = tmp_path / "run"
+    diverging = ["task._target_=tests.datasets.DivergingClassification", "+task.after=4", "checkpoint.every_steps=2"]
+    proc = run_train(run_dir, f"data.root={shapes_root}", *BLOCKS, *diverging, "val_every_steps=null", expect=2)
+    line = proc.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"error: the loss became nan or inf at step (\d+) \(seen at step \d+\): stopped without "
+                         r"saving; (\S+) holds step (\d+), the last good weights: .*", line)  # fmt: skip
+    assert found, proc.stderr[-2000:]
+    bad, path, held = int(found[1]), Path(found[2]), int(found[3])
+    last = run_dir / "checkpoints/last.pth"
+    assert path == last and 2 <= held < bad  # a save every 2 steps, none of the bad step
+    assert last.is_symlink() and checkpoint.load(last)["step"] == held  # the sharded save's run.pth
+    saved = read_full(last)
+    assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
 
 
 def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
