@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from {{ cookiecutter.package }}.engine import checkpoint
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, read_full
-from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train
+from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train, torchrun_cmd, wait_for_steps
 
 BLOCKS = [
     "parallel=fsdp",
@@ -120,6 +121,28 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
     proc = run_train(tmp_path / "init_file", *vit[:2], "model=vit", "optim=adamw", f"init_from={tmp_path}/vit.pth",
                      "max_steps=1", "progress=false")  # fmt: skip
     assert f"loaded {n} of {n} tensors" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_saves_sharded_at_one_step_and_resume_latest_finishes_the_run(tmp_path, shapes_root):
+    """A preemption under FSDP: SIGTERM to torchrun; both ranks stop after the same step and save it sharded, and
+    `resume=latest` in the same folder takes that save and trains to the end (exactness: the tests above)."""
+    run_dir = tmp_path / "job"
+    longer = [("epochs=20" if o == "epochs=3" else o) for o in BLOCKS]  # 60 steps: time to stop it mid-way
+    overrides = (f"data.root={shapes_root}", *longer, "log_every_steps=1")
+    proc = subprocess.Popen(torchrun_cmd(run_dir, *overrides), cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for_steps(run_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    last = run_dir / "checkpoints/last.pth"
+    assert last.is_symlink() and last.resolve().is_dir(), out[-3000:]
+    saved = checkpoint.load(last)
+    assert 2 <= saved["step"] < 60 and len(saved["ranks"]) == 2, out[-3000:]
+    assert saved["ranks"][0]["loader"]["position"] == saved["ranks"][1]["loader"]["position"]
+    resumed = run_torchrun(run_dir, *overrides, "resume=latest")
+    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+    assert checkpoint.load(last)["step"] == 60  # 20 epochs of 3 steps
 
 
 @pytest.mark.slow
