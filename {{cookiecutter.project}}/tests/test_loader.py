@@ -1,13 +1,22 @@
 """The train loader's pieces, with real worker processes: batch order, worker seeding and RNG snapshots."""
 
+import contextlib
 import pickle
+import signal
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
 
 from {{ cookiecutter.package }}.engine import rng
-from {{ cookiecutter.package }}.engine.loader import INLINE_BYTES, EpochBatchSampler, InlineTensor, TrainLoader
+from {{ cookiecutter.package }}.engine.loader import (
+    INLINE_BYTES,
+    EpochBatchSampler,
+    GuardedDataLoader,
+    InlineTensor,
+    TrainLoader,
+)
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from tests.datasets import IndexedDraws, RngDrawingDataset, SometimesDraws, collate_with_numpy_draw
 from tests.helpers import loader_settings
 
@@ -173,3 +182,30 @@ def test_every_sample_draws_from_generators_seeded_for_it():
     by_sample, collated, batches = seeded_run(2, rng_mode="per_worker")
     want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
     assert any(not torch.equal(by_sample[i], want[i]) for i in want) and collated != want_collated
+
+
+sigterm_blocked_at_init = None  # set in the worker by record_mask
+
+
+def record_mask(worker_id: int) -> None:
+    """worker_init_fn: whether SIGTERM was blocked when the worker got here, where train.py's shield takes over."""
+    global sigterm_blocked_at_init
+    sigterm_blocked_at_init = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+class MaskAtInit(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> bool:
+        return sigterm_blocked_at_init
+
+
+def test_workers_start_with_sigterm_blocked_until_their_worker_init():
+    """Between a worker's fork and its worker_init_fn, PyTorch's handler lets a SIGTERM from anyone but the parent kill
+    it: StopRequest.starting_workers keeps it blocked there, and leaves this process's own mask as it was."""
+    for guard, blocked in ((StopRequest.starting_workers, True), (contextlib.nullcontext, False)):  # and the control
+        loader = GuardedDataLoader(MaskAtInit(), batch_size=None, num_workers=1, worker_init_fn=record_mask,
+                                   start_guard=guard)  # fmt: skip
+        assert list(loader) == [blocked, blocked], guard
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -16,6 +16,7 @@ Why the train loader can be resumed exactly (facts from torch/utils/data/dataloa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -364,6 +365,20 @@ class Generation:
         return out
 
 
+class GuardedDataLoader(DataLoader):
+    """A DataLoader whose workers start inside `start_guard()`, a context manager factory: train.py passes
+    `StopRequest.starting_workers`, which keeps a SIGTERM away from a worker until its worker_init_fn shields it.
+    Workers start in `iter()`: every epoch's, or the first one's only when they are persistent."""
+
+    def __init__(self, *args, start_guard=contextlib.nullcontext, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start_guard = start_guard
+
+    def __iter__(self):
+        with self.start_guard():
+            return super().__iter__()
+
+
 class TrainLoader:
     """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
 
@@ -396,12 +411,14 @@ class TrainLoader:
         worker_init=None,
         on_bad_sample: str = "error",
         bad_samples: failures.BadSampleLog | None = None,
+        start_guard=contextlib.nullcontext,
     ):
         if rng_mode not in ("per_sample", "per_worker"):
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
         if on_bad_sample not in ("error", "skip"):
             raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
         self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
+        self.start_guard = start_guard  # around every start of workers (GuardedDataLoader)
         skip = on_bad_sample == "skip"
         self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=skip)
         self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
@@ -431,7 +448,7 @@ class TrainLoader:
 
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
         s = self.settings
-        return DataLoader(
+        return GuardedDataLoader(
             self.dataset,
             batch_sampler=self.sampler,
             num_workers=s.num_workers,
@@ -442,6 +459,7 @@ class TrainLoader:
             generator=generator,
             prefetch_factor=s.prefetch_factor,
             persistent_workers=persistent,
+            start_guard=self.start_guard,
         )
 
     @property
@@ -593,12 +611,19 @@ def collate_of(data_cfg):
 
 
 def eval_loader(
-    dataset, settings: LoaderSettings, rank: int = 0, world_size: int = 1, worker_init=None, collate_fn=None
+    dataset,
+    settings: LoaderSettings,
+    rank: int = 0,
+    world_size: int = 1,
+    worker_init=None,
+    collate_fn=None,
+    start_guard=contextlib.nullcontext,
 ) -> DataLoader:
     """The validation loader, also built once. Its own generator keeps the main RNG untouched.
 
-    `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers);
-    `collate_fn` (`data.collate`, None: torch's default_collate) is the one the train loader uses."""
+    `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers), and
+    `start_guard` is around its workers' start (GuardedDataLoader); `collate_fn` (`data.collate`, None: torch's
+    default_collate) is the one the train loader uses."""
     sampler = EpochBatchSampler(
         len(dataset),
         settings.batch_size,
@@ -609,7 +634,7 @@ def eval_loader(
         world_size=world_size,
         pad=False,
     )
-    return DataLoader(
+    return GuardedDataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=settings.num_workers,
@@ -620,4 +645,5 @@ def eval_loader(
         generator=torch.Generator(),
         worker_init_fn=worker_init,
         collate_fn=collate_fn,
+        start_guard=start_guard,
     )

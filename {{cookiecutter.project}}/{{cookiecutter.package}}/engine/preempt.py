@@ -100,6 +100,26 @@ class StopRequest:
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
         _die_with_parent()
 
+    @staticmethod
+    @contextmanager
+    def starting_workers():
+        """Around the start of DataLoader workers that `shield_worker` shields: SIGTERM blocked from their fork on.
+
+        PyTorch's worker dies on a SIGTERM that is not from its parent from the moment it starts, and the shield
+        only takes over once the worker_init_fn runs. A stop signalled to the whole process group as workers start
+        (the validation loader's first pass, an epoch of workers that are not persistent) killed one: "DataLoader
+        worker killed by signal 15" instead of a save. A forked worker keeps its parent's signal mask, so with
+        SIGTERM blocked for the fork the signal waits in the worker until the shield reads it and leaves it to the
+        main process. Here it is blocked for the fork only, and delivered to the handler right after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
     def hand_over(self) -> None:
         """After saving: pass the signal to the handler we replaced, if it was a Python one (a job runner's requeue)."""
         previous = self.previous.get(self.signum)

@@ -187,10 +187,12 @@ def build(
         collate_fn=collate,
         on_bad_sample=cfg.data.get("on_bad_sample", "error"),
         bad_samples=failures.BadSampleLog(run_dir / failures.BAD_SAMPLES, world.rank),
+        start_guard=StopRequest.starting_workers,
     )  # built once
     val_loader = eval_loader(
-        val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate
-    )
+        val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
+        start_guard=StopRequest.starting_workers,
+    )  # fmt: skip
     prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on device
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
