@@ -96,7 +96,8 @@ def evaluate_checkpoint(cfg) -> dict:
     dataset = instantiate(cfg.data[cfg.split])
     collate = collate_of(cfg.data)
     settings = resolve_settings(cfg.loader, device.type)
-    loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate)
+    loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate,
+                         start_guard=StopRequest.starting_workers)  # fmt: skip
     channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
     prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
     if channels_last:
