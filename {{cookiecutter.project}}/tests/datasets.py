@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 {% if cookiecutter.with_shards == "yes" %}
 from {{ cookiecutter.package }}.shards import ShardDataset
 {% endif %}
-from {{ cookiecutter.package }}.stream import ShardedStream
+from {{ cookiecutter.package }}.stream import ShardStream
 from {{ cookiecutter.package }}.tasks import Classification
 
 
@@ -149,22 +149,74 @@ class SlowItems(RngDrawingDataset):
         return super().__getitem__(index)
 
 
-class CountingShard:
-    """A stand-in shard reader: shard `s` holds records `(s, i)` for `i < per_shard`, each with a small tensor.
+class CountingShards(ShardStream):
+    """A shard stream of unequal shards: record `i` of shard `s` is `(x, label, s * 1000 + i)`, its input drawing
+    from torch, numpy and python `random` like RngDrawingDataset's, so any RNG slip shows in the weights. `sizes`:
+    records per shard; `with_sizes=False` leaves them unsaid; `bad`: keys whose record raises."""
 
-    A real reader opens a file here (tar, parquet, lines of JSON) and yields decoded samples.
-    """
+    def __init__(
+        self,
+        sizes=(37, 5, 60, 18, 41, 9, 26, 14),
+        num_classes: int = 4,
+        image_size: int = 4,
+        with_sizes: bool = True,
+        bad=(),
+        item_s: float = 0,
+    ):
+        super().__init__(range(len(sizes)), sizes if with_sizes else None)
+        self.per_shard, self.num_classes, self.image_size = list(sizes), num_classes, image_size
+        self.bad, self.item_s = set(bad), item_s
 
-    def __init__(self, per_shard: int, size: int = 8):
-        self.per_shard, self.size = per_shard, size
+    def records(self, shard: int):
+        return ((shard, i) for i in range(self.per_shard[shard]))
 
-    def __call__(self, shard: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for i in range(self.per_shard):
-            yield shard, i, torch.full((self.size,), float(shard * self.per_shard + i))
+    def decode(self, record):
+        shard, i = record
+        key = shard * 1000 + i
+        if key in self.bad:
+            raise ValueError(f"record {key} is corrupt")
+        time.sleep(self.item_s)
+        label = (shard * 7 + i) % self.num_classes
+        x = torch.full((3, self.image_size, self.image_size), float(label) / self.num_classes)
+        x = x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)) + random.gauss(0.0, 0.1)
+        return x, label, key
 
 
-def counting_stream(num_shards: int = 8, per_shard: int = 100) -> ShardedStream:
-    return ShardedStream(range(num_shards), CountingShard(per_shard))
+class ReadOnlyShards(CountingShards):
+    """The same records through a `read(shard)` that cannot start inside a shard (no `start`)."""
+
+    def read(self, shard):
+        return super().read(shard)
+
+
+class SplitStream(IterableDataset):
+    """A plain stream of `size` records that splits itself over the DataLoader's workers (worker `w` of `W` yields
+    records `w, w + W, ...`), each `(x, label, index)` with RNG draws like CountingShards'."""
+
+    def __init__(self, size: int = 150, num_classes: int = 4, image_size: int = 4):
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.next_index: int | None = None  # where a restored state starts
+        self.position = 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        start, self.next_index = (self.next_index if self.next_index is not None else worker), None
+        for index in range(start, self.size, workers):
+            self.position = index + workers
+            label = index % self.num_classes
+            x = torch.full((3, self.image_size, self.image_size), float(label) / self.num_classes)
+            yield x + 0.3 * torch.randn_like(x) + float(np.random.uniform(-0.1, 0.1)), label, index
+
+
+class StatefulStream(SplitStream):
+    """SplitStream with the Stateful protocol torchdata uses: where it stands, and back there."""
+
+    def state_dict(self) -> dict:
+        return {"next": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_index = state["next"]
 
 
 def dict_collate(samples) -> dict:

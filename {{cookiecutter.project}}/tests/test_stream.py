@@ -1,39 +1,43 @@
-"""The example stream dataset: split between workers (and ranks) so no sample is lost or repeated."""
+"""stream.py's ShardStream under a DataLoader of your own, and JsonLines, the worked example."""
+
+import json
 
 import pytest
 from torch.utils.data import DataLoader
 
-from {{ cookiecutter.package }}.stream import ShardedStream
-from tests.datasets import CountingShard, counting_stream
+from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.stream import JsonLines
+from tests.datasets import CountingShards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3-4 workers on a 2-CPU runner
 
 
-def keys(dataset, workers):
-    loader = DataLoader(dataset, batch_size=5, num_workers=workers)
-    return [(int(s), int(i)) for shard, index, _ in loader for s, i in zip(shard, index, strict=True)]
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_a_plain_dataloader_gets_each_record_once(workers):
+    loader = DataLoader(CountingShards((5, 9, 3, 7)), batch_size=4, num_workers=workers)
+    got = sorted(k for _, _, keys in loader for k in keys.tolist())
+    assert got == sorted(s * 1000 + i for s, n in enumerate((5, 9, 3, 7)) for i in range(n))
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("shards", [7, 2], ids=["whole-shards", "records-strided"])
-def test_every_sample_once(workers, shards):
-    got = keys(counting_stream(num_shards=shards, per_shard=13), workers)
-    assert sorted(got) == [(s, i) for s in range(shards) for i in range(13)]
+def test_read_starts_inside_a_shard_without_decoding_what_it_passes_over():
+    stream = CountingShards((5,), bad={1})  # record 1 raises when decoded
+    assert [key for _, _, key in stream.read(0, start=2)] == [2, 3, 4]
+    with pytest.raises(ValueError):
+        list(stream.read(0))  # the control: decoded from the start, record 1 fails
 
 
-def test_ranks_and_workers_split_together():
-    got = []
-    for rank in (0, 1):
-        got += keys(ShardedStream(range(3), CountingShard(11), rank=rank, world_size=2), workers=2)
-    assert sorted(got) == [(s, i) for s in range(3) for i in range(11)]
+def write_jsonl(folder, counts, dim=3):
+    folder.mkdir(parents=True, exist_ok=True)
+    for f, count in enumerate(counts):
+        lines = [json.dumps({"x": [float(f), float(i)] + [0.5] * (dim - 2), "label": (f + i) % 2}) for i in range(count)]
+        (folder / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n\n")  # a trailing blank line is no record
+    return folder
 
 
-def test_without_the_split_workers_repeat_samples():
-    """What the split prevents: a stream that ignores get_worker_info() yields everything once per worker."""
-
-    class Unsplit(ShardedStream):
-        def readers(self):
-            return 0, 1
-
-    got = keys(Unsplit(range(3), CountingShard(4)), workers=2)
-    assert len(got) == 2 * 12
+def test_jsonlines_counts_its_records_and_reads_samples(tmp_path):
+    stream = JsonLines(str(write_jsonl(tmp_path / "d", [4, 2]) / "*.jsonl"))
+    assert stream.sizes == [4, 2]
+    x, label = next(stream.read(stream.shards[1], start=1))
+    assert x.tolist() == [1.0, 1.0, 0.5] and label == 0
+    with pytest.raises(UserError, match="no files match"):
+        JsonLines(str(tmp_path / "none" / "*.jsonl"))

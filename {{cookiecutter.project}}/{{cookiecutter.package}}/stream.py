@@ -1,49 +1,92 @@
-"""An example stream (IterableDataset) split between DataLoader workers, for data that cannot be indexed.
+"""Streams: data read in order, shard by shard, that train.py trains on like an indexed data set (README, "Streams").
 
-With an IterableDataset every worker gets its own copy of the dataset object and iterates it from
-the start, so without a split each sample comes out `num_workers` times. `__iter__` therefore asks
-`get_worker_info()` which worker it runs in and keeps only its share:
+A *shard stream* has `shards` (picklable shard descriptors: paths, URLs), `read(shard)` (that shard's records,
+transforms applied) and, best, `sizes` (records per shard). train.py hands whole shards to the readers (DataLoader
+workers x processes), so each shard is opened by one reader and each record comes out once per epoch; it seeds
+every record from (seed, epoch, shard, record), and a checkpoint records how many records of each shard the loop
+consumed, so a resume goes on from there (engine/stream_loader.py). With `sizes` it plans every process's steps,
+so torchrun processes stay in step.
 
-- at least as many shards (files) as readers: whole shards, `shards[me::readers]`, so each file is
-  opened by one worker only;
-- fewer shards than readers: every reader walks every shard and keeps every `readers`-th record.
-
-`rank` and `world_size` extend the split across processes (torchrun), so readers =
-world_size x num_workers. Each sample comes out exactly once per epoch, in an order that depends
-on the number of workers.
-
-    loader = DataLoader(ShardedStream(shards, read_shard), batch_size=64, num_workers=4)
-
-A stream goes through a plain DataLoader, not through TrainLoader: it has no index to sample by,
-so the exact mid-epoch resume of train.py does not apply to it.
+`ShardStream` is the base to build one on: give it `records(shard)` (the shard's raw records, cheap to pass over)
+and `decode(record)`; it gives `read(shard, start)`, which a resume and `data.on_bad_sample=skip` need to start
+inside a shard. `JsonLines` is a worked example: one shard per file, one record per line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .engine.errors import UserError
 
-class ShardedStream(IterableDataset):
-    def __init__(self, shards: Sequence, read: Callable[[object], Iterable], rank: int = 0, world_size: int = 1):
-        self.shards, self.read, self.rank, self.world_size = list(shards), read, rank, world_size
 
-    def readers(self) -> tuple[int, int]:
-        """(this reader's number, how many readers there are) across ranks and workers."""
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return self.rank * workers + worker, self.world_size * workers
+class ShardStream(IterableDataset):
+    """Base of a shard stream: `records(shard)` and `decode(record)` are yours; `transform` runs on each decoded
+    record (in the workers). Iterated by a DataLoader of your own, it splits its shards over the workers too."""
+
+    def __init__(self, shards: Sequence, sizes: Sequence[int] | None = None, transform: Callable | None = None):
+        self.shards, self.sizes, self.transform = list(shards), None if sizes is None else list(sizes), transform
+
+    def records(self, shard) -> Iterator:
+        """The shard's raw records, in order: lines, tar members, rows."""
+        raise NotImplementedError
+
+    def decode(self, record):
+        """One raw record as a sample (before `transform`)."""
+        return record
+
+    def read(self, shard, start: int = 0) -> Iterator:
+        """The shard's samples from record `start` on: the records before it are passed over undecoded."""
+        for index, record in enumerate(self.records(shard)):
+            if index >= start:
+                sample = self.decode(record)
+                yield self.transform(sample) if self.transform is not None else sample
 
     def __iter__(self) -> Iterator:
-        me, readers = self.readers()
-        if len(self.shards) >= readers:
-            for shard in self.shards[me::readers]:
-                yield from self.read(shard)
-            return
-        position = 0  # over the whole stream, so the split does not depend on how records fall into shards
-        for shard in self.shards:
-            for record in self.read(shard):
-                if position % readers == me:
-                    yield record
-                position += 1
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        for shard in self.shards[worker::workers]:
+            yield from self.read(shard)
+
+
+class JsonLines(ShardStream):
+    """JSON-lines files as a stream: one shard per file, one record per line, e.g. `{"x": [0.1, 0.7], "label": 1}`.
+
+    A sample is `(torch.tensor(record[input_key], float32), int(record[label_key]))`. `files`: a glob pattern or a
+    list of paths. `count`: count each file's lines up front, as `sizes` (a read of the bytes, no JSON parsing), so
+    the steps of an epoch are known and torchrun processes stay in step."""
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        input_key: str = "x",
+        label_key: str = "label",
+        count: bool = True,
+        transform: Callable | None = None,
+    ):
+        paths = sorted(glob.glob(files)) if isinstance(files, str) else [str(f) for f in files]
+        if not paths:
+            raise UserError(f"JsonLines: no files match {files!r}: point data.train.files at your .jsonl files")
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise UserError(f"JsonLines: {missing[0]!r} is not a file: check data.train.files")
+        self.input_key, self.label_key = input_key, label_key
+        super().__init__(paths, [self.count_lines(p) for p in paths] if count else None, transform)
+
+    @staticmethod
+    def count_lines(path: str) -> int:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+
+    def records(self, shard: str) -> Iterator[str]:
+        with open(shard) as f:
+            yield from (line for line in f if line.strip())
+
+    def decode(self, record: str):
+        item = json.loads(record)
+        return torch.tensor(item[self.input_key], dtype=torch.float32), int(item[self.label_key])

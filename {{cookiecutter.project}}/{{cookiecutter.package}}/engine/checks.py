@@ -114,7 +114,7 @@ def _schema_of(f: dataclasses.Field):
 
 
 # data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
-LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input")
+LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input", "stream_resume")
 
 
 def added_data_keys(cfg, overrides: list[str]) -> None:

@@ -22,7 +22,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import IterableDataset, default_collate
 
-from . import fsdp
+from . import fsdp, shard_plan
 from .checks import check_data, reason
 from .device import amp_dtype, input_transform, pick_device, to_device
 from .errors import UserError
@@ -178,7 +178,7 @@ def first_two(dataset, collate, name: str):
     """A batch of the first two samples, through the configured collate (also the throwaway step's in run.py)."""
     try:
         if isinstance(dataset, IterableDataset):
-            samples = [s for s, _ in zip(dataset, range(2))]
+            samples = shard_plan.first_records(dataset, 2)
         else:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
         if not samples:

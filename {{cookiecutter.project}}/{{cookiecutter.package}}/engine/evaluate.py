@@ -24,8 +24,9 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     model.eval()
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
-    names, sums = None, None
+    names, sums, batches = None, None, 0
     for batch in failures.named(device_batches(loader, device), "validation"):
+        batches += 1
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if names is None:
             names = check_metrics(metrics, target, hasattr(task, "compute"))
@@ -42,7 +43,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     if names is None:
         raise UserError("validation: the split holds no samples for this process: give it more data")
     if fsdp.is_sharded(model):  # every rank's forward gathers the weights with the others': as many on each
-        for _ in range(distributed.most(len(loader), world, device) - len(loader)):
+        for _ in range(distributed.most(batches, world, device) - batches):  # a stream's count shows at its end
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
     flat = sum_and_read([sums[k] for k in names], device, world)
     if not hasattr(task, "compute"):  # 0-dim sums only (check_metrics): the floats read are the totals

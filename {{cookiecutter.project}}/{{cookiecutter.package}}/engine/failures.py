@@ -199,14 +199,13 @@ def dump_stacks(armed: dict[int, Path], wait_s: float = 3.0) -> dict[int, str]:
 
 
 def stalled(loader) -> Stalled:
-    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader) while it waited for its next batch.
+    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader or StreamLoader) while it waited for
+    its next batch.
 
-    Which worker holds that batch follows from the loader's own order: batches go to the workers round-robin from
-    the first one each generation starts with (torch/utils/data/dataloader.py), so batch `i` is worker
-    `(i - rotation) % workers`' (TrainLoader's Generation). The workers' stacks come first; the stuck worker is
+    Which worker holds that batch follows from the loader's own order (`worker_due()`): batches go to the workers
+    round-robin (torch/utils/data/dataloader.py). The workers' stacks come first; the stuck worker is
     ended with the others as the process exits (its parent's SIGTERM)."""
-    generation = loader.generation
-    worker_id = (loader.position - generation.rotation) % generation.workers
+    worker_id = loader.worker_due()
     armed = armed_workers(loader.stack_dir)
     stacks = dump_stacks(armed)
     holder = f"DataLoader worker {worker_id}"

@@ -279,7 +279,7 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _for_the_queue(t: torch.Tensor):
+def for_the_queue(t: torch.Tensor):
     if t.device.type != "cpu":
         return t
     return InlineTensor(t) if InlineTensor.fits(t) else t.share_memory_()
@@ -304,7 +304,7 @@ class CollateWithSnapshot:
         info = get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, None, skipped
-        batch = map_tensors(_for_the_queue, batch)
+        batch = map_tensors(for_the_queue, batch)
         state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
         return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped
 
@@ -465,6 +465,31 @@ class TrainLoader:
     @property
     def batches_per_epoch(self) -> int:
         return self.sampler.batches_per_epoch()
+
+    @property
+    def at_epoch_end(self) -> bool:
+        """The batch just consumed is the epoch's last."""
+        return self.position == self.batches_per_epoch
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    @property
+    def dropped_records(self) -> int:
+        """Samples each epoch leaves out, over all ranks: those past its whole global batches (drop_last)."""
+        return self.sampler.size - self.batches_per_epoch * self.sampler.global_batch
+
+    def worker_due(self) -> int:
+        """The worker that makes the batch the loop waits on next (a stall names it): batch `i` is worker
+        `(i - rotation) % workers`' (Generation)."""
+        return (self.position - self.generation.rotation) % self.generation.workers
+
+    @staticmethod
+    def combined(states: list[dict]) -> dict:
+        """A checkpoint's rank states as one, for a resume on another number of processes: the position is global
+        (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
+        return states[0]
 
     def __len__(self) -> int:
         return self.batches_per_epoch - self.position

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
-from . import rng
+from . import rng, shard_plan
 from .errors import UserError
 
 MiB = 2**20
@@ -78,7 +78,8 @@ def layout(batch) -> str:
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
-    """Bytes of one batch, before any worker exists: sample 0 collated once, times `batch_size`.
+    """Bytes of one batch, before any worker exists: sample 0 (a stream's first record) collated once, times
+    `batch_size`.
 
     Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is
     the size of a batch of sample 0. The sample is fetched in the main process, so whatever random
@@ -88,7 +89,8 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     """
     saved = rng.capture()
     try:
-        one = collate_fn([copy.copy(dataset)[0]])
+        streamed = isinstance(dataset, IterableDataset)
+        one = collate_fn(shard_plan.first_records(dataset, 1) if streamed else [copy.copy(dataset)[0]])
     finally:
         rng.apply(saved)
     return batch_bytes(one) * batch_size

@@ -225,7 +225,7 @@ class Monitor:
             self._epoch, self._mark, self._epoch_sample = self.loader.epoch, (step - 1, 0.0, started), None
         self._steps_seen += 1
         self._write_done()
-        last = self.loader.position == self.loader.batches_per_epoch
+        last = self.loader.at_epoch_end
         if self._measure_now():
             self._measured_logged = True
             self._pending.append((step, {}, Reading(self.loader.worker_pids), "measured"))
@@ -277,7 +277,8 @@ class Monitor:
         """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
         if self.plan is None or self._measured_logged or not self.runlog.enabled:
             return False
-        left = self.loader.batches_per_epoch - self.loader.position
+        known = self.loader.batches_per_epoch  # None: a stream without sizes
+        left = self.plan.in_flight if known is None else known - self.loader.position
         return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
@@ -292,6 +293,7 @@ class Monitor:
             "fds": reading["fds"],
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
             "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
+            "dropped_records": self.loader.dropped_records,  # past the epoch's whole (global, lockstep) batches
             "page_faults_per_batch": None if page_faults_per_batch is None else round(page_faults_per_batch, 1),
         }
         if self.runlog.enabled:

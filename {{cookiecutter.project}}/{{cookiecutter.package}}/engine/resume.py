@@ -42,6 +42,7 @@ SAME_RUN = {
     "process.keep_freed_memory": "the allocator's thresholds: speed only",
     # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
     "data.on_bad_sample": "what a bad sample does, from here on",
+    "data.stream_resume": "how a stream without a state goes on from a mid-epoch checkpoint",
     "parallel.reshard_after_forward": "when FSDP frees gathered weights: memory and communication, not the math",
 }
 RUN_KEYS_UNDER_SAME = {
@@ -280,7 +281,7 @@ def restore(
     own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes.
     A sharded checkpoint's weights and optimizer state are loaded before (run.py); `fresh` is then `group_settings`
     as they were before that load."""
-    world_size = train_loader.sampler.world_size
+    world_size = train_loader.world_size
     check_fits(ckpt, cfg, model, world_size)
     fresh = fresh if fresh is not None else group_settings(optimizer)
     if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
@@ -312,9 +313,8 @@ def restore(
             "(from seed, rank and step), so the augmentations differ from the run that never stopped; "
             "rng_mode=per_sample keeps them", world_size, written_by(ckpt),
         )  # fmt: skip
-    train_loader.load_state_dict(
-        ckpt["ranks"][0]["loader"], strict=cfg.resume_strict, reseed=rng.derived(cfg.seed, rank, step, 1)
-    )
+    saved = train_loader.combined([state["loader"] for state in ckpt["ranks"]])
+    train_loader.load_state_dict(saved, strict=cfg.resume_strict, reseed=rng.derived(cfg.seed, rank, step, 1))
     rng.seed_everything(rng.derived(cfg.seed, rank, step, 0))
     return step
 

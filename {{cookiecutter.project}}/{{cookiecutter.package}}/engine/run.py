@@ -32,6 +32,7 @@ from .optim import build_optimizer
 from .preempt import StopRequest
 from .runlog import RunLog
 from .schedule import build_schedule
+from .stream_loader import StreamLoader, eval_stream_loader, is_stream
 from .task_results import split_loss
 
 log = logging.getLogger("train")
@@ -46,7 +47,7 @@ class Run:
     device: torch.device
     stop: StopRequest
     task: object  # conf/task: loss(model, batch) and metrics(model, batch)
-    train_loader: TrainLoader
+    train_loader: TrainLoader | StreamLoader
     val_loader: object
     prepare: object  # data.normalize on the device, for whole batches
     model: torch.nn.Module  # the plain model: checkpoints, validation
@@ -87,7 +88,7 @@ class Run:
 
     def at_epoch_end(self) -> bool:
         """The batch just taken is the epoch's last."""
-        return self.train_loader.position == self.train_loader.batches_per_epoch
+        return self.train_loader.at_epoch_end
 
     def window_ends(self) -> bool:
         """Whether the micro-batch just taken closes an accumulation window (`accumulate_steps`): its last one,
@@ -176,7 +177,8 @@ def build(
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
         log.warning("loader: %s", change)
-    train_loader = TrainLoader(
+    streamed = {"stream_resume": cfg.data.get("stream_resume", "exact")} if is_stream(train_set) else {}
+    train_loader = (StreamLoader if streamed else TrainLoader)(
         train_set,
         settings,
         seed=cfg.seed,
@@ -188,8 +190,9 @@ def build(
         on_bad_sample=cfg.data.get("on_bad_sample", "error"),
         bad_samples=failures.BadSampleLog(run_dir / failures.BAD_SAMPLES, world.rank),
         start_guard=StopRequest.starting_workers,
-    )  # built once
-    val_loader = eval_loader(
+        **streamed,
+    )  # built once: a stream's (engine/stream_loader.py) or an indexed data set's
+    val_loader = (eval_stream_loader if is_stream(val_set) else eval_loader)(
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
         start_guard=StopRequest.starting_workers,
     )  # fmt: skip
@@ -214,8 +217,9 @@ def build(
     if sharded:  # before the optimizer, which must hold the sharded parameters
         model = fsdp.shard(model, cfg.parallel, amp)
     optimizer = build_optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
-    steps_per_epoch = -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
-    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=cfg.epochs * steps_per_epoch)
+    per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
+    total_steps = None if per_epoch is None else cfg.epochs * -(-per_epoch // cfg.accumulate_steps)
+    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
     task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same

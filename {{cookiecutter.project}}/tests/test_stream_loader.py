@@ -1,0 +1,103 @@
+"""StreamLoader alone, in this process: each record once per epoch over workers, and a checkpoint at any batch
+that continues batch for batch with the same readers, or each remaining record once with others."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader, eval_stream_loader
+from tests.datasets import CountingShards, SplitStream, StatefulStream
+from tests.helpers import loader_settings
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-CPU runner
+SIZES = (37, 5, 60, 18, 41, 9, 26, 14)
+
+
+def keys_of(loader, batches=None):
+    out = []
+    for n, (_, _, keys) in enumerate(loader):
+        out.append(keys.tolist())
+        if batches is not None and n + 1 == batches:
+            break
+    return out
+
+
+def flat(batches):
+    return sorted(k for batch in batches for k in batch)
+
+
+ALL = sorted(s * 1000 + i for s, n in enumerate(SIZES) for i in range(n))
+
+
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_each_record_once_per_epoch_and_epochs_differ(workers):
+    loader = StreamLoader(CountingShards(SIZES), loader_settings(batch_size=8, workers=workers), seed=1)
+    planned = loader.batches_per_epoch
+    first, second = keys_of(loader), keys_of(loader)
+    assert flat(first) == ALL and flat(second) == ALL
+    assert first != second  # the shard order is drawn per epoch
+    assert len(first) == planned
+
+
+def _inputs(loader, batches=None):
+    out = []
+    for n, (x, _, keys) in enumerate(loader):
+        out.append((x.clone(), keys.tolist()))
+        if batches is not None and n + 1 == batches:
+            break
+    return out
+
+
+@pytest.mark.parametrize("stop", [1, 6, 13])
+def test_a_checkpoint_continues_batch_for_batch(stop):
+    settings = loader_settings(batch_size=8, workers=2)
+    straight = _inputs(StreamLoader(CountingShards(SIZES), settings, seed=5))
+    first = StreamLoader(CountingShards(SIZES), settings, seed=5)
+    head = _inputs(first, stop)
+    state = first.state_dict()
+    resumed = StreamLoader(CountingShards(SIZES), settings, seed=5)
+    resumed.load_state_dict(state)
+    tail = _inputs(resumed)
+    assert len(head) + len(tail) == len(straight)
+    for (x, k), (y, j) in zip(head + tail, straight, strict=True):
+        assert k == j and torch.equal(x, y)
+    # negative control: the consumed counts zeroed, the rest of the epoch repeats records
+    state["consumed"] = torch.zeros_like(state["consumed"])
+    control = StreamLoader(CountingShards(SIZES), settings, seed=5)
+    control.load_state_dict(state)
+    assert flat([k for _, k in head] + [k for _, k in _inputs(control)]) != ALL
+
+
+def test_other_workers_read_the_remaining_records_once():
+    first = StreamLoader(CountingShards(SIZES), loader_settings(batch_size=8, workers=2), seed=2)
+    head = keys_of(first, 7)
+    resumed = StreamLoader(CountingShards(SIZES), loader_settings(batch_size=8, workers=3), seed=2)
+    resumed.load_state_dict(first.state_dict())
+    assert flat(head + keys_of(resumed)) == ALL
+
+
+def test_a_stateful_plain_stream_continues_exactly_and_a_stateless_one_is_refused():
+    settings = loader_settings(batch_size=8, workers=2)
+    straight = _inputs(StreamLoader(StatefulStream(), settings, seed=3))
+    first = StreamLoader(StatefulStream(), settings, seed=3)
+    head = _inputs(first, 5)
+    resumed = StreamLoader(StatefulStream(), settings, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    tail = _inputs(resumed)
+    assert [k for _, k in head + tail] == [k for _, k in straight]
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(head + tail, straight, strict=True))
+    stateless = StreamLoader(SplitStream(), settings, seed=3)
+    _inputs(stateless, 5)
+    with pytest.raises(UserError, match="stream_resume=restart_epoch"):
+        StreamLoader(SplitStream(), settings, seed=3).load_state_dict(stateless.state_dict())
+    restart = StreamLoader(SplitStream(), settings, seed=3, stream_resume="restart_epoch")
+    restart.load_state_dict(stateless.state_dict())
+    assert flat(k for _, k in _inputs(restart)) == list(range(150))
+
+
+def test_validation_streams_split_over_ranks_and_workers():
+    got = []
+    for rank in (0, 1):
+        loader = eval_stream_loader(CountingShards(SIZES), loader_settings(batch_size=8, workers=2), rank, 2)
+        got += [k for _, _, keys in loader for k in keys.tolist()]
+    assert sorted(got) == ALL

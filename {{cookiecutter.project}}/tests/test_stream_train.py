@@ -1,0 +1,184 @@
+"""Streams through train.py: each record once per epoch over workers and processes, and a mid-epoch resume that
+is the run that never stopped (tests.datasets.CountingShards: 8 unequal shards; SplitStream, StatefulStream)."""
+
+import pytest
+import torch
+
+from {{ cookiecutter.package }}.engine import shard_plan
+from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
+from tests.datasets import CountingShards
+from tests.helpers import load_ckpt, loader_settings, read_jsonl, recorded_steps, run_torchrun, run_train, same_weights
+from tests.test_stream import write_jsonl
+
+SIZES = (37, 5, 60, 18, 41, 9, 26, 14)
+ALL = sorted(s * 1000 + i for s, n in enumerate(SIZES) for i in range(n))
+STREAM = [
+    "data.train._target_=tests.datasets.CountingShards",
+    "data.val._target_=tests.datasets.CountingShards",
+    *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform")],
+    *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("decode", "image_size")],
+    "+data.val.sizes=[6,5,4]",
+    "data.num_classes=4",
+    "model._target_=tests.datasets.Linear",
+    "~model.width",
+    "+model.in_features=48",
+    "task._target_=tests.datasets.RecordingClassification",
+    "optim.lr=0.5",  # large steps: every batch moves the weights visibly
+    "epochs=2",
+    "log_every_steps=1",
+    "checkpoint.keep=0",
+    "loader.num_workers=2",
+    "loader.batch_size=8",
+    "progress=false",
+]
+
+
+def per_epoch(workers: int = 2, world: int = 1, seed: int = 0) -> list[int]:
+    """Each epoch's steps as the run plans them (two epochs)."""
+    loader = StreamLoader(CountingShards(SIZES), loader_settings(batch_size=8, workers=workers), seed=seed)
+    out = []
+    for _ in range(2):
+        out.append(loader.batches_per_epoch)
+        for _ in loader:
+            pass
+    return out
+
+
+def epochs_of(steps: dict[int, list[list[int]]], lengths: list[int]) -> list[list[int]]:
+    keys, at = [], 1
+    for length in lengths:
+        keys.append(sorted(k for s in range(at, at + length) for batch in steps.get(s, []) for k in batch))
+        at += length
+    return keys
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    record = run_dir / "samples"
+    run_train(run_dir, *STREAM, env={"RECORD_SAMPLES": str(record)})
+    return run_dir, recorded_steps(record)
+
+
+def test_each_record_once_per_epoch_with_two_workers(straight):
+    run_dir, steps = straight
+    lengths = per_epoch()
+    assert sum(lengths) == len(steps) == load_ckpt(run_dir / "checkpoints/last.pth")["step"]
+    assert epochs_of(steps, lengths) == [ALL, ALL]
+    assert [r["dropped_records"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 0]
+
+
+def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight):
+    reference, _ = straight
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_train(first, *STREAM, "max_steps=11")
+    run_train(second, *STREAM, f"resume={first}/checkpoints/last.pth")
+    assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
+    losses = [r["loss"] for r in read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")]
+    assert losses == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    # negative control: the same resume without the consumed counts re-reads the epoch from its first records
+    ckpt = load_ckpt(first / "checkpoints/last.pth")
+    ckpt["ranks"][0]["loader"]["consumed"].zero_()
+    torch.save(ckpt, tmp_path / "zeroed.pth")
+    run_train(tmp_path / "control", *STREAM, f"resume={tmp_path / 'zeroed.pth'}")
+    assert not same_weights(reference / "checkpoints/last.pth", tmp_path / "control/checkpoints/last.pth")
+
+
+def test_resumed_on_three_workers_the_epoch_still_reads_each_record_once(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
+    run_train(first, *STREAM, "max_steps=9", "epochs=1", env=env)
+    head = recorded_steps(tmp_path / "samples")
+    env = {"RECORD_SAMPLES": str(tmp_path / "rest")}
+    proc = run_train(second, *STREAM, "epochs=1", "loader.num_workers=3", f"resume={first}/checkpoints/last.pth", env=env)
+    assert "order of its batches changed" in proc.stdout + proc.stderr
+    keys = [k for steps in (head, recorded_steps(tmp_path / "rest")) for b in steps.values() for k in b[0]]
+    assert sorted(keys) == ALL
+
+
+PLAIN = [o for o in STREAM if not o.startswith(("data.train._target_", "+data.val"))]
+
+
+def test_a_stateful_plain_stream_resumes_exactly_and_a_stateless_one_is_refused(tmp_path):
+    stateful = [*PLAIN, "data.train._target_=tests.datasets.StatefulStream", "schedule=constant"]
+    run_train(tmp_path / "straight", *stateful)
+    run_train(tmp_path / "first", *stateful, "max_steps=7")
+    run_train(tmp_path / "second", *stateful, f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "second/checkpoints/last.pth")
+    stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant"]
+    run_train(tmp_path / "plain", *stateless, "max_steps=7")
+    proc = run_train(tmp_path / "refused", *stateless, f"resume={tmp_path}/plain/checkpoints/last.pth", expect=2)
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: resume:")
+    assert "data.stream_resume=restart_epoch" in proc.stderr
+    assert not (tmp_path / "refused/checkpoints").exists()
+    # the control: the stateful run's resume with its saved states dropped is not the straight run
+    ckpt = load_ckpt(tmp_path / "first/checkpoints/last.pth")
+    ckpt["ranks"][0]["loader"]["states"] = {}
+    torch.save(ckpt, tmp_path / "stateless.pth")
+    run_train(tmp_path / "control", *stateful, f"resume={tmp_path / 'stateless.pth'}")
+    assert not same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "control/checkpoints/last.pth")
+
+
+def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
+    stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant", "epochs=1"]
+    run_train(tmp_path / "plain", *stateless, "max_steps=7")
+    resume = f"resume={tmp_path}/plain/checkpoints/last.pth"
+    proc = run_train(tmp_path / "again", *stateless, "+data.stream_resume=restart_epoch", resume)
+    assert "starts over" in proc.stdout + proc.stderr
+    assert read_jsonl(tmp_path / "again/metrics.jsonl")[-1]["epoch"] == 0
+
+
+def test_a_stream_without_sizes_needs_a_schedule_of_its_own_length(tmp_path):
+    unsized = [*STREAM, "+data.train.with_sizes=false"]
+    proc = run_train(tmp_path / "refused", *unsized, expect=2)
+    assert proc.stderr.startswith("error: schedule") and "schedule.total_steps" in proc.stderr
+    env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
+    run_train(tmp_path / "ok", *unsized, "schedule.total_steps=40", env=env)
+    steps = recorded_steps(tmp_path / "samples")
+    assert sorted(k for b in steps.values() for k in b[0]) == sorted(ALL + ALL)
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "ok/metrics.jsonl")] == [0, 1]
+
+
+def test_a_bad_record_is_named_by_shard_and_index_or_skipped(tmp_path):
+    bad = [*STREAM, "+data.train.bad=[2017]", "epochs=1"]
+    proc = run_train(tmp_path / "error", *bad, expect=3)
+    assert "shard 2 (2) record 17: ValueError: record 2017 is corrupt" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
+    run_train(tmp_path / "skip", *bad, "data.on_bad_sample=skip", env=env)
+    keys = [k for b in recorded_steps(tmp_path / "samples").values() for k in b[0]]
+    assert sorted(keys) == [k for k in ALL if k != 2017]
+    assert "record 17" in (tmp_path / "skip/bad_samples.txt").read_text()
+    assert read_jsonl(tmp_path / "skip/metrics.jsonl")[-1]["bad_samples"] == 1
+    refused = run_train(tmp_path / "refused", *bad, "data.train._target_=tests.datasets.ReadOnlyShards",
+                        "data.on_bad_sample=skip", expect=2)  # fmt: skip
+    assert "read(shard, start=0)" in refused.stderr
+
+
+def test_json_lines_files_train_through_train_py(tmp_path):
+    write_jsonl(tmp_path / "data/train", [30, 12, 21], dim=6)
+    write_jsonl(tmp_path / "data/val", [8], dim=6)
+    kept = ("model.", "~model.", "optim.", "epochs=", "log_every_steps=", "loader.", "progress=")
+    jsonl = [o for o in STREAM if o.startswith(kept)]
+    run_train(tmp_path / "run", *jsonl, "data=jsonlines", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+              "+model.in_features=6")  # fmt: skip
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "run/metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_step_together_and_no_record_repeats(tmp_path):
+    record = tmp_path / "samples"
+    run_torchrun(tmp_path / "run", *STREAM, "loader.batch_size=4", env={"RECORD_SAMPLES": str(record)})
+    steps = recorded_steps(record)
+    assert all(len(batches) == 2 for batches in steps.values())  # both ranks took every step
+    metrics = read_jsonl(tmp_path / "run/metrics.jsonl")
+    first = 1
+    for epoch in range(2):  # each epoch's steps as the plan gives them: 2 ranks x 2 workers, 4 records a batch
+        plan = shard_plan.reader_shards(0, epoch, list(SIZES), len(SIZES), 4)
+        length = shard_plan.steps_left(plan, list(SIZES), [0] * len(SIZES), 4, 2)
+        keys = [k for s in range(first, first + length) for batch in steps[s] for k in batch]
+        assert len(keys) == len(set(keys))  # no record twice
+        assert metrics[epoch]["dropped_records"] > 0
+        assert len(keys) + metrics[epoch]["dropped_records"] == len(ALL)  # the rest dropped, and counted
+        first += length
+    assert first - 1 == len(steps)

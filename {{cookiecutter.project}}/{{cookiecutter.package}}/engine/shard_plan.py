@@ -1,0 +1,118 @@
+"""The epoch plan of a shard stream: which reader reads which shards, from which record, and how many batches a
+rank takes.
+
+A *shard stream* is a data set with `shards` (a sequence of picklable shard descriptors), `read(shard)` (an
+iterator of that shard's records, transforms applied) and optionally `sizes` (records per shard). A *reader* is
+one DataLoader worker of one rank: `rank * num_workers + worker`, `ranks * num_workers` of them (one per rank
+with num_workers=0). Everything here is a pure function of (seed, epoch, sizes, readers, consumed counts):
+every worker and rank computes the same plan, and a resume computes it again instead of saving it.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+
+import numpy as np
+
+from .errors import UserError
+
+
+def is_shard_stream(dataset) -> bool:
+    return hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))
+
+
+def shard_sizes(dataset) -> list[int] | None:
+    """The data set's `sizes` as ints, checked against its shards; None when it has none."""
+    sizes = getattr(dataset, "sizes", None)
+    if sizes is None:
+        return None
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != len(dataset.shards) or min(sizes, default=0) < 0:
+        raise UserError(
+            f"{type(dataset).__name__}.sizes must give a record count >= 0 for each of its {len(dataset.shards)} "
+            f"shards, got {len(sizes)} counts"
+        )
+    return sizes
+
+
+def shard_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """The epoch's order of the shards: a permutation drawn from (seed, epoch) alone."""
+    key = int(np.random.SeedSequence([seed, epoch, 0x5348]).generate_state(1, np.uint64)[0] >> 1)
+    return np.random.default_rng(key).permutation(count)
+
+
+def assign(order, sizes: list[int] | None, readers: int) -> list[list[int]]:
+    """Whole shards to readers, in the epoch's order: each to the reader holding the fewest records so far (with
+    `sizes`; ties to the lowest reader), else round robin. Each shard is opened by one reader only."""
+    out: list[list[int]] = [[] for _ in range(readers)]
+    if sizes is None:
+        for i, shard in enumerate(order):
+            out[i % readers].append(int(shard))
+        return out
+    load = [(0, reader) for reader in range(readers)]
+    for shard in order:
+        records, reader = heapq.heappop(load)
+        out[reader].append(int(shard))
+        heapq.heappush(load, (records + sizes[shard], reader))
+    return out
+
+
+def reader_shards(seed: int, epoch: int, sizes: list[int] | None, count: int, readers: int) -> list[list[int]]:
+    """Each reader's shards this epoch, in the order it reads them."""
+    return assign(shard_order(seed, epoch, count), sizes, readers)
+
+
+def batch_counts(plan: list[list[int]], sizes: list[int], consumed, batch_size: int) -> list[tuple[int, int]]:
+    """(batches, records) each reader has left: its unconsumed records, in batches of `batch_size`, the last short."""
+    out = []
+    for shards in plan:
+        left = sum(max(sizes[s] - int(consumed[s]), 0) for s in shards)
+        out.append((-(-left // batch_size), left))
+    return out
+
+
+def round_robin(batches: list[int], first: int) -> list[int]:
+    """The readers of one rank's batches in the order the DataLoader hands them out: round robin over its workers
+    from `first` on, a worker whose stream ended left out (torch/utils/data/dataloader.py, iterable data sets)."""
+    left, order = list(batches), []
+    reader = first
+    while any(left):
+        if left[reader]:
+            order.append(reader)
+            left[reader] -= 1
+        reader = (reader + 1) % len(left)
+    return order
+
+
+def steps_left(plan: list[list[int]], sizes: list[int], consumed, batch_size: int, workers: int) -> int:
+    """Batches every rank takes from here to the epoch's end (its readers are `plan[rank * workers:][:workers]`):
+    the fewest any rank can fill, so that ranks stay in lockstep."""
+    counts = batch_counts(plan, sizes, consumed, batch_size)
+    return min(sum(b for b, _ in counts[r : r + workers]) for r in range(0, len(plan), workers))
+
+
+def dropped(plan: list[list[int]], sizes: list[int], batch_size: int, workers: int) -> int:
+    """Records a whole epoch leaves out, over all ranks: those of each rank's batches past the lockstep steps."""
+    consumed = [0] * len(sizes)
+    steps, out = steps_left(plan, sizes, consumed, batch_size, workers), 0
+    counts = batch_counts(plan, sizes, consumed, batch_size)
+    for r in range(0, len(plan), workers):
+        mine = counts[r : r + workers]
+        kept = [0] * workers
+        for reader in round_robin([b for b, _ in mine], 0)[:steps]:
+            kept[reader] += 1
+        out += sum(n - min(k * batch_size, n) for k, (_, n) in zip(kept, mine, strict=True))
+    return out
+
+
+def first_records(dataset, count: int) -> list:
+    """The stream's first `count` records, read in this process from a shallow copy (a data set that opens files on
+    first use does so on the copy): a shard stream's from its first shards, any other stream's from its iterator."""
+    dataset = copy.copy(dataset)
+    if is_shard_stream(dataset):
+        records = (record for shard in dataset.shards for record in dataset.read(shard))
+    else:
+        records = iter(dataset)
+    return list(itertools.islice(records, count))

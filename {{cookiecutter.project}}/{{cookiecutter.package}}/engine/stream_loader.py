@@ -1,0 +1,539 @@
+"""The train loader for streams (IterableDatasets): one DataLoader for the run, each record once per epoch, and a
+checkpoint at any step.
+
+Why it can be resumed (facts from torch/utils/data/dataloader.py, iterable data sets):
+- Each worker iterates its own copy of the data set. The DataLoader asks the workers round robin, from worker 0
+  each time it starts iterating, and a worker whose stream has ended is left out from then on. So the order of
+  the batches is fixed by what each worker yields and by which worker goes first.
+- Workers make whole batches (`ReaderStream`), each with what it holds: per shard, the record its reader reads
+  next (`ends`), or a plain stream's state after it. The main process keeps what the loop has *consumed*;
+  batches still prefetched are ahead of the loop and do not count.
+- Persistent workers keep their copy of the data set, so what a new epoch needs (its number, the worker that goes
+  first, the records consumed) reaches them through tensors in shared memory, written before `iter()`.
+- A shard stream's epoch plan (engine/shard_plan.py) is a pure function of (seed, epoch, readers): resumed with
+  the same readers, every reader goes on from its consumed records and the worker whose turn came next goes first,
+  so the run continues batch for batch. With other readers, the shards' unconsumed records are planned again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import failures, rng, shard_plan
+from .device import map_tensors
+from .errors import UserError
+from .loader import GuardedDataLoader, SeedWorker, for_the_queue
+from .memory import LoaderSettings
+
+log = logging.getLogger(__name__)
+
+RECORD, SKIPPED = 0, 1
+PLAIN_KEY = 1 << 62  # per-record seed keys of plain streams: apart from any shard's (shard << 32 | index)
+
+
+def is_stream(dataset) -> bool:
+    """A data set without an index: torch's IterableDataset. A shard stream is one with `shards` and `read`."""
+    return isinstance(dataset, IterableDataset)
+
+
+def seeks(dataset) -> bool:
+    """The shard stream's `read(shard, start=...)` starts at a record: needed to read past a bad one."""
+    try:
+        return "start" in inspect.signature(dataset.read).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+@dataclass
+class StreamBatch:
+    """What travels with a batch from its worker: which worker made it, where its reader stands after it, what
+    data.on_bad_sample=skip left out, and the worker's PID."""
+
+    worker: int
+    ends: dict = field(default_factory=dict)  # shard streams: shard -> the record its reader reads next
+    state: dict | None = None  # plain streams: {"count": records read, "state": the data set's state_dict()}
+    skipped: list = field(default_factory=list)
+    pid: int = 0
+
+
+def _as_is(item):
+    return item
+
+
+class ReaderStream(IterableDataset):
+    """Worker side: the user's stream read by one reader (a worker of a rank), in whole batches.
+
+    Shard streams: the reader reads the shards the epoch plan gives it, each from its first unconsumed record,
+    and seeds every record from (seed, epoch, shard, record index). Plain streams: the data set's own iterator
+    (it splits itself over workers and ranks), `set_epoch(epoch)` first when it has one, its state restored on
+    a resume; records are seeded from (seed, epoch, reader, record count)."""
+
+    def __init__(self, dataset, batch_size: int, collate, seed: int, rank: int, world_size: int, skip: bool):
+        self.dataset, self.batch_size, self.collate, self.seed = dataset, batch_size, collate, seed
+        self.rank, self.world_size, self.skip = rank, world_size, skip
+        self.shards = shard_plan.is_shard_stream(dataset)
+        self.sizes = shard_plan.shard_sizes(dataset) if self.shards else None
+        self.seeks = self.shards and seeks(dataset)
+        self.control = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, the worker that goes first
+        count = len(dataset.shards) if self.shards else 0
+        self.consumed = torch.zeros(count, dtype=torch.int64).share_memory_()  # per shard, at the epoch's start
+        self.resume: dict = {}  # plain streams: reader -> its state as of its last consumed batch
+        self.resume_epoch = -1  # the epoch those states belong to
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        epoch, first = (int(v) for v in self.control.tolist())
+        local = (worker + first) % workers  # the reader this worker is this epoch
+        reader = self.rank * workers + local
+        if self.shards:
+            records = self._shard_records(epoch, reader, self.world_size * workers, self.consumed.clone())
+        else:
+            records = self._plain_records(epoch, reader)
+        in_main = info is None
+        while True:
+            saved = rng.capture() if in_main else None  # num_workers=0: the main RNG untouched by the data
+            try:
+                made = self._batch(records, local, in_main)
+            finally:
+                if in_main:
+                    rng.apply(saved)
+            if made is None:
+                return
+            yield made
+
+    def _batch(self, records, local: int, in_main: bool):
+        samples, meta, failed = [], StreamBatch(local, pid=os.getpid()), 0
+        for kind, shard, index, item in records:
+            if kind == SKIPPED:
+                meta.skipped.append(item)
+                failed += 1
+                if failed >= self.batch_size and not samples:
+                    raise failures.BadSample(
+                        f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
+                    )
+            else:
+                samples.append(item)
+            if shard is not None:
+                meta.ends[shard] = index + 1
+            else:
+                meta.state = {"count": index + 1, "state": self._state()}
+            if len(samples) == self.batch_size:
+                break
+        if not samples:
+            return None
+        batch = self.collate(samples)
+        if not in_main:
+            batch = map_tensors(for_the_queue, batch)
+        elif meta.state is not None:
+            meta.state = copy.deepcopy(meta.state)  # the data set goes on changing its own
+        return batch, meta
+
+    def _state(self):
+        state_dict = getattr(self.dataset, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def _seed(self, epoch: int, key: int) -> None:
+        rng.seed_sample(rng.sample_seeds(self.seed, epoch, [key])[0])
+
+    def _shard_records(self, epoch: int, reader: int, readers: int, consumed: torch.Tensor):
+        plan = shard_plan.reader_shards(self.seed, epoch, self.sizes, len(self.dataset.shards), readers)[reader]
+        for shard in plan:
+            yield from self._read_shard(epoch, shard, int(consumed[shard]))
+
+    def _open(self, shard: int, start: int):
+        descriptor = self.dataset.shards[shard]
+        if self.seeks:
+            return iter(self.dataset.read(descriptor, start=start))
+        records = iter(self.dataset.read(descriptor))
+        for _ in itertools.islice(records, start):  # read past the consumed ones, before any record is seeded
+            pass
+        return records
+
+    def _read_shard(self, epoch: int, shard: int, start: int):
+        index, records = start, self._open(shard, start)
+        while True:
+            self._seed(epoch, (shard << 32) | index)  # the record's randomness: the same for any readers
+            try:
+                sample = next(records)
+            except StopIteration:
+                return
+            except UserError:
+                raise
+            except Exception as e:
+                line = f"shard {shard} ({str(self.dataset.shards[shard])[:200]}) record {index}: {_first_line(e)}"
+                if not self.skip:
+                    raise failures.BadSample(line) from e
+                yield SKIPPED, shard, index, line
+                index += 1
+                records = self._open(shard, index)  # a generator that raised has ended: start after the record
+                continue
+            yield RECORD, shard, index, sample
+            index += 1
+
+    def _plain_records(self, epoch: int, reader: int):
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        count = 0
+        saved = self.resume.get(reader) if epoch == self.resume_epoch else None
+        if saved is not None:
+            count = saved["count"]
+            if saved["state"] is not None:
+                self.dataset.load_state_dict(saved["state"])
+        records = iter(self.dataset)
+        while True:
+            self._seed(epoch, PLAIN_KEY | (reader << 40) | count)
+            try:
+                sample = next(records)
+            except StopIteration:
+                return
+            except UserError:
+                raise
+            except Exception as e:
+                raise failures.BadSample(f"stream reader {reader} record {count}: {_first_line(e)}") from e
+            yield RECORD, None, count, sample
+            count += 1
+
+
+class StreamLoader:
+    """The train loader of a stream, built once. Iterate it once per epoch; `state_dict()` at any step.
+
+    The same face as TrainLoader (engine/loader.py): `epoch`, `position` (batches of this epoch consumed),
+    `batches_per_epoch` (known for a shard stream with `sizes`; else None, and the epoch ends where the stream
+    does), `at_epoch_end`, `worker_pids`, `skipped`, `start_next_epoch()`.
+    - Shard stream, `sizes`: every rank takes the same steps (shard_plan.rank_plan); the records past them are
+      dropped, counted in `dropped`.
+    - Without `sizes`, one process only: the epoch's length is known when it ends.
+    - Plain streams resume exactly when they are Stateful (`state_dict()` / `load_state_dict()`), with the same
+      readers; without a state, a mid-epoch resume is refused unless `stream_resume="restart_epoch"`.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        settings: LoaderSettings,
+        seed: int,
+        rng_mode: str = "per_sample",
+        collate_fn=None,
+        rank: int = 0,
+        world_size: int = 1,
+        worker_init=None,
+        on_bad_sample: str = "error",
+        bad_samples: failures.BadSampleLog | None = None,
+        start_guard=contextlib.nullcontext,
+        stream_resume: str = "exact",
+    ):
+        name = type(dataset).__name__
+        if rng_mode != "per_sample":
+            raise UserError(
+                f"rng_mode={rng_mode}: data.train ({name}) is a stream, whose records are seeded one by one from "
+                "(seed, epoch, shard, record): use rng_mode=per_sample"
+            )
+        if stream_resume not in ("exact", "restart_epoch"):
+            raise UserError(f"data.stream_resume must be exact or restart_epoch, got {stream_resume!r}")
+        shards = shard_plan.is_shard_stream(dataset)
+        if on_bad_sample == "skip" and not (shards and seeks(dataset)):
+            raise UserError(
+                f"data.on_bad_sample=skip: data.train ({name}) cannot go on past a record that failed (a generator "
+                "that raised has ended): make it a shard stream whose read(shard, start=0) starts at a record "
+                f"({__package__.split('.')[0]}.stream.ShardStream does), or use on_bad_sample=error"
+            )
+        self.stream = ReaderStream(
+            dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
+            skip=on_bad_sample == "skip",
+        )  # fmt: skip
+        if world_size > 1 and self.stream.sizes is None:
+            raise UserError(
+                f"data.train ({name}) is a stream {'without sizes' if shards else 'of no shards'}: under torchrun "
+                "every rank must take the same steps, planned from the records per shard; give it `shards`, `read` and "
+                "`sizes`, or run one process"
+            )
+        self.settings, self.seed, self.rank, self.world_size = settings, seed, rank, world_size
+        self.rng_mode, self.stream_resume = rng_mode, stream_resume
+        self.worker_init, self.start_guard = worker_init, start_guard
+        self.bad_samples, self.stack_dir = bad_samples, None  # stack_dir: where workers write stacks on a stall
+        if settings.num_workers and settings.timeout:
+            self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
+            weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
+        self.workers = max(settings.num_workers, 1)  # readers per rank
+        methods = ("state_dict", "load_state_dict")
+        self.stateful = not shards and all(callable(getattr(dataset, m, None)) for m in methods)
+        self.loader = None  # the DataLoader, made at the first epoch: workers copy the stream with its resume states
+        self.epoch, self.position, self.batches = 0, 0, 0  # batches: consumed over the run
+        self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
+        self.done = np.zeros(len(self.stream.consumed), dtype=np.int64)  # per shard: records the loop consumed
+        self.states: dict[int, dict] = {}  # plain streams: reader -> its state as of its last consumed batch
+        self.worker_pids: set[int] = set()
+        self.skipped = 0  # records data.on_bad_sample=skip left out of this epoch's consumed batches
+        self.dropped = 0  # records the epoch leaves out, over all ranks, so that ranks take the same steps
+        self.dropped_records = 0  # the same, of the epoch that ended last (metrics.jsonl)
+        self.batches_per_epoch: int | None = None
+        self._early = None  # the next epoch's iterator, made early (start_next_epoch)
+        self._last = False  # the batch just consumed is the epoch's last
+        self._plan()
+
+    @property
+    def readers(self) -> int:
+        return self.world_size * self.workers
+
+    @property
+    def at_epoch_end(self) -> bool:
+        return self._last
+
+    def worker_due(self) -> int:
+        """The worker the loop waits on next (a stall names it)."""
+        return self.first
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is None:
+            raise TypeError("a stream without sizes has no length before its epoch ends")
+        return self.batches_per_epoch - self.position
+
+    def _plan(self) -> None:
+        """This epoch's steps from the shards' sizes and the records consumed."""
+        sizes = self.stream.sizes
+        if sizes is None:
+            self.batches_per_epoch = None
+            return
+        plan = shard_plan.reader_shards(self.seed, self.epoch, sizes, len(sizes), self.readers)
+        b = self.settings.batch_size
+        self.batches_per_epoch = self.position + shard_plan.steps_left(plan, sizes, self.done, b, self.workers)
+        self.dropped = shard_plan.dropped(plan, sizes, b, self.workers)
+        if self.batches_per_epoch < 1 and self.position == 0:
+            raise UserError(
+                f"data.train holds too few records for one batch of {self.settings.batch_size} on every reader "
+                f"({self.readers}): lower loader.batch_size or loader.num_workers"
+            )
+
+    def _dataloader(self):
+        s = self.settings
+        return GuardedDataLoader(
+            self.stream,
+            batch_size=None,  # the workers make whole batches
+            num_workers=s.num_workers,
+            collate_fn=_as_is,
+            pin_memory=s.pin_memory,
+            timeout=s.timeout,
+            worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
+            generator=torch.Generator().manual_seed(self.seed),
+            prefetch_factor=s.prefetch_factor,
+            persistent_workers=s.persistent_workers,
+            start_guard=self.start_guard,
+        )
+
+    def _begin(self):
+        """The epoch's iterator; what its workers need first goes into shared memory."""
+        self.stream.control.copy_(torch.tensor([self.epoch, self.first]))
+        self.stream.consumed.copy_(torch.from_numpy(self.done))
+        if self.loader is None:
+            self.loader = self._dataloader()
+        return iter(self.loader)
+
+    def start_next_epoch(self) -> None:
+        """With persistent workers: hand them the next epoch now, e.g. while validation runs (TrainLoader's)."""
+        s = self.settings
+        if self._early is None and not self.position and s.persistent_workers and s.num_workers:
+            self._early = self._begin()
+
+    def __iter__(self):
+        self.worker_pids = set()
+        if self.position == 0:
+            self.skipped = 0
+        iterator = self._early if self._early is not None else self._begin()
+        self._early = None
+        known = self.batches_per_epoch is not None
+        upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator)
+        while upcoming is not None:
+            batch, meta = upcoming
+            if known:
+                self._consume(meta)
+                self._last = self.position >= self.batches_per_epoch
+                yield batch
+                upcoming = None if self._last else self._next(iterator)
+                continue
+            # One batch ahead: the loop must know the epoch's last batch as it takes it. A failure in the next one
+            # is raised before this one counts, so a checkpoint then still holds it.
+            upcoming = self._next(iterator)
+            self._consume(meta)
+            self._last = upcoming is None
+            yield batch
+        self.epoch, self.position, self.first, self._last = self.epoch + 1, 0, 0, False
+        self.dropped_records = self.dropped
+        self.done[:] = 0
+        self.states = {}
+        self._plan()
+
+    def _next(self, iterator):
+        try:
+            return next(iterator)
+        except StopIteration:
+            return None
+        except Exception as e:  # a stall, a bad record, a full /dev/shm: named, in one line
+            failure = failures.from_loader_error(e, self)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def _consume(self, meta: StreamBatch) -> None:
+        self.position += 1
+        self.batches += 1
+        self.first = (meta.worker + 1) % self.workers
+        for shard, end in meta.ends.items():
+            self.done[shard] = end
+        if meta.state is not None:
+            self.states[self.rank * self.workers + meta.worker] = meta.state
+        self.worker_pids.add(meta.pid)
+        if meta.skipped:
+            self.skipped += len(meta.skipped)
+            if self.bad_samples is not None:
+                self.bad_samples.add(self.epoch, meta.skipped)
+
+    def progress(self) -> dict:
+        g = self.settings.batch_size * self.world_size
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches": self.batches,
+            "samples": self.batches * g,  # at most: a reader's last batch of an epoch may be short
+            "global_batch": g,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": "shard_stream" if self.stream.shards else "stream",
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches": self.batches,
+            "batch_size": self.settings.batch_size,
+            "global_batch": self.settings.batch_size * self.world_size,
+            "num_workers": self.settings.num_workers,
+            "world_size": self.world_size,
+            "readers": self.readers,
+            "rng_mode": self.rng_mode,
+            "first": self.first,
+            "consumed": torch.from_numpy(self.done.copy()),
+            "states": {str(reader): state for reader, state in self.states.items()},
+            "skipped": self.skipped,
+        }
+
+    @staticmethod
+    def combined(states: list[dict]) -> dict:
+        """A checkpoint's rank states as one, for a resume on another number of processes: each shard's records
+        are consumed by one rank, so the counts add up."""
+        merged = dict(states[0])
+        merged["consumed"] = torch.stack([s["consumed"] for s in states]).amax(0)
+        return merged
+
+    def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
+        """Continue from `state` (`reseed`: another number of processes wrote it; the order of the rest of the epoch
+        then changes, nothing else: a stream seeds its records by their place in their shard)."""
+        kind = "shard_stream" if self.stream.shards else "stream"
+        if state.get("kind") != kind:
+            raise UserError(
+                f"resume: the checkpoint's train data was {state.get('kind', 'an indexed data set')} and this run's "
+                f"is a {kind.replace('_', ' ')}: resume with the data the run started with"
+            )
+        if state["global_batch"] != self.settings.batch_size * self.world_size:
+            raise UserError(
+                f"resume: the checkpoint's global batch is {state['global_batch']}, this run's "
+                f"{self.settings.batch_size * self.world_size}: resume with the same loader.batch_size"
+            )
+        self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
+        self.skipped = state["skipped"] if self.position else 0
+        same = state["readers"] == self.readers and state["world_size"] == self.world_size
+        if self.stream.shards:
+            self.done = state["consumed"].numpy().astype(np.int64).copy()
+            self.first = state["first"] if same else 0
+            if self.position and not same:
+                log.warning(
+                    "resume: the stream was read by %d readers (processes x workers) and is now read by %d: the rest "
+                    "of epoch %d, each record once, is planned again, so the order of its batches changed",
+                    state["readers"], self.readers, self.epoch,
+                )  # fmt: skip
+        elif self.position and not self.stateful:
+            if self.stream_resume != "restart_epoch":
+                raise UserError(
+                    f"resume: data.train ({type(self.stream.dataset).__name__}) is a stream without state_dict() "
+                    f"and load_state_dict(), so where epoch {self.epoch} stood cannot be restored: give it both, "
+                    "or set data.stream_resume=restart_epoch to start the epoch over"
+                )
+            log.warning(
+                "resume: data.stream_resume=restart_epoch: epoch %d starts over (its first %d batches come again)",
+                self.epoch, self.position,
+            )  # fmt: skip
+            self.position = 0
+        elif self.position:
+            if not same:
+                raise UserError(
+                    f"resume: the stream's state was saved for {state['readers']} readers (processes x workers) and "
+                    f"this run has {self.readers}: a plain stream's state belongs to its reader; resume with "
+                    f"loader.num_workers={state['num_workers']}"
+                )
+            self.first = state["first"]
+            self.states = {int(reader): saved for reader, saved in state["states"].items()}
+            self.stream.resume, self.stream.resume_epoch = dict(self.states), self.epoch
+        self._plan()
+
+
+class EvalStream(IterableDataset):
+    """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
+    readers in their own order, whole; a plain stream splits itself."""
+
+    def __init__(self, dataset, rank: int = 0, world_size: int = 1):
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+
+    def __iter__(self):
+        if not shard_plan.is_shard_stream(self.dataset):
+            yield from self.dataset
+            return
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shards = list(self.dataset.shards)
+        for descriptor in shards[self.rank * workers + worker :: self.world_size * workers]:
+            yield from self.dataset.read(descriptor)
+
+
+def eval_stream_loader(
+    dataset,
+    settings: LoaderSettings,
+    rank: int = 0,
+    world_size: int = 1,
+    worker_init=None,
+    collate_fn=None,
+    start_guard=contextlib.nullcontext,
+) -> GuardedDataLoader:
+    """The validation loader of a stream, built once (engine/loader.py's eval_loader for indexed data): each worker
+    batches its own records, so a rank's last batch of each worker may be short."""
+    return GuardedDataLoader(
+        EvalStream(dataset, rank, world_size),
+        batch_size=settings.batch_size,
+        num_workers=settings.num_workers,
+        pin_memory=settings.pin_memory,
+        timeout=settings.timeout,
+        prefetch_factor=settings.prefetch_factor,
+        persistent_workers=settings.persistent_workers,
+        generator=torch.Generator(),
+        worker_init_fn=worker_init,
+        collate_fn=collate_fn,
+        start_guard=start_guard,
+    )
