@@ -5,7 +5,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -8,7 +8,8 @@ SIZES = [37, 5, 60, 18, 41, 9, 26, 14]
 
 
 def test_each_shard_goes_to_one_reader_in_an_order_drawn_from_seed_and_epoch():
-    plans = {(seed, epoch): shard_plan.reader_shards(seed, epoch, SIZES, len(SIZES), 3) for seed in (0, 1) for epoch in (0, 1)}
+    keys = [(seed, epoch) for seed in (0, 1) for epoch in (0, 1)]
+    plans = {key: shard_plan.reader_shards(*key, SIZES, len(SIZES), 3) for key in keys}
     for plan in plans.values():
         assert sorted(s for shards in plan for s in shards) == list(range(len(SIZES)))
     assert plans[0, 0] == shard_plan.reader_shards(0, 0, SIZES, len(SIZES), 3)  # pure

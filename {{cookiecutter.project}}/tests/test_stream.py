@@ -29,7 +29,8 @@ def test_read_starts_inside_a_shard_without_decoding_what_it_passes_over():
 def write_jsonl(folder, counts, dim=3):
     folder.mkdir(parents=True, exist_ok=True)
     for f, count in enumerate(counts):
-        lines = [json.dumps({"x": [float(f), float(i)] + [0.5] * (dim - 2), "label": (f + i) % 2}) for i in range(count)]
+        records = [{"x": [float(f), float(i)] + [0.5] * (dim - 2), "label": (f + i) % 2} for i in range(count)]
+        lines = [json.dumps(record) for record in records]
         (folder / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n\n")  # a trailing blank line is no record
     return folder
 

@@ -90,7 +90,8 @@ def test_resumed_on_three_workers_the_epoch_still_reads_each_record_once(tmp_pat
     run_train(first, *STREAM, "max_steps=9", "epochs=1", env=env)
     head = recorded_steps(tmp_path / "samples")
     env = {"RECORD_SAMPLES": str(tmp_path / "rest")}
-    proc = run_train(second, *STREAM, "epochs=1", "loader.num_workers=3", f"resume={first}/checkpoints/last.pth", env=env)
+    resume = f"resume={first}/checkpoints/last.pth"
+    proc = run_train(second, *STREAM, "epochs=1", "loader.num_workers=3", resume, env=env)
     assert "order of its batches changed" in proc.stdout + proc.stderr
     keys = [k for steps in (head, recorded_steps(tmp_path / "rest")) for b in steps.values() for k in b[0]]
     assert sorted(keys) == ALL
