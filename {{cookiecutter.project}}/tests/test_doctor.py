@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.doctor import model_memory, recommend
 from tests.helpers import PROJECT
+from tests.test_stream_train import STREAM
 
 PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
 
@@ -39,6 +40,21 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
     assert report["machine"]["shm_size_mib"] > 0 and "/dev/shm: " in proc.stdout  # where the batches in flight live
     assert all("MiB free of" in r["plan"] for r in report["profiles"] if r["num_workers"])
     assert "model memory per rank: parameters" in proc.stdout and report["model_memory_mib"]["ddp_per_rank"] > 0
+
+
+def test_doctor_measures_a_stream(tmp_path):
+    """A shard stream (tests.datasets.CountingShards) through every profile, read as train.py reads it."""
+    data = [o for o in STREAM if o.startswith(("data.", "~data.", "+data.", "model.", "~model.", "+model.", "task."))]
+    doctor = [sys.executable, "-m", "{{ cookiecutter.package }}.doctor"]
+    cmd = [*doctor, *data, "loader.batch_size=8", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert [r["profile"] for r in report["profiles"]] == PROFILES
+    assert report["data"]["train_samples"] == 210  # the shards' sizes added
+    for r in report["profiles"]:
+        assert r["batches_per_s"] > 0 and r["first_batch_e2_s"] > 0 and r["plan_mib"] > 0
+    assert report["recommendation"]["profile"] in PROFILES
 
 
 def test_model_memory_per_rank_whole_under_ddp_and_split_under_fsdp():

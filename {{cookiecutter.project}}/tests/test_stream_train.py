@@ -68,14 +68,33 @@ def test_each_record_once_per_epoch_with_two_workers(straight):
     assert [r["dropped_records"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 0]
 
 
-def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight):
-    reference, _ = straight
+UNSIZED = ("+data.train.with_sizes=false", "schedule.total_steps=60")  # the epoch's end shows as the stream ends
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        (*UNSIZED, "accumulate_steps=2", "val_every_steps=3"),  # a window may close at an epoch's unknown end
+        ("loader=memory-tight", "loader.num_workers=3"),  # workers that end each epoch
+        ("loader.num_workers=0",),  # the main process reads: its own RNG left as the data found it
+    ],
+    ids=["sizes", "no-sizes-accumulate-validate", "not-persistent-3-workers", "no-workers"],
+)
+def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight, extra):
+    if extra:
+        reference = tmp_path / "straight"
+        run_train(reference, *STREAM, *extra)
+    else:
+        reference, _ = straight
     first, second = tmp_path / "first", tmp_path / "second"
-    run_train(first, *STREAM, "max_steps=11")
-    run_train(second, *STREAM, f"resume={first}/checkpoints/last.pth")
+    run_train(first, *STREAM, *extra, "max_steps=11")
+    run_train(second, *STREAM, *extra, f"resume={first}/checkpoints/last.pth")
     assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
     losses = [r["loss"] for r in read_jsonl(first / "steps.jsonl") + read_jsonl(second / "steps.jsonl")]
     assert losses == [r["loss"] for r in read_jsonl(reference / "steps.jsonl")]
+    if extra:
+        return
     # negative control: the same resume without the consumed counts re-reads the epoch from its first records
     ckpt = load_ckpt(first / "checkpoints/last.pth")
     ckpt["ranks"][0]["loader"]["consumed"].zero_()
@@ -130,7 +149,7 @@ def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
 
 
 def test_a_stream_without_sizes_needs_a_schedule_of_its_own_length(tmp_path):
-    unsized = [*STREAM, "+data.train.with_sizes=false"]
+    unsized = [*STREAM, UNSIZED[0]]
     proc = run_train(tmp_path / "refused", *unsized, expect=2)
     assert proc.stderr.startswith("error: schedule") and "schedule.total_steps" in proc.stderr
     env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
@@ -156,6 +175,12 @@ def test_a_bad_record_is_named_by_shard_and_index_or_skipped(tmp_path):
     assert "read(shard, start=0)" in refused.stderr
 
 
+def test_a_stalled_reader_is_named_and_the_run_saved(tmp_path):
+    proc = run_train(tmp_path, *STREAM, "+data.train.item_s=5", "loader.timeout=1", expect=75)
+    assert proc.stderr.startswith("error: loader.timeout: no batch for 1 s: batch 0 of epoch 0 is made by DataLoader")
+    assert (tmp_path / "stall_stacks.txt").exists()
+
+
 def test_json_lines_files_train_through_train_py(tmp_path):
     write_jsonl(tmp_path / "data/train", [30, 12, 21], dim=6)
     write_jsonl(tmp_path / "data/val", [8], dim=6)
@@ -166,7 +191,6 @@ def test_json_lines_files_train_through_train_py(tmp_path):
     assert [r["epoch"] for r in read_jsonl(tmp_path / "run/metrics.jsonl")] == [0, 1]
 
 
-@pytest.mark.slow
 def test_two_torchrun_processes_step_together_and_no_record_repeats(tmp_path):
     record = tmp_path / "samples"
     run_torchrun(tmp_path / "run", *STREAM, "loader.batch_size=4", env={"RECORD_SAMPLES": str(record)})
@@ -183,3 +207,16 @@ def test_two_torchrun_processes_step_together_and_no_record_repeats(tmp_path):
         assert len(keys) + metrics[epoch]["dropped_records"] == len(ALL)  # the rest dropped, and counted
         first += length
     assert first - 1 == len(steps)
+
+
+def test_a_two_process_stop_resumes_on_one_process_each_remaining_record_once(tmp_path):
+    env = {"RECORD_SAMPLES": str(tmp_path / "head")}
+    run_torchrun(tmp_path / "two", *STREAM, "loader.batch_size=4", "epochs=1", "max_steps=8", env=env)
+    head = [k for batches in recorded_steps(tmp_path / "head").values() for batch in batches for k in batch]
+    assert len(head) == 8 * 8
+    env = {"RECORD_SAMPLES": str(tmp_path / "rest")}
+    resume = f"resume={tmp_path}/two/checkpoints/last.pth"
+    proc = run_train(tmp_path / "one", *STREAM, "loader.batch_size=4", "epochs=1", resume, env=env)
+    assert "order of its batches changed" in proc.stdout + proc.stderr
+    rest = [k for batches in recorded_steps(tmp_path / "rest").values() for batch in batches for k in batch]
+    assert sorted(head + rest) == ALL  # one process drops nothing: the epoch's every record, once

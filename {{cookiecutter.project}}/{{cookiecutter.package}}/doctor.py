@@ -32,6 +32,7 @@ starts -> persistent workers. A table is printed and everything goes to doctor.j
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -48,13 +49,14 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Subset, default_collate, get_worker_info
 
-from .engine import fsdp, memory, monitor, rng, schema
+from .engine import fsdp, memory, monitor, rng, schema, shard_plan
 from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
 from .engine.optim import build_optimizer
+from .engine.stream_loader import StreamLoader, is_stream
 from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")
@@ -89,6 +91,37 @@ class Probe(Dataset):
         else:
             self.later = self.later[-200:] + [took]
         return item
+
+
+class StreamProbe(IterableDataset):
+    """Probe's twin for a stream: each reader's records timed as they are read, `count` of them in all. A shard
+    stream's shards are split over the workers; any other stream splits itself."""
+
+    def __init__(self, dataset, count: int):
+        self.dataset, self.count = dataset, count
+        self.first: tuple[float, float] | None = None
+        self.later: list[float] = []
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        if shard_plan.is_shard_stream(self.dataset):
+            shards = list(self.dataset.shards)[worker::workers]
+            records = (record for shard in shards for record in self.dataset.read(shard))
+        else:
+            records = iter(self.dataset)
+        records = itertools.islice(records, max(self.count // workers, 1))
+        while True:
+            began = time.time()
+            item = next(records, None)
+            if item is None:
+                return
+            took = time.time() - began
+            if self.first is None:
+                self.first = (began, took)
+            else:
+                self.later = self.later[-200:] + [took]
+            yield item
 
 
 class ProbeCollate:
@@ -165,10 +198,14 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> 
         change = "; ".join(changes) or None
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
-    count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
-    part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
-    probe = Probe(part)
-    loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
+    if is_stream(dataset):  # the stream's first records, read as train.py reads them (StreamLoader)
+        probe = StreamProbe(dataset, batches_per_epoch(settings) * settings.batch_size)
+        loader = StreamLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
+    else:
+        count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
+        part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
+        probe = Probe(part)
+        loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
     result = {
         "profile": name,
         "num_workers": settings.num_workers,
@@ -207,6 +244,12 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> 
     return result
 
 
+def stream_records(dataset) -> int | None:
+    """A stream's records per epoch: its shards' sizes added, or None where it does not say."""
+    sizes = shard_plan.shard_sizes(dataset) if shard_plan.is_shard_stream(dataset) else None
+    return None if sizes is None else sum(sizes)
+
+
 def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int = 5) -> float:
     """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
     saved = rng.capture()  # the model's initialisation draws from the main RNG; leave it as it was
@@ -214,7 +257,12 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
         model = instantiate(cfg.model).to(device)
         task = instantiate(cfg.task)
         collate = collate_of(cfg.data) or default_collate
-        batch = collate([dataset[i % len(dataset)] for i in range(batch_size)])
+        if is_stream(dataset):
+            samples = shard_plan.first_records(dataset, batch_size)
+            samples = [samples[i % len(samples)] for i in range(batch_size)]
+        else:
+            samples = [dataset[i % len(dataset)] for i in range(batch_size)]
+        batch = collate(samples)
     finally:
         rng.apply(saved)
     batch = input_transform(cfg.data, device)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
@@ -358,7 +406,8 @@ def diagnose(cfg) -> dict:
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed))
     model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
     weights = model_memory(cfg)
-    full_batches = max(len(train_set) // cfg.loader.batch_size, 1)
+    samples = stream_records(train_set) if is_stream(train_set) else len(train_set)  # None: a stream without sizes
+    full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     report = {
         "machine": {
@@ -370,7 +419,7 @@ def diagnose(cfg) -> dict:
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         },
-        "data": {"train_samples": len(train_set), "build_s": build_s, "full_epoch_batches": full_batches},
+        "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
         "model_batches_per_s": model_bps,
         "model_memory_mib": weights,
         "current": current,

@@ -3,8 +3,12 @@ checkpoint at any step.
 
 Why it can be resumed (facts from torch/utils/data/dataloader.py, iterable data sets):
 - Each worker iterates its own copy of the data set. The DataLoader asks the workers round robin, from worker 0
-  each time it starts iterating, and a worker whose stream has ended is left out from then on. So the order of
-  the batches is fixed by what each worker yields and by which worker goes first.
+  each time it starts iterating. So the order of the batches is fixed by what each worker yields and by which
+  worker goes first.
+- A worker whose stream ends would be left out, and a worker that is not persistent would exit there, mid-epoch
+  (`_mark_worker_as_unavailable`). So a reader that has read all its records answers each further request with an
+  `ended` marker instead: the loop skips those, and the epoch ends when every worker has sent one (or at its
+  planned steps). The order of the real batches stays the round robin over the readers with records left.
 - Workers make whole batches (`ReaderStream`), each with what it holds: per shard, the record its reader reads
   next (`ends`), or a plain stream's state after it. The main process keeps what the loop has *consumed*;
   batches still prefetched are ahead of the loop and do not count.
@@ -72,6 +76,7 @@ class StreamBatch:
     state: dict | None = None  # plain streams: {"count": records read, "state": the data set's state_dict()}
     skipped: list = field(default_factory=list)
     pid: int = 0
+    ended: bool = False  # no batch: the reader has read every record it has this epoch
 
 
 def _as_is(item):
@@ -117,8 +122,11 @@ class ReaderStream(IterableDataset):
                 if in_main:
                     rng.apply(saved)
             if made is None:
-                return
+                break
             yield made
+        ended = (None, StreamBatch(local, pid=os.getpid(), ended=True))
+        while True:  # until the epoch ends: the worker stays in the round robin, and alive (module docstring)
+            yield ended
 
     def _batch(self, records, local: int, in_main: bool):
         samples, meta, failed = [], StreamBatch(local, pid=os.getpid()), 0
@@ -360,19 +368,19 @@ class StreamLoader:
             self.skipped = 0
         iterator = self._early if self._early is not None else self._begin()
         self._early = None
-        known = self.batches_per_epoch is not None
-        upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator)
+        known, ended = self.batches_per_epoch is not None, set()
+        upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator, ended)
         while upcoming is not None:
             batch, meta = upcoming
             if known:
                 self._consume(meta)
                 self._last = self.position >= self.batches_per_epoch
                 yield batch
-                upcoming = None if self._last else self._next(iterator)
+                upcoming = None if self._last else self._next(iterator, ended)
                 continue
             # One batch ahead: the loop must know the epoch's last batch as it takes it. A failure in the next one
             # is raised before this one counts, so a checkpoint then still holds it.
-            upcoming = self._next(iterator)
+            upcoming = self._next(iterator, ended)
             self._consume(meta)
             self._last = upcoming is None
             yield batch
@@ -382,16 +390,22 @@ class StreamLoader:
         self.states = {}
         self._plan()
 
-    def _next(self, iterator):
-        try:
-            return next(iterator)
-        except StopIteration:
-            return None
-        except Exception as e:  # a stall, a bad record, a full /dev/shm: named, in one line
-            failure = failures.from_loader_error(e, self)
-            if failure is None:
-                raise
-            raise failure from e
+    def _next(self, iterator, ended: set):
+        """The next batch and what it carries; None once every reader has sent its `ended` marker."""
+        while len(ended) < self.workers:
+            try:
+                batch, meta = next(iterator)
+            except StopIteration:
+                return None
+            except Exception as e:  # a stall, a bad record, a full /dev/shm: named, in one line
+                failure = failures.from_loader_error(e, self)
+                if failure is None:
+                    raise
+                raise failure from e
+            if not meta.ended:
+                return batch, meta
+            ended.add(meta.worker)
+        return None
 
     def _consume(self, meta: StreamBatch) -> None:
         self.position += 1
