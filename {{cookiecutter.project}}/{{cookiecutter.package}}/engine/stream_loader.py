@@ -176,25 +176,31 @@ class ReaderStream(IterableDataset):
             pass
         return records
 
+    def _pull(self, records, epoch: int, key: int):
+        """The iterator's next record, its randomness seeded from `key`: `(sample, None)`, `(None, error)` when it
+        raised, or None at its end."""
+        self._seed(epoch, key)
+        try:
+            return next(records), None
+        except StopIteration:
+            return None
+        except UserError:  # the data set's own one-line message stands as it is
+            raise
+        except Exception as e:
+            return None, e
+
     def _read_shard(self, epoch: int, shard: int, start: int):
         index, records = start, self._open(shard, start)
-        while True:
-            self._seed(epoch, (shard << 32) | index)  # the record's randomness: the same for any readers
-            try:
-                sample = next(records)
-            except StopIteration:
-                return
-            except UserError:
-                raise
-            except Exception as e:
-                line = f"shard {shard} ({str(self.dataset.shards[shard])[:200]}) record {index}: {_first_line(e)}"
+        while (pulled := self._pull(records, epoch, (shard << 32) | index)) is not None:  # the same for any readers
+            sample, error = pulled
+            if error is None:
+                yield RECORD, shard, index, sample
+            else:
+                line = f"shard {shard} ({str(self.dataset.shards[shard])[:200]}) record {index}: {_first_line(error)}"
                 if not self.skip:
-                    raise failures.BadSample(line) from e
+                    raise failures.BadSample(line) from error
                 yield SKIPPED, shard, index, line
-                index += 1
-                records = self._open(shard, index)  # a generator that raised has ended: start after the record
-                continue
-            yield RECORD, shard, index, sample
+                records = self._open(shard, index + 1)  # a generator that raised has ended: start after the record
             index += 1
 
     def _plain_records(self, epoch: int, reader: int):
@@ -208,16 +214,10 @@ class ReaderStream(IterableDataset):
             if saved["state"] is not None:
                 self.dataset.load_state_dict(saved["state"])
         records = iter(self.dataset)
-        while True:
-            self._seed(epoch, PLAIN_KEY | (reader << 40) | count)
-            try:
-                sample = next(records)
-            except StopIteration:
-                return
-            except UserError:
-                raise
-            except Exception as e:
-                raise failures.BadSample(f"stream reader {reader} record {count}: {_first_line(e)}") from e
+        while (pulled := self._pull(records, epoch, PLAIN_KEY | (reader << 40) | count)) is not None:
+            sample, error = pulled
+            if error is not None:
+                raise failures.BadSample(f"stream reader {reader} record {count}: {_first_line(error)}") from error
             yield RECORD, None, count, sample
             count += 1
 
