@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from {{ cookiecutter.package }}.engine.errors import UserError
 {% if cookiecutter.with_shards == "yes" %}
 from {{ cookiecutter.package }}.shards import ShardDataset
 {% endif %}
@@ -151,7 +152,8 @@ class SlowItems(RngDrawingDataset):
 class CountingShards(ShardStream):
     """A shard stream of unequal shards: record `i` of shard `s` is `(x, label, s * 1000 + i)`, its input drawing
     from torch, numpy and python `random` like RngDrawingDataset's, so any RNG slip shows in the weights. `sizes`:
-    records per shard; `with_sizes=False` leaves them unsaid; `bad`: keys whose record raises."""
+    records per shard; `with_sizes=False` leaves them unsaid; `bad`: keys whose record raises; `refused`: keys whose
+    record raises a UserError."""
 
     def __init__(
         self,
@@ -161,10 +163,11 @@ class CountingShards(ShardStream):
         with_sizes: bool = True,
         bad=(),
         item_s: float = 0,
+        refused=(),
     ):
         super().__init__(range(len(sizes)), sizes if with_sizes else None)
         self.per_shard, self.num_classes, self.image_size = list(sizes), num_classes, image_size
-        self.bad, self.item_s = set(bad), item_s
+        self.bad, self.item_s, self.refused = set(bad), item_s, set(refused)
 
     def records(self, shard: int):
         return ((shard, i) for i in range(self.per_shard[shard]))
@@ -174,6 +177,8 @@ class CountingShards(ShardStream):
         key = shard * 1000 + i
         if key in self.bad:
             raise ValueError(f"record {key} is corrupt")
+        if key in self.refused:  # the data set's own one-line message, as a reader that checks its files has
+            raise UserError(f"shard {shard} changed on disk since its sizes were counted: count them again")
         if torch.utils.data.get_worker_info() is not None:  # slow storage for the loader, not for the config check
             time.sleep(self.item_s)
         label = (shard * 7 + i) % self.num_classes

@@ -4,9 +4,11 @@ that continues batch for batch with the same readers, or each remaining record o
 import pytest
 import torch
 
+from {{ cookiecutter.package }}.engine import failures
 from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader, eval_stream_loader
-from tests.datasets import CountingShards, SplitStream, StatefulStream
+from tests.datasets import CountingShards, IndexedSamples, SplitStream, StatefulStream
 from tests.helpers import loader_settings
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-CPU runner
@@ -101,3 +103,33 @@ def test_validation_streams_split_over_ranks_and_workers():
         loader = eval_stream_loader(CountingShards(SIZES), loader_settings(batch_size=8, workers=2), rank, 2)
         got += [k for _, _, keys in loader for k in keys.tolist()]
     assert sorted(got) == ALL
+
+
+def test_what_cannot_be_planned_or_restored_is_refused_in_one_line():
+    settings = loader_settings(batch_size=8, workers=2)
+    with pytest.raises(UserError, match="without sizes: under torchrun"):
+        StreamLoader(CountingShards(SIZES, with_sizes=False), settings, seed=0, rank=0, world_size=2)
+    with pytest.raises(UserError, match="of no shards: under torchrun"):
+        StreamLoader(StatefulStream(), settings, seed=0, rank=1, world_size=2)
+    with pytest.raises(UserError, match="use rng_mode=per_sample"):
+        StreamLoader(CountingShards(SIZES), settings, seed=0, rng_mode="per_worker")
+    first = StreamLoader(StatefulStream(), settings, seed=0)
+    keys_of(first, 3)
+    other = StreamLoader(StatefulStream(), loader_settings(batch_size=8, workers=3), seed=0)
+    with pytest.raises(UserError, match="resume with loader.num_workers=2"):
+        other.load_state_dict(first.state_dict())
+    indexed = {**first.state_dict(), "kind": None}
+    with pytest.raises(UserError, match="resume with the data the run started with"):
+        StreamLoader(StatefulStream(), settings, seed=0).load_state_dict(indexed)
+    with pytest.raises(UserError, match="resume with the data the run started with"):
+        TrainLoader(IndexedSamples(64), settings, seed=0).load_state_dict(first.state_dict())
+
+
+def test_errors_in_a_worker_come_back_as_their_own_line():
+    settings = loader_settings(batch_size=8, workers=2)
+    with pytest.raises(UserError) as refused:
+        keys_of(StreamLoader(CountingShards(SIZES, refused={2010}), settings, seed=0))
+    assert str(refused.value) == "shard 2 changed on disk since its sizes were counted: count them again"
+    with pytest.raises(failures.BadSample) as bad:
+        keys_of(StreamLoader(CountingShards(SIZES, bad={2010}), settings, seed=0))
+    assert str(bad.value) == "shard 2 (2) record 10: ValueError: record 2010 is corrupt"

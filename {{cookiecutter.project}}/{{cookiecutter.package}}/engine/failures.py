@@ -130,14 +130,15 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     return Samples(samples, skipped)
 
 
-def from_worker(exc: BadSample) -> BadSample:
-    """The BadSample PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process 1. Original
-    Traceback ..."), reduced to the worker's own line: the last line of that traceback."""
-    text = exc.message
-    if "Caught BadSample" not in text:
+def from_worker(exc: UserError) -> UserError:
+    """A UserError or BadSample PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process 1.
+    Original Traceback ..."), reduced to the worker's own line, the last line of that traceback, in its own type."""
+    kind = type(exc)
+    text = exc.message if isinstance(exc, LoaderFailure) else str(exc)
+    if f"Caught {kind.__name__}" not in text:
         return exc
-    found = re.findall(r"BadSample: (.*)", text)
-    return BadSample(found[-1].strip() if found else text.strip().splitlines()[-1])
+    found = re.findall(rf"{kind.__name__}: (.*)", text)
+    return kind(found[-1].strip() if found else text.strip().splitlines()[-1])
 
 
 # --- stalls -----------------------------------------------------------------------------------------------------
@@ -250,9 +251,9 @@ def shm_full(error: BaseException) -> ShmFull:
 # --- in the main process ----------------------------------------------------------------------------------------
 
 
-def from_loader_error(error: BaseException, loader) -> LoaderFailure | None:
+def from_loader_error(error: BaseException, loader) -> UserError | None:
     """What `error`, raised while the train loader waited for its next batch, means; None: not one of ours."""
-    if isinstance(error, BadSample):
+    if isinstance(error, UserError):  # a bad sample, or the data set's own line (e.g. a shard changed on disk)
         return from_worker(error)
     if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after"):
         return stalled(loader)

@@ -597,6 +597,11 @@ class TrainLoader:
         """Continue from `state`, a rank's `state_dict()`. `reseed`: the run had another number of processes, so
         no rank's generator and worker streams carry over: the generator is seeded from `reseed` and the workers
         start fresh; the position (global batches of the epoch) carries over as it is."""
+        if "kind" in state:  # StreamLoader's
+            raise UserError(
+                "resume: the checkpoint's train data was a stream and this run's is an indexed data set: resume with "
+                "the data the run started with"
+            )
         # The batch order depends on these; with per_worker streams, so does which worker serves what.
         must_match = ["batches_per_epoch", "global_batch", "rng_mode"]
         if self.rng_mode == "per_worker" and reseed is None:
