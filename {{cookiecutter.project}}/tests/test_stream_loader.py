@@ -4,7 +4,7 @@ that continues batch for batch with the same readers, or each remaining record o
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine import failures
+from {{ cookiecutter.package }}.engine import failures, shard_plan
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader, eval_stream_loader
@@ -133,3 +133,21 @@ def test_errors_in_a_worker_come_back_as_their_own_line():
     with pytest.raises(failures.BadSample) as bad:
         keys_of(StreamLoader(CountingShards(SIZES, bad={2010}), settings, seed=0))
     assert str(bad.value) == "shard 2 (2) record 10: ValueError: record 2010 is corrupt"
+
+
+class NotATorchDataset:
+    """A shard stream of no torch class: `shards`, `read` and `sizes` are all it takes."""
+
+    def __init__(self):
+        self.inner = CountingShards(SIZES)
+        self.shards, self.sizes = self.inner.shards, self.inner.sizes
+
+    def read(self, shard):
+        return self.inner.read(shard)
+
+
+def test_any_class_with_shards_and_read_is_a_shard_stream_and_an_indexed_one_is_not():
+    assert shard_plan.is_stream(NotATorchDataset()) and shard_plan.is_stream(SplitStream())
+    assert not shard_plan.is_stream(IndexedSamples(8))
+    loader = StreamLoader(NotATorchDataset(), loader_settings(batch_size=8, workers=2), seed=0)
+    assert flat(keys_of(loader)) == ALL

@@ -103,6 +103,17 @@ def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight, extra):
     assert not same_weights(reference / "checkpoints/last.pth", tmp_path / "control/checkpoints/last.pth")
 
 
+@pytest.mark.parametrize("method", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
+def test_workers_that_get_the_stream_pickled_resume_it_exactly(tmp_path, straight, method):
+    """Started by spawn or forkserver, workers receive the stream pickled: the epoch and the consumed records still
+    reach them through shared memory."""
+    reference, _ = straight
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_train(first, *STREAM, "max_steps=11", start_method=method)
+    run_train(second, *STREAM, f"resume={first}/checkpoints/last.pth", start_method=method)
+    assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
+
+
 def test_resumed_on_three_workers_the_epoch_still_reads_each_record_once(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     env = {"RECORD_SAMPLES": str(tmp_path / "samples")}

@@ -56,7 +56,8 @@ from .engine.device import input_transform, to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
 from .engine.optim import build_optimizer
-from .engine.stream_loader import StreamLoader, is_stream
+from .engine.shard_plan import is_stream
+from .engine.stream_loader import StreamLoader
 from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")

@@ -27,8 +27,8 @@ rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
   never share a batch within an epoch), harmless when pack mixed the samples, costly when each
   shard holds few classes (`--in-order`, or shards written sorted by another tool).
 
-`stream.py`'s IterableDataset stays the fallback for data without an index (no exact resume, order
-depends on the worker count).
+`stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
+readers, and which records share a batch depends on the readers (README, "Streams").
 """
 
 from __future__ import annotations

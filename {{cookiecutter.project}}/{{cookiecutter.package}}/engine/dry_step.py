@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import default_collate
 
 from . import fsdp, shard_plan
 from .checks import check_data, reason
@@ -177,7 +177,7 @@ def _build(node, name: str):
 def first_two(dataset, collate, name: str):
     """A batch of the first two samples, through the configured collate (also the throwaway step's in run.py)."""
     try:
-        if isinstance(dataset, IterableDataset):
+        if shard_plan.is_stream(dataset):
             samples = shard_plan.first_records(dataset, 2)
         else:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]

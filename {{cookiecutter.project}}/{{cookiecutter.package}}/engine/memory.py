@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import default_collate
 
 from . import rng, shard_plan
 from .errors import UserError
@@ -89,7 +89,7 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     """
     saved = rng.capture()
     try:
-        streamed = isinstance(dataset, IterableDataset)
+        streamed = shard_plan.is_stream(dataset)
         one = collate_fn(shard_plan.first_records(dataset, 1) if streamed else [copy.copy(dataset)[0]])
     finally:
         rng.apply(saved)

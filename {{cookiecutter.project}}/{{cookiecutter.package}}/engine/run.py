@@ -32,7 +32,8 @@ from .optim import build_optimizer
 from .preempt import StopRequest
 from .runlog import RunLog
 from .schedule import build_schedule
-from .stream_loader import StreamLoader, eval_stream_loader, is_stream
+from .shard_plan import is_stream
+from .stream_loader import StreamLoader, eval_stream_loader
 from .task_results import split_loss
 
 log = logging.getLogger("train")

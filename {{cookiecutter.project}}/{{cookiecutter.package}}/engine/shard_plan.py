@@ -15,12 +15,22 @@ import heapq
 import itertools
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from .errors import UserError
 
 
 def is_shard_stream(dataset) -> bool:
-    return hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))
+    """`shards` and `read`, and no index: a data set with `__getitem__` (torch's map-style Dataset) is read by index,
+    whatever else it has."""
+    if not (hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))):
+        return False
+    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
+
+
+def is_stream(dataset) -> bool:
+    """A data set read in order, not by index: torch's IterableDataset, or a shard stream of any class."""
+    return isinstance(dataset, IterableDataset) or is_shard_stream(dataset)
 
 
 def shard_sizes(dataset) -> list[int] | None:

@@ -48,11 +48,6 @@ RECORD, SKIPPED = 0, 1
 PLAIN_KEY = 1 << 62  # per-record seed keys of plain streams: apart from any shard's (shard << 32 | index)
 
 
-def is_stream(dataset) -> bool:
-    """A data set without an index: torch's IterableDataset. A shard stream is one with `shards` and `read`."""
-    return isinstance(dataset, IterableDataset)
-
-
 def seeks(dataset) -> bool:
     """The shard stream's `read(shard, start=...)` starts at a record: needed to read past a bad one."""
     try:
