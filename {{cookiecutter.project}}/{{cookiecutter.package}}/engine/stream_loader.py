@@ -223,7 +223,7 @@ class StreamLoader:
     The same face as TrainLoader (engine/loader.py): `epoch`, `position` (batches of this epoch consumed),
     `batches_per_epoch` (known for a shard stream with `sizes`; else None, and the epoch ends where the stream
     does), `at_epoch_end`, `worker_pids`, `skipped`, `start_next_epoch()`.
-    - Shard stream, `sizes`: every rank takes the same steps (shard_plan.rank_plan); the records past them are
+    - Shard stream, `sizes`: every rank takes the same steps (shard_plan.steps_left); the records past them are
       dropped, counted in `dropped`.
     - Without `sizes`, one process only: the epoch's length is known when it ends.
     - Plain streams resume exactly when they are Stateful (`state_dict()` / `load_state_dict()`), with the same
