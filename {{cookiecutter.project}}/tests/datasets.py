@@ -153,7 +153,7 @@ class CountingShards(ShardStream):
     """A shard stream of unequal shards: record `i` of shard `s` is `(x, label, s * 1000 + i)`, its input drawing
     from torch, numpy and python `random` like RngDrawingDataset's, so any RNG slip shows in the weights. `sizes`:
     records per shard; `with_sizes=False` leaves them unsaid; `bad`: keys whose record raises; `refused`: keys whose
-    record raises a UserError."""
+    record raises a UserError; `claimed`: the sizes it says it has, when they are not its sizes."""
 
     def __init__(
         self,
@@ -164,8 +164,9 @@ class CountingShards(ShardStream):
         bad=(),
         item_s: float = 0,
         refused=(),
+        claimed=None,
     ):
-        super().__init__(range(len(sizes)), sizes if with_sizes else None)
+        super().__init__(range(len(sizes)), (claimed or sizes) if with_sizes else None)
         self.per_shard, self.num_classes, self.image_size = list(sizes), num_classes, image_size
         self.bad, self.item_s, self.refused = set(bad), item_s, set(refused)
 

@@ -151,3 +151,29 @@ def test_any_class_with_shards_and_read_is_a_shard_stream_and_an_indexed_one_is_
     assert not shard_plan.is_stream(IndexedSamples(8))
     loader = StreamLoader(NotATorchDataset(), loader_settings(batch_size=8, workers=2), seed=0)
     assert flat(keys_of(loader)) == ALL
+
+
+def test_a_rank_that_skipped_its_way_short_of_the_planned_steps_stops_in_one_line():
+    """Two ranks, one reader each, batches of 4: shards of 9 and 20 records plan 3 steps for both. A bad record in
+    the 9 leaves its rank 8 records, 2 batches: it stops there in one line instead of leaving the other waiting."""
+    sizes = (9, 20)
+    settings = loader_settings(batch_size=4, workers=0)
+    plan = shard_plan.reader_shards(0, 0, list(sizes), 2, 2)
+    short = next(rank for rank, shards in enumerate(plan) if shards == [0])
+    loaders = [
+        StreamLoader(CountingShards(sizes, bad={3}), settings, seed=0, rank=r, world_size=2, on_bad_sample="skip")
+        for r in range(2)
+    ]
+    assert [loader.batches_per_epoch for loader in loaders] == [3, 3]
+    assert len(keys_of(loaders[1 - short])) == 3  # the control: the other rank takes its 3 steps
+    fewer = rf"left rank {short} short of epoch 0's 3 steps, which every process takes \(1 batch fewer\)"
+    with pytest.raises(failures.BadSample, match=fewer):
+        keys_of(loaders[short])
+
+
+@pytest.mark.parametrize("claimed, held", [((37, 6), "5"), ((37, 4), "more")], ids=["fewer", "more"])
+def test_a_shard_that_is_not_the_size_it_says_is_refused(claimed, held):
+    with pytest.raises(UserError) as wrong:
+        keys_of(StreamLoader(CountingShards((37, 5), claimed=claimed), loader_settings(batch_size=8), seed=0))
+    says = f"CountingShards.sizes says shard 1 (1) holds {claimed[1]} records, but it holds {held}"
+    assert str(wrong.value) == f"{says}: give sizes that match the shards"

@@ -187,6 +187,8 @@ class ReaderStream(IterableDataset):
     def _read_shard(self, epoch: int, shard: int, start: int):
         index, records = start, self._open(shard, start)
         while (pulled := self._pull(records, epoch, (shard << 32) | index)) is not None:  # the same for any readers
+            if self.sizes is not None and index >= self.sizes[shard]:
+                raise self._miscounted(shard, "more")
             sample, error = pulled
             if error is None:
                 yield RECORD, shard, index, sample
@@ -197,6 +199,15 @@ class ReaderStream(IterableDataset):
                 yield SKIPPED, shard, index, line
                 records = self._open(shard, index + 1)  # a generator that raised has ended: start after the record
             index += 1
+        if self.sizes is not None and index != self.sizes[shard]:
+            raise self._miscounted(shard, index)
+
+    def _miscounted(self, shard: int, held) -> UserError:
+        """The plan of every epoch rests on `sizes`: a shard that holds another number of records stops the run."""
+        return UserError(
+            f"{type(self.dataset).__name__}.sizes says shard {shard} ({str(self.dataset.shards[shard])[:200]}) holds "
+            f"{self.sizes[shard]} records, but it holds {held}: give sizes that match the shards"
+        )
 
     def _plain_records(self, epoch: int, reader: int):
         set_epoch = getattr(self.dataset, "set_epoch", None)
@@ -367,15 +378,18 @@ class StreamLoader:
         upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator, ended)
         while upcoming is not None:
             batch, meta = upcoming
-            if known:
-                self._consume(meta)
-                self._last = self.position >= self.batches_per_epoch
-                yield batch
-                upcoming = None if self._last else self._next(iterator, ended)
-                continue
-            # One batch ahead: the loop must know the epoch's last batch as it takes it. A failure in the next one
-            # is raised before this one counts, so a checkpoint then still holds it.
-            upcoming = self._next(iterator, ended)
+            # One batch ahead: the loop must know the epoch's last batch as it takes it (without sizes, only the
+            # stream's end tells). A failure in the next one is raised before this one counts, so a checkpoint
+            # then still holds it.
+            more = not known or self.position + 1 < self.batches_per_epoch
+            upcoming = self._next(iterator, ended) if more else None
+            if upcoming is None and known and self.position + 1 < self.batches_per_epoch and self.world_size > 1:
+                fewer = self.batches_per_epoch - self.position - 1
+                raise failures.BadSample(
+                    f"data.on_bad_sample=skip left rank {self.rank} short of epoch {self.epoch}'s "
+                    f"{self.batches_per_epoch} steps, which every process takes ({fewer} batch{'es' * (fewer > 1)} "
+                    "fewer): set data.on_bad_sample=error to find the bad record, fix or remove it, then resume=latest"
+                )
             self._consume(meta)
             self._last = upcoming is None
             yield batch
