@@ -65,7 +65,9 @@ def test_each_record_once_per_epoch_with_two_workers(straight):
     lengths = per_epoch()
     assert sum(lengths) == len(steps) == load_ckpt(run_dir / "checkpoints/last.pth")["step"]
     assert epochs_of(steps, lengths) == [ALL, ALL]
-    assert [r["dropped_records"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 0]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["dropped_records"] for r in metrics] == [0, 0]
+    assert len(metrics[0]["worker_pids"]) == 2 and metrics[0]["worker_pids"] == metrics[1]["worker_pids"]  # kept
 
 
 UNSIZED = ("+data.train.with_sizes=false", "schedule.total_steps=60")  # the epoch's end shows as the stream ends
