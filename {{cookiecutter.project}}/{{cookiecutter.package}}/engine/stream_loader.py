@@ -97,6 +97,7 @@ class ReaderStream(IterableDataset):
         self.consumed = torch.zeros(count, dtype=torch.int64).share_memory_()  # per shard, at the epoch's start
         self.resume: dict = {}  # plain streams: reader -> its state as of its last consumed batch
         self.resume_epoch = -1  # the epoch those states belong to
+        self._base = (-1, 0)  # (epoch, rng.epoch_base of it): what each record's seed is mixed from
 
     def __iter__(self):
         info = get_worker_info()
@@ -155,7 +156,9 @@ class ReaderStream(IterableDataset):
         return state_dict() if callable(state_dict) else None
 
     def _seed(self, epoch: int, key: int) -> None:
-        rng.seed_sample(rng.sample_seeds(self.seed, epoch, [key])[0])
+        if self._base[0] != epoch:
+            self._base = (epoch, rng.epoch_base(self.seed, epoch))
+        rng.seed_sample(rng.index_seed(self._base[1], key))
 
     def _shard_records(self, epoch: int, reader: int, readers: int, consumed: torch.Tensor):
         plan = shard_plan.reader_shards(self.seed, epoch, self.sizes, len(self.dataset.shards), readers)[reader]
