@@ -374,6 +374,18 @@ class GuardedDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.start_guard = start_guard
 
+    @classmethod
+    def following(cls, settings: LoaderSettings, dataset, **kwargs) -> GuardedDataLoader:
+        """One with the workers, prefetch, pinning, timeout and persistence of `settings` (`kwargs` may override)."""
+        given = {
+            "num_workers": settings.num_workers,
+            "pin_memory": settings.pin_memory,
+            "timeout": settings.timeout,
+            "prefetch_factor": settings.prefetch_factor,
+            "persistent_workers": settings.persistent_workers,
+        }
+        return cls(dataset, **{**given, **kwargs})
+
     def __iter__(self):
         with self.start_guard():
             return super().__iter__()
@@ -447,17 +459,13 @@ class TrainLoader:
         self._early: tuple | None = None  # (the next epoch's batches, the generator before they drew a base seed)
 
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
-        s = self.settings
-        return GuardedDataLoader(
+        return GuardedDataLoader.following(
+            self.settings,
             self.dataset,
             batch_sampler=self.sampler,
-            num_workers=s.num_workers,
             collate_fn=self.collate,
-            pin_memory=s.pin_memory,
-            timeout=s.timeout,
             worker_init_fn=seeding,
             generator=generator,
-            prefetch_factor=s.prefetch_factor,
             persistent_workers=persistent,
             start_guard=self.start_guard,
         )
@@ -664,14 +672,10 @@ def eval_loader(
         world_size=world_size,
         pad=False,
     )
-    return GuardedDataLoader(
+    return GuardedDataLoader.following(
+        settings,
         dataset,
         batch_sampler=sampler,
-        num_workers=settings.num_workers,
-        pin_memory=settings.pin_memory,
-        timeout=settings.timeout,
-        prefetch_factor=settings.prefetch_factor,
-        persistent_workers=settings.persistent_workers,
         generator=torch.Generator(),
         worker_init_fn=worker_init,
         collate_fn=collate_fn,

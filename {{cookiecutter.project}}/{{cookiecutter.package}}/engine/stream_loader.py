@@ -342,18 +342,13 @@ class StreamLoader:
             )
 
     def _dataloader(self):
-        s = self.settings
-        return GuardedDataLoader(
+        return GuardedDataLoader.following(
+            self.settings,
             self.stream,
             batch_size=None,  # the workers make whole batches
-            num_workers=s.num_workers,
             collate_fn=_as_is,
-            pin_memory=s.pin_memory,
-            timeout=s.timeout,
             worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
             generator=torch.Generator().manual_seed(self.seed),
-            prefetch_factor=s.prefetch_factor,
-            persistent_workers=s.persistent_workers,
             start_guard=self.start_guard,
         )
 
@@ -550,14 +545,10 @@ def eval_stream_loader(
 ) -> GuardedDataLoader:
     """The validation loader of a stream, built once (engine/loader.py's eval_loader for indexed data): each worker
     batches its own records, so a rank's last batch of each worker may be short."""
-    return GuardedDataLoader(
+    return GuardedDataLoader.following(
+        settings,
         EvalStream(dataset, rank, world_size),
         batch_size=settings.batch_size,
-        num_workers=settings.num_workers,
-        pin_memory=settings.pin_memory,
-        timeout=settings.timeout,
-        prefetch_factor=settings.prefetch_factor,
-        persistent_workers=settings.persistent_workers,
         generator=torch.Generator(),
         worker_init_fn=worker_init,
         collate_fn=collate_fn,
