@@ -42,6 +42,7 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
     assert "model memory per rank: parameters" in proc.stdout and report["model_memory_mib"]["ddp_per_rank"] > 0
 
 
+@pytest.mark.slow
 def test_doctor_measures_a_stream(tmp_path):
     """A shard stream (tests.datasets.CountingShards) through every profile, read as train.py reads it."""
     data = [o for o in STREAM if o.startswith(("data.", "~data.", "+data.", "model.", "~model.", "+model.", "task."))]

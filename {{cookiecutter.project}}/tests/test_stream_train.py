@@ -77,9 +77,11 @@ UNSIZED = ("+data.train.with_sizes=false", "schedule.total_steps=60")  # the epo
     "extra",
     [
         (),
-        (*UNSIZED, "accumulate_steps=2", "val_every_steps=3"),  # a window may close at an epoch's unknown end
-        ("loader=memory-tight", "loader.num_workers=3"),  # workers that end each epoch
-        ("loader.num_workers=0",),  # the main process reads: its own RNG left as the data found it
+        # a window may close at an epoch's unknown end
+        pytest.param((*UNSIZED, "accumulate_steps=2", "val_every_steps=3"), marks=pytest.mark.slow),
+        pytest.param(("loader=memory-tight", "loader.num_workers=3"), marks=pytest.mark.slow),  # workers end each epoch
+        # the main process reads: its own RNG left as the data found it
+        pytest.param(("loader.num_workers=0",), marks=pytest.mark.slow),
     ],
     ids=["sizes", "no-sizes-accumulate-validate", "not-persistent-3-workers", "no-workers"],
 )
@@ -105,7 +107,8 @@ def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight, extra):
     assert not same_weights(reference / "checkpoints/last.pth", tmp_path / "control/checkpoints/last.pth")
 
 
-@pytest.mark.parametrize("method", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_workers_that_get_the_stream_pickled_resume_it_exactly(tmp_path, straight, method):
     """Started by spawn or forkserver, workers receive the stream pickled: the epoch and the consumed records still
     reach them through shared memory."""
@@ -116,6 +119,7 @@ def test_workers_that_get_the_stream_pickled_resume_it_exactly(tmp_path, straigh
     assert same_weights(reference / "checkpoints/last.pth", second / "checkpoints/last.pth")
 
 
+@pytest.mark.slow
 def test_resumed_on_three_workers_the_epoch_still_reads_each_record_once(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
@@ -132,6 +136,7 @@ def test_resumed_on_three_workers_the_epoch_still_reads_each_record_once(tmp_pat
 PLAIN = [o for o in STREAM if not o.startswith(("data.train._target_", "+data.val"))]
 
 
+@pytest.mark.slow
 def test_a_stateful_plain_stream_resumes_exactly_and_a_stateless_one_is_refused(tmp_path):
     stateful = [*PLAIN, "data.train._target_=tests.datasets.StatefulStream", "schedule=constant"]
     run_train(tmp_path / "straight", *stateful)
@@ -152,6 +157,7 @@ def test_a_stateful_plain_stream_resumes_exactly_and_a_stateless_one_is_refused(
     assert not same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "control/checkpoints/last.pth")
 
 
+@pytest.mark.slow
 def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
     stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant", "epochs=1"]
     run_train(tmp_path / "plain", *stateless, "max_steps=7")
@@ -172,6 +178,7 @@ def test_a_stream_without_sizes_needs_a_schedule_of_its_own_length(tmp_path):
     assert [r["epoch"] for r in read_jsonl(tmp_path / "ok/metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_bad_record_is_named_by_shard_and_index_or_skipped(tmp_path):
     bad = [*STREAM, "+data.train.bad=[2017]", "epochs=1"]
     proc = run_train(tmp_path / "error", *bad, expect=3)
@@ -188,6 +195,7 @@ def test_a_bad_record_is_named_by_shard_and_index_or_skipped(tmp_path):
     assert "read(shard, start=0)" in refused.stderr
 
 
+@pytest.mark.slow
 def test_a_stalled_reader_is_named_and_the_run_saved(tmp_path):
     proc = run_train(tmp_path, *STREAM, "+data.train.item_s=5", "loader.timeout=1", expect=75)
     assert proc.stderr.startswith("error: loader.timeout: no batch for 1 s: batch 0 of epoch 0 is made by DataLoader")
@@ -204,6 +212,7 @@ def test_json_lines_files_train_through_train_py(tmp_path):
     assert [r["epoch"] for r in read_jsonl(tmp_path / "run/metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_processes_step_together_and_no_record_repeats(tmp_path):
     record = tmp_path / "samples"
     run_torchrun(tmp_path / "run", *STREAM, "loader.batch_size=4", env={"RECORD_SAMPLES": str(record)})
@@ -222,6 +231,7 @@ def test_two_torchrun_processes_step_together_and_no_record_repeats(tmp_path):
     assert first - 1 == len(steps)
 
 
+@pytest.mark.slow
 def test_a_two_process_stop_resumes_on_one_process_each_remaining_record_once(tmp_path):
     env = {"RECORD_SAMPLES": str(tmp_path / "head")}
     run_torchrun(tmp_path / "two", *STREAM, "loader.batch_size=4", "epochs=1", "max_steps=8", env=env)
