@@ -29,7 +29,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
-from . import failures, rng
+from . import failures, gpu_decode, rng
 from .device import map_tensors
 from .errors import UserError
 from .memory import LoaderSettings
@@ -632,12 +632,22 @@ class TrainLoader:
             self.generation = Generation(self.settings.num_workers, restored)
 
 
-def collate_of(data_cfg):
-    """`data.collate` built (a `_target_`), or None when the data config has none: torch's default_collate."""
+def collate_of(data_cfg, build=instantiate):
+    """`data.collate` built (a `_target_`, by `build`), or None when the data config has none: torch's
+    default_collate. With data.decode=gpu, gpu_decode.collate: a batch's JPEG files are bytes of different lengths,
+    which do not stack, and it keeps them as a list (one `EncodedBatch`) for the device to decode after the copy; a
+    data.collate of yours is refused with it, as it would be handed files, not images."""
     node = data_cfg.get("collate")
+    if data_cfg.get("decode") == "gpu":
+        if node is not None:
+            raise UserError(
+                "data.decode=gpu collates a batch's JPEG files itself (a list of bytes, decoded on the device): "
+                "drop data.collate, or keep it with data.decode=auto"
+            )
+        return gpu_decode.collate
     if node is None:
         return None
-    return instantiate(node)
+    return build(node)
 
 
 def eval_loader(

@@ -33,6 +33,7 @@ from torch.utils.data import default_collate
 
 from . import rng, shard_plan
 from .errors import UserError
+from .gpu_decode import EncodedBatch
 
 MiB = 2**20
 SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open names files there)
@@ -57,7 +58,7 @@ def batch_bytes(batch) -> int:
     """Bytes of every tensor (and numpy array) in a batch, however nested in tuples, lists and dicts."""
     if isinstance(batch, torch.Tensor):
         return batch.nelement() * batch.element_size()
-    if isinstance(batch, np.ndarray):
+    if isinstance(batch, (np.ndarray, EncodedBatch)):  # EncodedBatch: data.decode=gpu's JPEG files
         return batch.nbytes
     if isinstance(batch, Mapping):
         return sum(batch_bytes(v) for v in batch.values())
@@ -70,6 +71,8 @@ def layout(batch) -> str:
     """`64x3x32x32 float32, 64 int64`: the tensors of a batch, for the log line."""
     if isinstance(batch, torch.Tensor):
         return "x".join(map(str, batch.shape)) + " " + str(batch.dtype).removeprefix("torch.")
+    if isinstance(batch, EncodedBatch):
+        return batch.describe()
     if isinstance(batch, Mapping):
         return ", ".join(f"{k}: {layout(v)}" for k, v in batch.items() if batch_bytes(v))
     if isinstance(batch, (list, tuple)):
