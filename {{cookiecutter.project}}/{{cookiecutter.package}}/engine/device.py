@@ -22,7 +22,6 @@ from hydra.utils import instantiate
 
 from . import distributed
 from .errors import UserError
-from .gpu_decode import EncodedBatch
 
 
 def pick_device(choice) -> torch.device:
@@ -179,20 +178,20 @@ class PrepareBatch:
     dict batch (`image`); a batch that is one tensor is the input. There uint8 images become normalized floats and
     float ones are only laid out for `channels_last`. Every other part of the batch (labels, masks, token ids,
     attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
-    of JPEG files (data.decode=gpu: an `EncodedBatch`, still on the host) is first decoded on `device`, one call for
-    the batch, into the uint8 images the normalize takes.
+    that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
+    on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
     """
 
     def __init__(self, normalize, input_key: int | str = 0, device: torch.device | str = "cpu"):
         self.normalize, self.input, self.device = normalize, input_key, torch.device(device)
 
     def prepared(self, part):
-        if isinstance(part, EncodedBatch):
-            part = part.decode(self.device)
+        if hasattr(part, "to_images"):
+            part = part.to_images(self.device)
         return map_tensors(self.normalize, part)
 
     def __call__(self, batch):
-        if isinstance(batch, (torch.Tensor, EncodedBatch)):
+        if isinstance(batch, torch.Tensor) or hasattr(batch, "to_images"):
             return self.prepared(batch)
         key = self.input
         if isinstance(batch, Mapping) and key in batch:

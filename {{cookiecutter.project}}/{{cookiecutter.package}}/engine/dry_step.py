@@ -60,7 +60,7 @@ def dry_step(cfg) -> list[str]:
         train_set = _build(cfg.data.train, "data.train")
         val_set = _build(cfg.data.val, "data.val")
         check_data(train_set, val_set, cfg.data.get("num_classes"))
-        collate = collate_of(cfg.data, lambda node: _build(node, "data.collate")) or default_collate  # gpu: its own
+        collate = collate_of(cfg.data, train_set, lambda node: _build(node, "data.collate")) or default_collate
         prepare = input_transform(cfg.data, device, cfg.channels_last)
         model.to(device)
         if cfg.channels_last:

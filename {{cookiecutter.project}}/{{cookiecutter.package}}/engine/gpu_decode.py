@@ -6,13 +6,14 @@ batch with nvJPEG on the device, after the batch's copy, and crops, resizes and 
   make (the crop's own `make_params`, then `RandomHorizontalFlip`'s `torch.rand(1)`). So a sample draws what it
   draws with data.decode=auto: the run is deterministic, exact on resume and the same for any worker count. A file
   the worker decodes itself (PNG and the other formats, a CMYK or MPO JPEG) comes as pixels, as with `auto`.
-- `collate`, which `loader.collate_of` picks for data.decode=gpu: files of different lengths do not stack, so a
-  batch's images become one `EncodedBatch`, a list of files kept in one buffer (in a worker, one shared-memory
-  file for the batch rather than one per image); the labels go through default_collate.
+- `collate`, which a data set with data.decode=gpu names as its `collate_fn` (loader.collate_of takes it from
+  there): files of different lengths do not stack, so a batch's images become one `EncodedBatch`, a list of files
+  kept in one buffer (in a worker, one shared-memory file for the batch rather than one per image); the labels go
+  through default_collate.
 - An `EncodedBatch` is neither a tensor nor a container to `device.to_device`: it stays on the host, where nvJPEG
   reads its input (torchvision.io.decode_jpeg takes CPU tensors only). Nor is it pinned (the pin-memory thread pins
   tensors): the prefetch plan, which counts a pinned copy of every batch, counts it once too often.
-  `device.PrepareBatch` calls its `decode(device)` before data.normalize: one batched decode_jpeg call, then each
+  `device.PrepareBatch` calls its `to_images(device)` before data.normalize: one batched decode_jpeg call, then each
   image's box resized to the output size by the resize the CPU path uses, flipped where drawn, all stacked into a
   uint8 (N, 3, H, W) batch. On the CPU (tests) decode_jpeg decodes the list with libjpeg-turbo instead, and the
   batch comes out to the bit as data.decode=torchvision makes it.
@@ -84,7 +85,7 @@ class EncodedBatch:
         """The JPEG files, each a 1-D view of `data`: the list decode_jpeg decodes in one call."""
         return [self.data[a:b] for a, b in zip([0, *self.ends[:-1]], self.ends, strict=True)]
 
-    def decode(self, device: torch.device) -> torch.Tensor:
+    def to_images(self, device: torch.device) -> torch.Tensor:
         """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each
         box cut, resized and flipped, the worker-decoded images copied into their places."""
         out = torch.empty((self.size, 3, *self.crop.size), dtype=torch.uint8, device=device)

@@ -29,7 +29,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
-from . import failures, gpu_decode, rng
+from . import failures, rng
 from .device import map_tensors
 from .errors import UserError
 from .memory import LoaderSettings
@@ -632,19 +632,21 @@ class TrainLoader:
             self.generation = Generation(self.settings.num_workers, restored)
 
 
-def collate_of(data_cfg, build=instantiate):
-    """`data.collate` built (a `_target_`, by `build`), or None when the data config has none: torch's
-    default_collate. With data.decode=gpu, gpu_decode.collate: a batch's JPEG files are bytes of different lengths,
-    which do not stack, and it keeps them as a list (one `EncodedBatch`) for the device to decode after the copy; a
-    data.collate of yours is refused with it, as it would be handed files, not images."""
-    node = data_cfg.get("collate")
-    if data_cfg.get("decode") == "gpu":
-        if node is not None:
-            raise UserError(
-                "data.decode=gpu collates a batch's JPEG files itself (a list of bytes, decoded on the device): "
-                "drop data.collate, or keep it with data.decode=auto"
-            )
-        return gpu_decode.collate
+def collate_of(data_cfg, dataset=None, build=instantiate):
+    """The loaders' collate: `data.collate` built (a `_target_`, by `build`); else the one `dataset` names as its
+    `collate_fn`; else None, torch's default_collate. data.decode=gpu's data sets (data.py's ImageFiles, shards.py's
+    ShardDataset) name gpu_decode.collate: a batch's JPEG files are bytes of different lengths, which do not stack,
+    and it keeps them as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours
+    beside it is refused: it would be handed undecoded files."""
+    node, own = data_cfg.get("collate"), getattr(dataset, "collate_fn", None)
+    if node is not None and own is not None:
+        raise UserError(
+            f"data.collate is set, and {type(dataset).__name__} collates its batches itself (data.decode=gpu: a "
+            "batch's JPEG files kept as a list, decoded on the device): drop data.collate, or keep it with "
+            "data.decode=auto"
+        )
+    if own is not None:
+        return own
     if node is None:
         return None
     return build(node)
