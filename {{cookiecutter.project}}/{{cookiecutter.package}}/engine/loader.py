@@ -634,10 +634,10 @@ class TrainLoader:
 
 def collate_of(data_cfg, dataset=None, build=instantiate):
     """The loaders' collate: `data.collate` built (a `_target_`, by `build`); else the one `dataset` names as its
-    `collate_fn`; else None, torch's default_collate. data.decode=gpu's data sets (data.py's ImageFiles, shards.py's
-    ShardDataset) name gpu_decode.collate: a batch's JPEG files are bytes of different lengths, which do not stack,
-    and it keeps them as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours
-    beside it is refused: it would be handed undecoded files."""
+    `collate_fn`; else None, torch's default_collate. The data sets reading through data.py's CropDecoder name
+    gpu_decode.collate under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not
+    stack, and it keeps them as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of
+    yours beside it is refused: it would be handed undecoded files."""
     node, own = data_cfg.get("collate"), getattr(dataset, "collate_fn", None)
     if node is not None and own is not None:
         raise UserError(
