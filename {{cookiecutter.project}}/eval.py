@@ -94,7 +94,7 @@ def evaluate_checkpoint(cfg) -> dict:
     model.to(device)
 
     dataset = instantiate(cfg.data[cfg.split])
-    collate = collate_of(cfg.data)
+    collate = collate_of(cfg.data, dataset)
     settings = resolve_settings(cfg.loader, device.type)
     loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate,
                          start_guard=StopRequest.starting_workers)  # fmt: skip

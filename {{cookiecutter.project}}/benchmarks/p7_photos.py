@@ -3,6 +3,7 @@ torchvision's ImageFolder with PIL, the same v2 transforms.
 
     python -m benchmarks.p7_photos          # writes data/photos-500x375 and data/photos-2048x1536 on first use
     python -m benchmarks.p7_photos --gpu    # nvJPEG batch decode against libjpeg-turbo on the CPU (CUDA only)
+    python -m benchmarks.p7_photos --loader # train.py's loader path, data.decode=gpu against auto (CUDA only)
 
 The photos: scikit-learn's two sample photographs (640 x 427, shipped with the package: `pip install -e
 ".[bench]"`), cut at random 4:3 windows and re-encoded as JPEG (quality 90) at 500 x 375 and at 2048 x 1536,
@@ -20,6 +21,11 @@ is that of the per-round ratios.
   (1/2, 1/4, 1/8) that holds the box at 224 pixels or more, else as decode=torchvision.
 - `decode_jpeg, whole`: the reference, libjpeg-turbo's full-size decode rate of the same bytes (in memory, no
   crop, no transform).
+
+`--loader` times whole epochs of train.py's loader path on the same photos, each file read LOADER_REPEAT times
+an epoch (the page cache holds them): TrainLoader with WORKERS workers, the copy to the GPU (device_batches) and
+data.normalize (input_transform), which with data.decode=gpu first decodes the batch's files with nvJPEG and
+crops, resizes and flips them there. The same workers, so the ratio is what moving the decode off them buys.
 
 ImageFolder's rate at 2,048 x 1,536 depends on whether glibc maps its 9 MB buffers fresh for each image: run it
 also with `MALLOC_MMAP_THRESHOLD_=134217728 MALLOC_TRIM_THRESHOLD_=268435456` set, which keeps them in the heap.
@@ -40,11 +46,15 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import ImageFiles
+from {{ cookiecutter.package }}.engine.device import device_batches, input_transform
+from {{ cookiecutter.package }}.engine.loader import TrainLoader, collate_of
+from {{ cookiecutter.package }}.engine.memory import LoaderSettings
 
 PROJECT = Path(__file__).resolve().parents[1]
 SIZES = ((500, 375), (2048, 1536))
 FILES, ROUNDS, CROP = 48, 5, 224
 DECODERS = ("pil", "torchvision", "auto")
+WORKERS, LOADER_BATCH, LOADER_REPEAT = 4, 64, 16  # --loader: 48 files x 16 = 768 samples, 12 batches an epoch
 
 
 def photos(width: int, height: int) -> Path:
@@ -166,11 +176,54 @@ def gpu(args) -> int:
     return 0
 
 
+def loader_rates(root: Path, decode: str, workers: int, rounds: int) -> list[float]:
+    """Images/s of `rounds` epochs through the loader path train.py runs (after one warm-up epoch: workers start,
+    nvJPEG's handles): TrainLoader (persistent workers, pinned), device_batches, then data.normalize."""
+    dataset = ImageFiles(root, transform(), decode=decode)
+    dataset.paths, dataset.labels = np.tile(dataset.paths, LOADER_REPEAT), np.tile(dataset.labels, LOADER_REPEAT)
+    data_cfg = {"decode": decode, "normalize": None}  # the keys collate_of and input_transform read
+    settings = LoaderSettings(LOADER_BATCH, workers, 2, True, True, 0.0)
+    loader = TrainLoader(dataset, settings, seed=0, collate_fn=collate_of(data_cfg, dataset))
+    device = torch.device("cuda")
+    prepare = input_transform(data_cfg, device)
+    rates = []
+    for epoch in range(rounds + 1):
+        began, images = time.perf_counter(), 0
+        for batch in device_batches(loader, device):
+            images += len(prepare(batch)[0])
+        torch.cuda.synchronize()  # the decodes and copies are asynchronous: the time is theirs once the GPU is done
+        if epoch:
+            rates.append(images / (time.perf_counter() - began))
+    return rates
+
+
+def loader(args) -> int:
+    """train.py's loader path with data.decode=gpu against data.decode=auto, images/s, the same workers."""
+    if not torch.cuda.is_available():
+        print("error: --loader times data.decode=gpu, which decodes with nvJPEG on a CUDA device, and torch sees none",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    what = f"{args.workers} workers, batch {LOADER_BATCH}, RandomResizedCrop({CROP}) + flip"
+    print(f"loader path, {what}, each of the {FILES} files {LOADER_REPEAT} times an epoch: images/s, median of "
+          f"{args.rounds} epochs (min-max)")  # fmt: skip
+    for width, height in SIZES:
+        root = photos(width, height)
+        rates = {d: loader_rates(root, d, args.workers, args.rounds) for d in ("gpu", "auto")}
+        ratio = statistics.median(rates["gpu"]) / statistics.median(rates["auto"])
+        print(f"{width} x {height}: decode=gpu {spread(rates['gpu']).strip()}, decode=auto "
+              f"{spread(rates['auto']).strip()} images/s on {torch.cuda.get_device_name()}: {ratio:.1f}x")  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.p7_photos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds each variant runs (default {ROUNDS})")
     parser.add_argument("--gpu", action="store_true", help="nvJPEG batch decode against one CPU thread (CUDA only)")
+    parser.add_argument("--loader", action="store_true", help="the loader path, data.decode=gpu vs auto (CUDA only)")
+    parser.add_argument("--workers", type=int, default=WORKERS, help=f"--loader's workers (default {WORKERS})")
     args = parser.parse_args(argv)
+    if args.loader:
+        return loader(args)
     return gpu(args) if args.gpu else cpu(args)
 
 

@@ -26,6 +26,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .engine.errors import UserError
+from .engine.gpu_decode import Crop, EncodedImage, collate
 
 SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
@@ -51,15 +52,15 @@ def train_transform(image_size: int) -> v2.Compose:
 
 
 {% endif %}
-def check_decode(decode) -> None:
+def check_decode(decode, cuda: bool = True) -> None:
     """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
-    other words earlier, this covers code outside Hydra and what only this machine can tell (no CUDA)."""
+    other words earlier, this covers code outside Hydra and, with `cuda`, what only this machine can tell (no CUDA
+    for gpu). `CropDecoder` checks the word alone: the workers' part of gpu reads bytes and draws crops, which needs
+    no CUDA, and the device's part (device.input_transform) refuses a run on the CPU itself."""
     if decode not in DECODERS:
         raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
-    if decode == "gpu" and not torch.cuda.is_available():
+    if cuda and decode == "gpu" and not torch.cuda.is_available():
         raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
-    if decode == "gpu":  # the batch-by-batch nvJPEG decode in the main process is yet to come
-        raise UserError("data.decode=gpu is not built into the loader yet: use data.decode=auto")
 
 
 class RandomBox:
@@ -125,12 +126,23 @@ class CropDecoder:
     converts CMYK otherwise); PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit
     PNG is what comes out, and EXIF orientation is not applied (ImageFolder does not apply it either). A file that
     does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
+
+    `decode=gpu`: an RGB or grayscale JPEG is not decoded here. Its box is drawn as above and its flip as
+    `RandomHorizontalFlip` draws it, and the sample is the file's bytes with them (engine/gpu_decode.py's
+    `EncodedImage`), for the main process to decode with nvJPEG; every other file is decoded here as with `auto`.
+    The transform must then be one the device can finish: see `gpu_steps`.
     """
 
     def __init__(self, transform, decode: str = "auto"):
-        check_decode(decode)
+        check_decode(decode, cuda=False)
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
+        self.flip = self.crop = None  # decode=gpu: the flip step, if any, and what the device resizes each box to
+        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for loader.collate_of
+        if decode == "gpu":
+            self.flip = gpu_steps(transform, self.plan)
+            step = self.plan[0]
+            self.crop = Crop(tuple(step.size), step.interpolation, step.antialias)
 
     def __call__(self, data: bytes):
         with Image.open(io.BytesIO(data)) as image:
@@ -140,12 +152,22 @@ class CropDecoder:
             box = crop.box(image)
             if box is None:
                 return self.whole(image)
+            if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
+                return self.encoded(data, image.size, box)
             pixels, _ = self.region(data, image, box, crop.size)
         out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
         for step in rest:
             out = step(out)
         return out
+
+    def encoded(self, data: bytes, size: tuple[int, int], box) -> EncodedImage:
+        """The file's bytes, the box as the CPU path cuts it at full size (`cut` at scale 1), and the flip drawn after
+        the box as `RandomHorizontalFlip.forward` draws it (`torch.rand(1) >= p`: not flipped)."""
+        y0, x0, y1, x1 = cut(box, 1, size)
+        flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
+        file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip, self.crop)
 
     def whole(self, image: Image.Image):
         image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
@@ -173,6 +195,22 @@ class CropDecoder:
         # would only copy it again
         part = image.crop((x0, y0, x1, y1))
         return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+
+
+def gpu_steps(transform, plan):
+    """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
+    (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
+    one line: a step of another kind would run in the main process, off the sample's seeded generator."""
+    crop, rest = plan if plan is not None else (None, None)
+    if crop is not None and (not rest or (len(rest) == 1 and type(rest[0]) is v2.RandomHorizontalFlip)):
+        return rest[0] if rest else None
+    steps = transform.transforms if type(transform) is v2.Compose else [transform]
+    names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
+    raise UserError(
+        "data.decode=gpu decodes, crops, resizes and flips on the device: the transform must be ToImage, "
+        "RandomResizedCrop (torchvision 0.21 or later) and optionally RandomHorizontalFlip, or ToImage, Resize (one "
+        f"number) and CenterCrop; this one is {names}: use data.decode=auto for it"
+    )
 
 
 def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -204,6 +242,7 @@ class ImageFiles(datasets.ImageFolder):
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
         self.reader = CropDecoder(transform, decode)
+        self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (loader.collate_of)
 
     @staticmethod
     def precheck(root, decode: str = "auto", **_) -> list[str]:

@@ -126,16 +126,18 @@ class StreamProbe(IterableDataset):
 
 
 class ProbeCollate:
-    """The usual collate, plus the worker's first-item figures riding along with the batch."""
+    """The run's collate (default_collate, data.collate, data.decode=gpu's: loader.collate_of), plus the worker's
+    first-item figures riding along with the batch."""
 
-    def __init__(self, probe: Probe):
+    def __init__(self, probe: Probe, collate=None):
         self.probe = probe  # the same object as the worker's dataset copy: fork and pickling both keep the identity
+        self.collate = collate or default_collate
 
     def __call__(self, samples):
         info = get_worker_info()
         first = self.probe.first or (time.time(), 0.0)
         steady = statistics.median(self.probe.later) if self.probe.later else 0.0
-        return default_collate(samples), {
+        return self.collate(samples), {
             "pid": os.getpid(),
             "worker": info is not None,
             "began": first[0],
@@ -192,21 +194,21 @@ def wait_for_workers_to_exit(timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int) -> dict:
+def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate=None) -> dict:
     settings = resolve_settings(loader_cfg, device.type)
     try:  # as train.py fits it: to loader.max_prefetch_mib, then to the free space of /dev/shm
-        settings, changes = memory.fit_loader(dataset, settings, loader_cfg)
+        settings, changes = memory.fit_loader(dataset, settings, loader_cfg, collate)
         change = "; ".join(changes) or None
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
     if is_stream(dataset):  # the stream's first records, read as train.py reads them (StreamLoader)
         probe = StreamProbe(dataset, batches_per_epoch(settings) * settings.batch_size)
-        loader = StreamLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
+        loader = StreamLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
     else:
         count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
         part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
         probe = Probe(part)
-        loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe))
+        loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
     result = {
         "profile": name,
         "num_workers": settings.num_workers,
@@ -257,7 +259,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     try:
         model = instantiate(cfg.model).to(device)
         task = instantiate(cfg.task)
-        collate = collate_of(cfg.data) or default_collate
+        collate = collate_of(cfg.data, dataset) or default_collate
         if is_stream(dataset):
             samples = shard_plan.first_records(dataset, batch_size)
             samples = [samples[i % len(samples)] for i in range(batch_size)]
@@ -400,11 +402,11 @@ def diagnose(cfg) -> dict:
     began = time.perf_counter()
     train_set = instantiate(cfg.data.train)
     build_s = time.perf_counter() - began
-    results = []
+    results, collate = [], collate_of(cfg.data, train_set)  # the batches as train.py collates them
     for name in profiles:
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)
-        results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed))
+        results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
     model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
     weights = model_memory(cfg)
     samples = stream_records(train_set) if is_stream(train_set) else len(train_set)  # None: a stream without sizes

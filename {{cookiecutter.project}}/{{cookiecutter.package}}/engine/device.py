@@ -5,7 +5,8 @@
   waits for the device between steps. On the CPU it hands the batches through unchanged.
 - `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
   workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
-  `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
+  `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids. With
+  data.decode=gpu the input arrives as JPEG files, which it first decodes there (gpu_decode.py's `EncodedBatch`).
 - `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
   to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
   calls it once per `log_every_steps` steps, once per validation and once per epoch.
@@ -176,20 +177,27 @@ class PrepareBatch:
     `data.input` names the input: a position in a tuple or list batch (`0` for `(image, label)`), or a key of a
     dict batch (`image`); a batch that is one tensor is the input. There uint8 images become normalized floats and
     float ones are only laid out for `channels_last`. Every other part of the batch (labels, masks, token ids,
-    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
+    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
+    that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
+    on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
     """
 
-    def __init__(self, normalize, input_key: int | str = 0):
-        self.normalize, self.input = normalize, input_key
+    def __init__(self, normalize, input_key: int | str = 0, device: torch.device | str = "cpu"):
+        self.normalize, self.input, self.device = normalize, input_key, torch.device(device)
+
+    def prepared(self, part):
+        if hasattr(part, "to_images"):
+            part = part.to_images(self.device)
+        return map_tensors(self.normalize, part)
 
     def __call__(self, batch):
-        if isinstance(batch, torch.Tensor):
-            return map_tensors(self.normalize, batch)
+        if isinstance(batch, torch.Tensor) or hasattr(batch, "to_images"):
+            return self.prepared(batch)
         key = self.input
         if isinstance(batch, Mapping) and key in batch:
-            return type(batch)((k, map_tensors(self.normalize, v) if k == key else v) for k, v in batch.items())
+            return type(batch)((k, self.prepared(v) if k == key else v) for k, v in batch.items())
         if isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
-            parts = [map_tensors(self.normalize, v) if i == key else v for i, v in enumerate(batch)]
+            parts = [self.prepared(v) if i == key else v for i, v in enumerate(batch)]
             return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
         has = f"keys {', '.join(map(str, batch))}" if isinstance(batch, Mapping) else f"{len(batch)} parts"
         raise UserError(
@@ -200,8 +208,14 @@ class PrepareBatch:
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
     """`data.normalize` (a Hydra `_target_`) built on `device`, for the input `data.input` names (0 when absent);
-    without a normalize, uint8 images are only scaled to [0, 1]."""
+    without a normalize, uint8 images are only scaled to [0, 1]. data.decode=gpu decodes there too: refused when
+    `device` is not a CUDA device (device=cpu on a machine with one)."""
     node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
+    if data_cfg.get("decode") == "gpu" and device.type != "cuda":
+        raise UserError(
+            f"data.decode=gpu decodes each batch with nvJPEG on the training device, and this run trains on "
+            f"{device.type}: use data.decode=auto, or device=cuda"
+        )
     if node is None:
-        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key)
-    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key)
+        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key, device)
+    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key, device)

@@ -27,6 +27,7 @@ from .checks import check_data, reason
 from .device import amp_dtype, input_transform, pick_device, to_device
 from .errors import UserError
 from .init_from import init_weights
+from .loader import collate_of
 from .optim import build_optimizer, clip_gradients
 from .schedule import build_schedule
 from .task_results import check_loss, check_metrics, report
@@ -59,7 +60,7 @@ def dry_step(cfg) -> list[str]:
         train_set = _build(cfg.data.train, "data.train")
         val_set = _build(cfg.data.val, "data.val")
         check_data(train_set, val_set, cfg.data.get("num_classes"))
-        collate = _build(cfg.data.collate, "data.collate") if cfg.data.get("collate") is not None else default_collate
+        collate = collate_of(cfg.data, train_set, lambda node: _build(node, "data.collate")) or default_collate
         prepare = input_transform(cfg.data, device, cfg.channels_last)
         model.to(device)
         if cfg.channels_last:

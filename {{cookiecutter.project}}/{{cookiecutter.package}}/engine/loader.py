@@ -640,12 +640,24 @@ class TrainLoader:
             self.generation = Generation(self.settings.num_workers, restored)
 
 
-def collate_of(data_cfg):
-    """`data.collate` built (a `_target_`), or None when the data config has none: torch's default_collate."""
-    node = data_cfg.get("collate")
+def collate_of(data_cfg, dataset=None, build=instantiate):
+    """The loaders' collate: `data.collate` built (a `_target_`, by `build`); else the one `dataset` names as its
+    `collate_fn`; else None, torch's default_collate. The data sets reading through data.py's CropDecoder name
+    gpu_decode.collate under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not
+    stack, and it keeps them as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of
+    yours beside it is refused: it would be handed undecoded files."""
+    node, own = data_cfg.get("collate"), getattr(dataset, "collate_fn", None)
+    if node is not None and own is not None:
+        raise UserError(
+            f"data.collate is set, and {type(dataset).__name__} collates its batches itself (data.decode=gpu: a "
+            "batch's JPEG files kept as a list, decoded on the device): drop data.collate, or keep it with "
+            "data.decode=auto"
+        )
+    if own is not None:
+        return own
     if node is None:
         return None
-    return instantiate(node)
+    return build(node)
 
 
 def eval_loader(

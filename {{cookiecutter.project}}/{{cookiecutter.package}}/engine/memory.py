@@ -27,7 +27,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -57,19 +56,21 @@ def batch_bytes(batch) -> int:
     """Bytes of every tensor (and numpy array) in a batch, however nested in tuples, lists and dicts."""
     if isinstance(batch, torch.Tensor):
         return batch.nelement() * batch.element_size()
-    if isinstance(batch, np.ndarray):
-        return batch.nbytes
     if isinstance(batch, Mapping):
         return sum(batch_bytes(v) for v in batch.values())
     if isinstance(batch, (list, tuple)):
         return sum(batch_bytes(v) for v in batch)
-    return 0  # strings, ints and other Python objects: small next to the tensors, and not in shared memory
+    nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (gpu_decode.EncodedBatch)
+    # strings, ints and other Python objects: small next to the tensors, and not in shared memory
+    return nbytes if isinstance(nbytes, int) else 0
 
 
 def layout(batch) -> str:
     """`64x3x32x32 float32, 64 int64`: the tensors of a batch, for the log line."""
     if isinstance(batch, torch.Tensor):
         return "x".join(map(str, batch.shape)) + " " + str(batch.dtype).removeprefix("torch.")
+    if hasattr(batch, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
+        return batch.describe()
     if isinstance(batch, Mapping):
         return ", ".join(f"{k}: {layout(v)}" for k, v in batch.items() if batch_bytes(v))
     if isinstance(batch, (list, tuple)):

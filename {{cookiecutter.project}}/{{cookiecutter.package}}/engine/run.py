@@ -163,7 +163,7 @@ def build(
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     check_data(train_set, val_set, cfg.data.get("num_classes"))
-    collate = collate_of(cfg.data)
+    collate = collate_of(cfg.data, train_set)  # data.decode=gpu's data sets name their own
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
