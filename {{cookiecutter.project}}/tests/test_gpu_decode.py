@@ -2,8 +2,8 @@
 sample is the file's bytes with the box RandomResizedCrop and the flip RandomHorizontalFlip draw from the same seed;
 the collate keeps a batch's files as a list, through real workers, the same for any worker count and on resume; and
 the batch decoded on the CPU (libjpeg-turbo in nvJPEG's place, the same cut, resize and flip after it) is the batch
-data.decode=torchvision makes, to the bit. nvJPEG itself runs on a CUDA machine only{% if cookiecutter.with_benchmarks == "yes" %} (benchmarks/gpu_check.sh){% endif %}; the
-refusal without CUDA is tests/test_data.py's, through train.py. The other refusals: a transform the device cannot
+data.decode=torchvision makes, to the bit. nvJPEG itself runs on a CUDA machine only; the refusal without CUDA is
+tests/test_data.py's, through train.py. The other refusals: a transform the device cannot
 finish, a data.collate of one's own, a run training on the CPU, a file the decoder rejects."""
 
 import copy
