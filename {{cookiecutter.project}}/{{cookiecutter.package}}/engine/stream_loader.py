@@ -125,7 +125,7 @@ class ReaderStream(IterableDataset):
             yield ended
 
     def _batch(self, records, local: int, in_main: bool):
-        samples, meta, failed = [], StreamBatch(local, pid=os.getpid()), 0
+        samples, meta, failed, count = [], StreamBatch(local, pid=os.getpid()), 0, None
         for kind, shard, index, item in records:
             if kind == SKIPPED:
                 meta.skipped.append(item)
@@ -139,11 +139,13 @@ class ReaderStream(IterableDataset):
             if shard is not None:
                 meta.ends[shard] = index + 1
             else:
-                meta.state = {"count": index + 1, "state": self._state()}
+                count = index + 1
             if len(samples) == self.batch_size:
                 break
         if not samples:
             return None
+        if count is not None:  # a plain stream's state after the batch's last record, taken once per batch
+            meta.state = {"count": count, "state": self._state()}
         batch = self.collate(samples)
         if not in_main:
             batch = map_tensors(for_the_queue, batch)
@@ -267,17 +269,17 @@ class StreamLoader:
             )
         if stream_resume not in ("exact", "restart_epoch"):
             raise UserError(f"data.stream_resume must be exact or restart_epoch, got {stream_resume!r}")
-        shards = shard_plan.is_shard_stream(dataset)
-        if on_bad_sample == "skip" and not (shards and seeks(dataset)):
+        self.stream = ReaderStream(
+            dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
+            skip=on_bad_sample == "skip",
+        )  # fmt: skip
+        shards = self.stream.shards
+        if on_bad_sample == "skip" and not self.stream.seeks:
             raise UserError(
                 f"data.on_bad_sample=skip: data.train ({name}) cannot go on past a record that failed (a generator "
                 "that raised has ended): make it a shard stream whose read(shard, start=0) starts at a record "
                 f"({__package__.split('.')[0]}.stream.ShardStream does), or use on_bad_sample=error"
             )
-        self.stream = ReaderStream(
-            dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
-            skip=on_bad_sample == "skip",
-        )  # fmt: skip
         if world_size > 1 and self.stream.sizes is None:
             raise UserError(
                 f"data.train ({name}) is a stream {'without sizes' if shards else 'of no shards'}: under torchrun "
