@@ -72,36 +72,46 @@ def batches_per_epoch(settings) -> int:
     return max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)
 
 
-class Probe(Dataset):
-    """Times each item in the process that makes it: its first item, and the ones after."""
+class ItemTimes:
+    """How long items take in the process that makes them: its first item, and the ones after."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self):
         self.first: tuple[float, float] | None = None  # (wall-clock start, seconds) of this process's first item
         self.later: list[float] = []
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        began = time.time()  # wall clock: comparable between processes
-        item = self.dataset[index]
+    def note(self, began: float) -> None:
+        """An item that began at `began` (time.time(): wall clock, comparable between processes) is made."""
         took = time.time() - began
         if self.first is None:
             self.first = (began, took)
         else:
             self.later = self.later[-200:] + [took]
+
+
+class Probe(ItemTimes, Dataset):
+    """Times each item of an indexed data set."""
+
+    def __init__(self, dataset):
+        super().__init__()
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        began = time.time()
+        item = self.dataset[index]
+        self.note(began)
         return item
 
 
-class StreamProbe(IterableDataset):
+class StreamProbe(ItemTimes, IterableDataset):
     """Probe's twin for a stream: each reader's records timed as they are read, `count` of them in all. A shard
     stream's shards are split over the workers; any other stream splits itself."""
 
     def __init__(self, dataset, count: int):
+        super().__init__()
         self.dataset, self.count = dataset, count
-        self.first: tuple[float, float] | None = None
-        self.later: list[float] = []
 
     def __iter__(self):
         info = get_worker_info()
@@ -117,11 +127,7 @@ class StreamProbe(IterableDataset):
             item = next(records, None)
             if item is None:
                 return
-            took = time.time() - began
-            if self.first is None:
-                self.first = (began, took)
-            else:
-                self.later = self.later[-200:] + [took]
+            self.note(began)
             yield item
 
 
