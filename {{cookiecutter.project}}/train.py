@@ -10,6 +10,7 @@ that runs them lives in {{ cookiecutter.package }}/engine/ (run.py builds everyt
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def train(cfg) -> tuple[int, float]:
         stopping = False  # a signal asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():
             run.model.train()
-            meter = EpochMeter(run.device)  # loss sums on the device; waits and sample counts on the host
+            meter = run.epoch_meter()  # loss sums on the device (a resume's carried in); waits, samples on the host
             for batch in meter.timed(run.train_batches()):
                 boundary = run.window_ends()  # the accumulation window's last micro-batch: the optimizer steps
                 meter.add(*train_step(run, batch, boundary), batch, step=run.step if boundary else run.step + 1)
@@ -62,15 +63,16 @@ def train(cfg) -> tuple[int, float]:
                 if stopping or run.log_point():
                     stopping = log_step(run, meter)  # a non-finite loss stops here, before anything is saved
                 run.monitor.step(run.step, meter.data_wait, meter.started)  # health every monitor.every_steps
+                if run.at_epoch_end():
+                    continue  # the epoch's end validates and saves below, whatever stops the run there
                 if run.validation_due():  # val_every_steps: validate mid-epoch and save with its record
                     stopping = validate(run, meter, epoch_end=False) or stopping
                 elif stopping or run.at_max_steps() or run.checkpoints.due(run.step):
                     run.checkpoints.save(run)
                 if stopping or run.at_max_steps():
-                    break
-            if stopping or run.at_max_steps():
-                break  # mid-epoch: no validation; the checkpoint holds the position in the epoch
-            stopping = validate(run, meter)  # and save, best.pth too when this epoch is the best so far
+                    break  # mid-epoch: no validation; the checkpoint holds the position in the epoch and its sums
+            else:
+                stopping = validate(run, meter) or stopping  # and save, best.pth too when this epoch is the best
         closing = run.closing_line() if run.world.is_main else None
         if closing:
             log.info(closing)
@@ -103,12 +105,15 @@ def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 def log_step(run: Run, meter: EpochMeter) -> bool:
-    """A log point: one host read of the window's sums, a steps.jsonl line; True when a rank was asked to stop."""
-    figures, first_bad, signalled = meter.read_window(run.stop.requested, run.world)
+    """A log point: one host read of the window's sums, a steps.jsonl line; True when a rank was asked to stop. A stop
+    off the interval writes no line and keeps the window, so a resumed run's lines are those of a run that never
+    stopped."""
+    figures, first_bad, signalled = meter.read_window(run.stop.requested, run.world, keep=not run.log_line_due())
     if first_bad:
         raise UserError(run.checkpoints.diverged(first_bad, run.step))
-    parts = {name: value for name, value in figures.items() if name.startswith("loss_")}
-    run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"), parts)
+    if run.log_line_due():
+        parts = {name: value for name, value in figures.items() if name.startswith("loss_")}
+        run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"), parts)
     return signalled
 
 
@@ -154,8 +159,10 @@ def main(cfg) -> float:
         error = find_user_error(e) or worker_death(e)  # a killed worker: its pid and signal, not a traceback
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(getattr(error, "exit_code", 2))  # 2: bad input; a loader failure's own code (engine/failures.py)
+        code = getattr(error, "exit_code", 2)  # 2: bad input; a loader failure's own code (engine/failures.py)
+        if code != 2 or os.environ.get("RANK", "0") == "0":  # every rank refuses a bad input alike: rank 0 says it
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(code)
     if code:
         sys.exit(code)
     return best

@@ -169,10 +169,14 @@ class CheckpointPolicy:
     def save(self, run, record: dict | None = None) -> None:
         """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line."""
         ranks = distributed.gather_to_main(rank_state(run.train_loader), self.world)
+        # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
+        epoch_done = record is not None and not record.get("mid_epoch")
+        meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
         state, better = None, False
         if self.world.is_main:
             state = snapshot(run.cfg, run.step, run.scheduler, run.scaler, run.train_loader, ranks)
             state["best"] = self.best.state()
+            state["meter"] = meter
             state["nondeterministic_ops"] = list(run.unexact)  # deterministic=warn: why this run is not bit-exact
 {% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues

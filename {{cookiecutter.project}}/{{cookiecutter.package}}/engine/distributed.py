@@ -37,10 +37,21 @@ class World:
         return self.world_size > 1
 
 
+def join_early(device: torch.device) -> World:
+    """`join` for the checks before the run (preflight.py), when a launcher started this process: torchrun, or a
+    SLURM job's tasks (MASTER_ADDR set); else the one process of a plain run, which joins nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in os.environ:
+        return World()
+    return join(device)
+
+
 def join(device: torch.device, group_of_one: bool = False) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
-    `group_of_one`: a plain run joins a process group of its own too (FSDP shards over a group, even of one)."""
+    `group_of_one`: a plain run joins a process group of its own too (FSDP shards over a group, even of one). The
+    group joined before the run's checks (`join_early`) is the run's."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:
         if group_of_one and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -152,6 +163,24 @@ def gather_to_main(obj, world: World) -> list | None:
     out = [None] * world.world_size if world.is_main else None
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def from_main(obj, world: World):
+    """Rank 0's `obj` on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_all(obj, world: World) -> list:
+    """Every rank's `obj` on every rank, indexed by rank."""
+    if not world.distributed:
+        return [obj]
+    out = [None] * world.world_size
+    dist.all_gather_object(out, obj)
     return out
 
 

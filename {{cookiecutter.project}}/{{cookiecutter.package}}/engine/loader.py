@@ -479,6 +479,8 @@ class TrainLoader:
         """The batch just consumed is the epoch's last."""
         return self.position == self.batches_per_epoch
 
+    resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands (StreamLoader's may not)
+
     @property
     def world_size(self) -> int:
         return self.sampler.world_size

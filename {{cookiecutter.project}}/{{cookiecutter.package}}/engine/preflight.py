@@ -7,7 +7,10 @@
   and exit code 2, like every other refusal. The config is composed once, by Hydra.
 """
 
+import contextlib
 import difflib
+import itertools
+import logging
 import os
 import re
 import sys
@@ -23,13 +26,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from . import checks, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+from . import checks, distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError
 
+log = logging.getLogger("train")
+
 # Run folders check_run passed in this process, each with the ops the dry step found without a deterministic kernel
 checked: dict[str, list[str]] = {}
+# Run folders claimed under another name than the one the config resolved, which another run holds: {got: asked}
+renamed: dict[str, str] = {}
 
 
 def check_once(cfg: DictConfig) -> list[str]:
@@ -40,6 +47,9 @@ def check_once(cfg: DictConfig) -> list[str]:
     run_dir = hydra_cfg.runtime.output_dir
     if run_dir not in checked:
         check_run(cfg, Path(run_dir), hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))
+    if run_dir in renamed:
+        log.info("run folder %s holds another run: this one writes to %s", resume.short(renamed[run_dir]),
+                 resume.short(run_dir))  # fmt: skip
     return checked[run_dir]
 
 
@@ -73,18 +83,38 @@ class CheckBeforeRun(Callback):
         # hydra.run.dir need (hydra-ecosystem/hydra#1301; run-level callbacks run first, #1884): set it first, as
         # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
         # check (callbacks.py's _notify).
-        # Resolved on Hydra's own config, not a copy: `${now:...}` is cached per config object, so run_job names the
-        # same folder a second later.
-        HydraConfig.instance().set_config(config)
-        run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
-        config = config.copy()
-        with read_write(config.hydra.runtime):  # as run_job sets it next, so `${hydra:runtime.output_dir}` resolves
-            config.hydra.runtime.output_dir = run_dir
         HydraConfig.instance().set_config(config)
         task = config.copy()
         with open_dict(task):
             del task["hydra"]
-        self.check(task, config, run_dir)
+        # Under torchrun the ranks join their process group now, before anything is written: every rank takes the
+        # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
+        # starts straddle a second, hydra#2070), and rank 0 alone reports a refusal for all of them.
+        other_rank = int(os.environ.get("RANK", "0")) != 0  # the same config fails the same way on rank 0: it says so
+        world = self.refusing(lambda: distributed.join_early(pick_device(task.device)), quiet=other_rank)
+        run_dir = asked = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+        explicit = any(o.split("=")[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+        made = []  # the folders this command made, the run folder and any new parents, to remove on a refusal
+        if world.is_main and not (explicit and task.get("resume")):  # going on in a folder takes both, explicitly
+            run_dir, made = claim(asked)
+        run_dir = distributed.from_main(run_dir, world)
+        with read_write(config.hydra), open_dict(config.hydra):  # the folder run_job makes (if need be) and uses
+            config.hydra.run.dir = run_dir
+            config.hydra.runtime.output_dir = run_dir  # as run_job sets it, so `${hydra:runtime.output_dir}` resolves
+        HydraConfig.instance().set_config(config)
+        if run_dir != asked:
+            renamed[run_dir] = asked
+        try:
+            check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
+            error = None
+        except UserError as e:
+            error = str(e)
+        first = next((e for e in distributed.gather_all(error, world) if e), None)  # every rank waits for all
+        if first is not None:
+            for folder in made:  # claimed a moment ago: empty, unless another run made a folder inside
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+            refuse(first, quiet=not world.is_main)
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -95,11 +125,42 @@ class CheckBeforeRun(Callback):
 
     @staticmethod
     def check(task: DictConfig, config: DictConfig, run_dir: str) -> None:
+        CheckBeforeRun.refusing(
+            lambda: check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
+        )
+
+    @staticmethod
+    def refusing(work: Callable, quiet: bool = False):
+        """`work()`, or its refusal as one `error:` line (none when `quiet`) and exit code 2."""
         try:
-            check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
+            return work()
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            refuse(str(e), quiet)
+
+
+def refuse(error: str, quiet: bool = False) -> None:
+    """Exit with code 2, saying `error` in one line unless `quiet` (another rank says it)."""
+    if not quiet:
+        print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def claim(path: str) -> tuple[str, list[str]]:
+    """A folder of this run's own: `path`, or `path-2`, `path-3`... when another run holds it (runs started in the
+    same second resolve the same name: a shell loop, a SLURM array). `os.mkdir` makes a folder or fails, atomically,
+    so two runs never share one. Returns it and the folders made, deepest first."""
+    parents, parent = [], os.path.dirname(path)
+    while not os.path.isdir(parent):
+        parents.append(parent)
+        parent = os.path.dirname(parent)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for n in itertools.count(1):
+        folder = path if n == 1 else f"{path}-{n}"
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        return folder, [folder, *parents]
 
 
 def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:

@@ -20,6 +20,7 @@ from . import checkpoint, rng, sharded_checkpoint, weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
+from .stream_loader import RESTART_EPOCH, plain_stream_refusal
 
 log = logging.getLogger(__name__)
 
@@ -197,21 +198,23 @@ def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
 
 
 {% endif %}
-def compare(ckpt: dict, cfg, path: Path, is_main: bool = True) -> None:
-    """Refuse (resume_strict) or log a resume whose config changes the run; log the changes that do not.
-
-    What counts as changing the run is decided by one rule, `changes_run`.
-    """
-    changes = differences(ckpt["config"], cfg)
-    run = [c for c in changes if changes_run(c[0], cfg.rng_mode.value)]
-    same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
+def compare(ckpt: dict, cfg, path: Path) -> None:
+    """Refuse (resume_strict) a resume whose config changes the run. What counts as changing the run is decided by
+    one rule, `changes_run`; `report` logs the changes once the resume is in."""
+    run = run_changes(ckpt, cfg)
     if run and cfg.resume_strict:
         raise UserError(
             f"resume: {path} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
             "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
         )
-    if not is_main:
-        return
+
+
+def report(ckpt: dict, cfg, path: Path) -> None:
+    """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
+    that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
+    changes = differences(ckpt["config"], cfg)
+    run = [c for c in changes if changes_run(c[0], cfg.rng_mode.value)]
+    same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if run:
         log.warning(
@@ -233,10 +236,17 @@ def precheck(cfg, run_dir: Path) -> None:
     if found is None:
         return
     ckpt = checkpoint.load(found, mmap=True)
-    compare(ckpt, cfg, found, is_main=False)
+    compare(ckpt, cfg, found)
     with torch.random.fork_rng(devices=[]):
         model = instantiate(cfg.model)
     check_fits(ckpt, cfg, model, world_size)
+    loader = ckpt["ranks"][0]["loader"]
+    if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
+        # a stateful stream saved the states of the readers that made its batches; a stateless one none
+        readers = world_size * max(cfg.loader.num_workers, 1)
+        why = plain_stream_refusal(loader, readers, bool(loader["states"]), cfg.data.get("stream_resume", "exact"))
+        if why:
+            raise UserError(f"resume: data.train {why}")
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
@@ -342,13 +352,24 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
 
 
 def where(
-    run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int, note: str | None = None
+    run_dir: Path,
+    last: Path,
+    step: int,
+    finished: bool,
+    overrides: list[str],
+    world_size: int,
+    note: str | None = None,
+    restart_epoch: bool = False,
 ) -> str:
     """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
     to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
-    which keeps the command about one terminal line."""
+    which keeps the command about one terminal line. `restart_epoch`: a stream without state stopped mid-epoch, which
+    goes on only by starting that epoch over."""
     folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
+    if restart_epoch:
+        kept = [o for o in kept if "data.stream_resume=" not in o] + [RESTART_EPOCH]
+        folder += "; the stream has no state to go on from mid-epoch: the command starts its epoch over"
     launch = (
         ["python", "train.py"]
         if world_size == 1

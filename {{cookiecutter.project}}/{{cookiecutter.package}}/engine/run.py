@@ -30,7 +30,7 @@ from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
 from .monitor import Monitor
 from .optim import build_optimizer
 from .preempt import StopRequest
-from .runlog import RunLog
+from .runlog import EpochMeter, RunLog
 from .schedule import build_schedule
 from .shard_plan import is_stream
 from .stream_loader import StreamLoader, eval_stream_loader
@@ -65,6 +65,8 @@ class Run:
     batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
     ddp: torch.nn.parallel.DistributedDataParallel | None  # the DDP module under torch.compile's wrapper, when on
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
+    carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
+    meter: EpochMeter | None = None  # the epoch's running figures, which a mid-epoch checkpoint keeps
 
     @property
     def evaluated(self) -> torch.nn.Module:
@@ -111,8 +113,19 @@ class Run:
     def log_point(self) -> bool:
         """The loss is read to the host (and ranks agree on a stop) only here: each read waits for the device.
         Every save and validation is one too, so a non-finite loss is seen before weights are written."""
+        return self.log_line_due() or self.at_max_steps()
+
+    def log_line_due(self) -> bool:
+        """A steps.jsonl line: every `log_every_steps`, at saves, validations and epoch ends; the same steps in a run
+        that stopped and was resumed as in one that never stopped."""
         every = self.step % self.cfg.log_every_steps == 0 or self.checkpoints.due(self.step) or self.validation_due()
-        return self.at_epoch_end() or every or self.at_max_steps()
+        return every or self.at_epoch_end()
+
+    def epoch_meter(self) -> EpochMeter:
+        """A new epoch's running figures (`meter`); the first after a mid-epoch resume starts from the sums the
+        checkpoint carried."""
+        self.meter, self.carried = EpochMeter(self.device, self.carried), None
+        return self.meter
 
     def train_batches(self):
         """This epoch's batches on the device and through `data.normalize`; the first one sets the memory plan."""
@@ -133,8 +146,9 @@ class Run:
             return None
         done = self.train_loader.epoch >= self.cfg.epochs
         note = f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)" if self.unexact else None
+        restart = not done and not self.train_loader.resumes_mid_epoch
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note, restart
         )
 
 
@@ -159,7 +173,7 @@ def build(
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None
     if ckpt:
-        resume.compare(ckpt, cfg, found, world.is_main)  # a change of the run is refused unless resume_strict=false
+        resume.compare(ckpt, cfg, found)  # a change of the run is refused unless resume_strict=false
 
     train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
     check_data(train_set, val_set, cfg.data.get("num_classes"))
@@ -259,7 +273,8 @@ def build(
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
-    if ckpt:
+    if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
+        resume.report(ckpt, cfg, found)
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
     policy = checkpoint.CheckpointPolicy(
@@ -279,6 +294,7 @@ def build(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
         optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
         step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
+        ckpt.get("meter") if ckpt and train_loader.position else None,  # restart_epoch: the epoch starts over
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on

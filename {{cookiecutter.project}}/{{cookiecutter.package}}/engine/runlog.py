@@ -127,9 +127,12 @@ class RunLog:
 
 class EpochMeter:
     """One epoch's running figures. The sums stay on the device and are read at log points only (a read makes the
-    host wait for the device); the wait for data and the sample count are host numbers."""
+    host wait for the device); the wait for data and the sample count are host numbers.
 
-    def __init__(self, device: torch.device):
+    `carried`: the sums over ranks of the epoch's steps before a mid-epoch checkpoint (`state()`), so that a resumed
+    run's steps.jsonl and metrics.jsonl hold the figures of the run that never stopped."""
+
+    def __init__(self, device: torch.device, carried: dict | None = None):
         self.device = device
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
@@ -139,6 +142,7 @@ class EpochMeter:
         self.window_parts: dict[str, torch.Tensor] = {}  # sums of a task's loss parts since the last read, by name
         self.window_batches, self.window_norms, self.samples, self.data_wait = 0, 0, 0, 0.0
         self.batches = 0
+        self.carried = carried or {"window": NO_WINDOW, "epoch": {"loss": 0.0, "samples": 0}}
         self.started = time.perf_counter()
         self.train_time: float | None = None  # the epoch's training seconds, set by end_training()
         self._faults_at_start = minor_page_faults()
@@ -173,28 +177,50 @@ class EpochMeter:
             self.window_norms += 1
         self.window_batches, self.samples, self.batches = self.window_batches + 1, self.samples + n, self.batches + 1
 
-    def read_window(self, stop_requested: bool, world) -> tuple[dict, int, bool]:
-        """({loss, grad_norm when clipping is on}: means since the last read, over ranks; the first step with a
-        non-finite loss (0: none); whether any rank was asked to stop): one host read."""
-        bad = (self.first_bad > 0).to(torch.float64)
+    def _sums(self, world, *more) -> tuple[dict, dict, list[float]]:
+        """(the window's sums and counts over ranks, the epoch's, `more` summed over ranks), with what was carried
+        in: one host read. Sums of float32 losses in float64 are exact, so they add up the same in any grouping."""
         names = sorted(self.window_parts)
-        loss_sum, norm_sum, bad_step_sum, bad_ranks, signalled, *part_sums = sum_and_read(
-            [self.window_loss, self.window_norm, self.first_bad, bad, stop_requested]
+        loss, norm, epoch_loss, samples, *rest = sum_and_read(
+            [self.window_loss, self.window_norm, self.epoch_loss, self.samples, *more]
             + [self.window_parts[name] for name in names],
             self.device,
             world,
         )
-        batches = world.world_size * max(self.window_batches, 1)
-        figures = {"loss": loss_sum / batches}
-        if self.window_norms:
-            figures["grad_norm"] = norm_sum / world.world_size / self.window_norms
-        figures.update({f"loss_{name}": total / batches for name, total in zip(names, part_sums)})
-        self.window_parts = dict.fromkeys(names, 0)  # the names stay: the next window must bring the same
-        self.window_loss.zero_()
-        self.window_norm.zero_()
-        self.window_batches = self.window_norms = 0
+        parts, rest = dict(zip(names, rest[len(more) :])), rest[: len(more)]
+        window, epoch = self.carried["window"], self.carried["epoch"]
+        window = {
+            "loss": window["loss"] + loss,
+            "batches": window["batches"] + world.world_size * self.window_batches,
+            "norm": window["norm"] + norm,
+            "norms": window["norms"] + world.world_size * self.window_norms,
+            "parts": {n: window["parts"].get(n, 0.0) + parts.get(n, 0.0) for n in sorted({*window["parts"], *parts})},
+        }
+        return window, {"loss": epoch["loss"] + epoch_loss, "samples": epoch["samples"] + round(samples)}, rest
+
+    def read_window(self, stop_requested: bool, world, keep: bool = False) -> tuple[dict, int, bool]:
+        """({loss, grad_norm when clipping is on, loss_<part>}: means since the last read, over ranks; the first step
+        with a non-finite loss (0: none); whether any rank was asked to stop): one host read. `keep`: the window
+        goes on (a stop off the log interval: the resumed run's next line covers the same steps)."""
+        bad = (self.first_bad > 0).to(torch.float64)
+        window, _, (bad_step_sum, bad_ranks, signalled) = self._sums(world, self.first_bad, bad, stop_requested)
+        figures = {"loss": window["loss"] / max(window["batches"], 1)}
+        if window["norms"]:
+            figures["grad_norm"] = window["norm"] / window["norms"]
+        figures.update({f"loss_{name}": total / max(window["batches"], 1) for name, total in window["parts"].items()})
+        if not keep:
+            self.window_parts = dict.fromkeys(self.window_parts, 0)  # the names stay: the next window brings the same
+            self.window_loss.zero_()
+            self.window_norm.zero_()
+            self.window_batches = self.window_norms = 0
+            self.carried = {**self.carried, "window": NO_WINDOW}
         first_bad = round(bad_step_sum / bad_ranks) if bad_ranks else 0  # ranks that diverged, their mean step
         return figures, first_bad, signalled > 0
+
+    def state(self, world) -> dict:
+        """The running sums over ranks, for a mid-epoch checkpoint: one host read, a collective."""
+        window, epoch, _ = self._sums(world)
+        return {"window": window, "epoch": epoch}
 
     def end_training(self) -> float:
         """Stop the epoch's clock (before validation) and return its training seconds."""
@@ -205,12 +231,14 @@ class EpochMeter:
         return self.train_time
 
     def read_epoch(self, stop_requested: bool, world) -> tuple[float, float, bool]:
-        """(train_loss over the epoch so far, samples/s, whether any rank was asked to stop): one host read."""
+        """(train_loss over the epoch so far, samples/s since this process started it, whether any rank was asked
+        to stop): one host read."""
         seconds = self.train_time if self.train_time is not None else time.perf_counter() - self.started
-        loss_sum, samples, rate, signalled = sum_and_read(
-            [self.epoch_loss, self.samples, self.samples / seconds, stop_requested], self.device, world
-        )
-        return loss_sum / max(samples, 1), rate, signalled > 0
+        _, epoch, (rate, signalled) = self._sums(world, self.samples / seconds, stop_requested)
+        return epoch["loss"] / max(epoch["samples"], 1), rate, signalled > 0
+
+
+NO_WINDOW = {"loss": 0.0, "batches": 0, "norm": 0.0, "norms": 0, "parts": {}}
 
 
 def drop_records_from(path: Path, step: int) -> None:

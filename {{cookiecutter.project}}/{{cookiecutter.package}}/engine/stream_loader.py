@@ -322,6 +322,13 @@ class StreamLoader:
         """The worker the loop waits on next (a stall names it)."""
         return self.first
 
+    @property
+    def resumes_mid_epoch(self) -> bool:
+        """A checkpoint of this moment continues where the epoch stands (a resume's command needs no
+        data.stream_resume=restart_epoch)."""
+        stateless = not self.stream.shards and not self.stateful
+        return not (stateless and self.position and self.stream_resume == "exact")
+
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
             raise TypeError("a stream without sizes has no length before its epoch ends")
@@ -493,29 +500,41 @@ class StreamLoader:
                     "of epoch %d, each record once, is planned again, so the order of its batches changed",
                     state["readers"], self.readers, self.epoch,
                 )  # fmt: skip
-        elif self.position and not self.stateful:
-            if self.stream_resume != "restart_epoch":
-                raise UserError(
-                    f"resume: data.train ({type(self.stream.dataset).__name__}) is a stream without state_dict() "
-                    f"and load_state_dict(), so where epoch {self.epoch} stood cannot be restored: give it both, "
-                    "or set data.stream_resume=restart_epoch to start the epoch over"
-                )
-            log.warning(
-                "resume: data.stream_resume=restart_epoch: epoch %d starts over (its first %d batches come again)",
-                self.epoch, self.position,
-            )  # fmt: skip
-            self.position = 0
         elif self.position:
-            if not same:
-                raise UserError(
-                    f"resume: the stream's state was saved for {state['readers']} readers (processes x workers) and "
-                    f"this run has {self.readers}: a plain stream's state belongs to its reader; resume with "
-                    f"loader.num_workers={state['num_workers']}"
-                )
-            self.first = state["first"]
-            self.states = {int(reader): saved for reader, saved in state["states"].items()}
-            self.stream.resume, self.stream.resume_epoch = dict(self.states), self.epoch
+            why = plain_stream_refusal(state, self.readers, self.stateful, self.stream_resume)
+            if why:
+                raise UserError(f"resume: data.train ({type(self.stream.dataset).__name__}) {why}")
+            if not self.stateful:
+                log.warning(
+                    "resume: data.stream_resume=restart_epoch: epoch %d starts over (its first %d batches come again)",
+                    self.epoch, self.position,
+                )  # fmt: skip
+                self.position = 0
+            else:
+                self.first = state["first"]
+                self.states = {int(reader): saved for reader, saved in state["states"].items()}
+                self.stream.resume, self.stream.resume_epoch = dict(self.states), self.epoch
         self._plan()
+
+
+def plain_stream_refusal(state: dict, readers: int, stateful: bool, stream_resume: str) -> str | None:
+    """Why a plain stream's mid-epoch loader `state` cannot continue with `readers` readers (processes x workers),
+    or None. `stateful`: the stream has state_dict() and load_state_dict()."""
+    if not stateful and stream_resume != "restart_epoch":
+        return (
+            f"is a stream without state_dict() and load_state_dict(), so where epoch {state['epoch']} stood cannot be "
+            f"restored: give it both, or add {RESTART_EPOCH} to the command to start the epoch over"
+        )
+    if stateful and state["readers"] != readers:
+        return (
+            f"saved its state for {state['readers']} readers (processes x workers) and this run has {readers}: a plain "
+            f"stream's state belongs to its reader; resume with loader.num_workers={state['num_workers']}"
+        )
+    return None
+
+
+# How a command sets data.stream_resume whether or not the data config names it (`+` fails where it does)
+RESTART_EPOCH = "++data.stream_resume=restart_epoch"
 
 
 class EvalStream(IterableDataset):
