@@ -32,6 +32,7 @@ from .dry_step import dry_step
 from .errors import UserError
 
 log = logging.getLogger("train")
+HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
 
 # Run folders check_run passed in this process, each with the ops the dry step found without a deterministic kernel
 checked: dict[str, list[str]] = {}
@@ -147,20 +148,21 @@ def refuse(error: str, quiet: bool = False) -> None:
 
 def claim(path: str) -> tuple[str, list[str]]:
     """A folder of this run's own: `path`, or `path-2`, `path-3`... when another run holds it (runs started in the
-    same second resolve the same name: a shell loop, a SLURM array). `os.mkdir` makes a folder or fails, atomically,
-    so two runs never share one. Returns it and the folders made, deepest first."""
-    parents, parent = [], os.path.dirname(path)
-    while not os.path.isdir(parent):
-        parents.append(parent)
-        parent = os.path.dirname(parent)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    same second resolve the same name: a shell loop, a SLURM array). A run holds a folder once it made its `.hydra`
+    inside, and `os.mkdir` makes a folder or fails, atomically: two runs never share one, and an empty folder made
+    beforehand is taken. Returns it and the folders made, deepest first, to remove should the run be refused."""
     for n in itertools.count(1):
         folder = path if n == 1 else f"{path}-{n}"
+        made, missing = [], folder  # the folder and its parents that are not there yet, deepest first
+        while not os.path.isdir(missing):
+            made.append(missing)
+            missing = os.path.dirname(missing)
+        os.makedirs(folder, exist_ok=True)
         try:
-            os.mkdir(folder)
+            os.mkdir(os.path.join(folder, HYDRA_FILES))
         except FileExistsError:
             continue
-        return folder, [folder, *parents]
+        return folder, [os.path.join(folder, HYDRA_FILES), *made]
 
 
 def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
