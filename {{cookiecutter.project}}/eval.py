@@ -3,12 +3,15 @@
     python eval.py ckpt=outputs/2026-11-30/14-56-09_train_balanced/checkpoints/best.pth
     python eval.py ckpt=latest                  # the newest last.pth under outputs/, as resume=latest finds it
     python eval.py ckpt=latest split=train      # any split node of the data config (data.train, data.val, ...)
+    torchrun --standalone --nproc_per_node=2 eval.py ckpt=... hydra.run.dir=...  # the split shared by 2 processes
 
-The config is composed from the same conf/ as train.py. The `data`, `model`, `task` and `loader.batch_size` a run
-trained with are stored in its checkpoint and used as they are, so the numbers match the run's own
-validation exactly; name a group on the command line (`data=...`, `data.root=...`, `loader.batch_size=...`)
-and this run's config is used for it instead. Prints one line and writes eval.json (`<split>_<name>` for every
-metric the task reports) into this command's run folder.
+The config is composed from the same conf/ as train.py. The `data`, `model` and `task` a run trained with are
+stored in its checkpoint and used as they are, and so are its loaders' batch size and worker count; the split is
+read by train.py's validation loader (engine/loader.py's eval_loader, indexed data sets and streams alike), so on
+the run's number of processes the numbers match the run's own validation exactly. Name a group on the command
+line (`data=...`, `data.root=...`, `loader.batch_size=...`) and this command's config is used for it instead.
+Prints one line and writes eval.json (`<split>_<name>` for every metric the task reports) into this command's
+run folder (rank 0's under torchrun).
 """
 
 import json
@@ -29,9 +32,8 @@ with process.long_lived_imports():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf, open_dict
 
-    from {{ cookiecutter.package }}.engine import checkpoint, resume, schema
+    from {{ cookiecutter.package }}.engine import checkpoint, distributed, resume, schema
     from {{ cookiecutter.package }}.engine.device import input_transform, pick_device
-    from {{ cookiecutter.package }}.engine.distributed import World
     from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
     from {{ cookiecutter.package }}.engine.evaluate import evaluate
     from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
@@ -51,7 +53,8 @@ class EvalConfig(schema.Config):
 FROM_CHECKPOINT = ("data", "model", "task")
 
 
-def evaluate_checkpoint(cfg) -> dict:
+def evaluate_checkpoint(cfg) -> dict | None:
+    """The checkpoint's figures on the split (None on the ranks other than 0 under torchrun: rank 0 reports)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not cfg.ckpt:
         raise UserError("eval: give ckpt=PATH (a checkpoints/*.pth file) or ckpt=latest")
@@ -74,8 +77,10 @@ def evaluate_checkpoint(cfg) -> dict:
         for section in FROM_CHECKPOINT:
             if section not in named and section in saved:
                 cfg[section] = saved[section]
-        if "loader" not in named:  # the batch size sets how the per-batch sums are rounded: keep the run's
-            cfg.loader.batch_size = saved["loader"]["batch_size"]
+        if "loader" not in named:  # the batches set how the per-batch sums are rounded: the run's validation's
+            ran = ckpt["ranks"][0]["loader"]  # what its loaders used (a resume on other processes changes the batch)
+            cfg.loader.batch_size = ran["batch_size"]
+            cfg.loader.num_workers = ran["num_workers"]  # a stream's batches are each worker's own records
     splits = [k for k, v in cfg.data.items() if OmegaConf.is_dict(v) and "_target_" in v]
     if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
@@ -91,22 +96,37 @@ def evaluate_checkpoint(cfg) -> dict:
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise UserError(f"eval: the checkpoint's weights do not fit model {model_cfg['_target_']} ({first})") from None
-    model.to(device)
 
-    dataset = instantiate(cfg.data[cfg.split])
-    collate = collate_of(cfg.data, dataset)
-    settings = resolve_settings(cfg.loader, device.type)
-    loader = eval_loader(dataset, settings, worker_init=StopRequest.shield_worker, collate_fn=collate,
-                         start_guard=StopRequest.starting_workers)  # fmt: skip
-    channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
-    prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    metrics = evaluate(instantiate(cfg.task), model, loader, device, World(), prepare)
+    world = distributed.join(device)  # after the checks above: under torchrun each rank takes a share of the split
+    try:
+        if not world.is_main:
+            logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports; the others speak only of problems
+        if world.world_size != resume.written_by(ckpt) and world.is_main:
+            log.info(
+                "the run validated on %d processes and this evaluation runs on %d: other batches, so the figures "
+                "may differ from the run's in their last digits", resume.written_by(ckpt), world.world_size,
+            )  # fmt: skip
+        model.to(device)
+        dataset = instantiate(cfg.data[cfg.split])
+        collate = collate_of(cfg.data, dataset)
+        settings = resolve_settings(cfg.loader, device.type)
+        loader = eval_loader(
+            dataset, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker,
+            collate_fn=collate, start_guard=StopRequest.starting_workers,
+        )  # fmt: skip
+        channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
+        prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        metrics = evaluate(instantiate(cfg.task), model, loader, device, world, prepare)  # summed over the ranks
+    finally:
+        distributed.leave(world)
+    if not world.is_main:
+        return None
     return {
         **{f"{cfg.split}_{name}": value for name, value in metrics.items() if name != "count"},
         "split": cfg.split,
-        "samples": len(dataset),
+        "samples": int(metrics["count"]),  # read, not asked of the data set: a stream need not know its length
         "step": ckpt["step"],
         "weights": "ema" if use_ema else "model",
         "checkpoint": str(found),
@@ -124,6 +144,8 @@ def main(cfg) -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if result is None:
+        return
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     split = result["split"]

@@ -225,6 +225,23 @@ class StatefulStream(SplitStream):
         self.next_index = state["next"]
 
 
+class FixedStream(IterableDataset):
+    """A plain stream of `size` fixed records (no randomness: a validation set read twice gives the same batches),
+    `(x, label)` with x `dim` floats. It splits itself over torchrun's processes (RANK, WORLD_SIZE, as WebDataset's
+    split_by_node reads them) and the DataLoader's workers: reader `r` of `R` yields records `r, r + R, ...`."""
+
+    def __init__(self, size: int = 50, dim: int = 6, num_classes: int = 2):
+        self.size, self.dim, self.num_classes = size, dim, num_classes
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        rank, ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        for index in range(rank * workers + worker, self.size, ranks * workers):
+            label = index % self.num_classes
+            yield torch.cos(torch.arange(self.dim) * (0.3 + index / self.size)) + label, label
+
+
 def dict_collate(samples) -> dict:
     """A `data.collate` of your own: the batch as a dict, `{"image": (N, C, H, W), "label": (N,)}`."""
     images, labels = torch.utils.data.default_collate(samples)

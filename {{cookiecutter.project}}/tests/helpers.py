@@ -80,11 +80,13 @@ def run_here(
     return proc
 
 
-def torchrun_cmd(run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = (), nproc: int = 2) -> list[str]:
-    """`torchrun --standalone --nproc_per_node=<nproc> [launcher_args] train.py ...`, its outputs in `run_dir`."""
+def torchrun_cmd(
+    run_dir: Path, *overrides: str, launcher_args: tuple[str, ...] = (), nproc: int = 2, script: str = "train.py"
+) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=<nproc> [launcher_args] <script> ...`, its outputs in `run_dir`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     launcher += launcher_args
-    return [*launcher, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
+    return [*launcher, script, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def run_torchrun(

@@ -1,4 +1,5 @@
-"""eval.py: a checkpoint evaluated later gives exactly the numbers its run logged; bad input gets one line."""
+"""eval.py: a checkpoint evaluated later gives exactly the numbers its run logged, on an indexed data set or a stream,
+in one process or under torchrun; bad input gets one line."""
 
 import json
 import subprocess
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_train
+from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_torchrun, run_train, torchrun_cmd
+from tests.test_stream import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +22,11 @@ def trained(tmp_path_factory, shapes_root) -> Path:
     return run_dir
 
 
-def run_eval(run_dir: Path, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+def run_eval(run_dir: Path, *overrides: str, expect: int = 0, nproc: int = 1) -> subprocess.CompletedProcess:
+    """`python eval.py ...`, or `nproc` processes of it under torchrun; asserts the exit code."""
     cmd = [sys.executable, "eval.py", *overrides, f"hydra.run.dir={run_dir}"]
+    if nproc > 1:
+        cmd = torchrun_cmd(run_dir, *overrides, nproc=nproc, script="eval.py")
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == expect, f"exit {proc.returncode} != {expect}: {' '.join(cmd)}\n{proc.stderr[-3000:]}"
     return proc
@@ -87,3 +92,84 @@ def test_bad_input_is_refused_in_one_line(tmp_path, trained):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
         assert not (tmp_path / str(i) / "eval.json").exists()
+
+
+VAL_FILES = [9, 5, 7, 4]  # records per val/*.jsonl file: readers take whole files and batch their own records
+
+
+@pytest.fixture(scope="module")
+def jsonl_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("jsonl")
+    write_jsonl(root / "train", [30, 12, 21], dim=6)
+    write_jsonl(root / "val", VAL_FILES, dim=6)
+    return root
+
+
+def jsonl_run(root: Path) -> list[str]:
+    """train.py on data=jsonlines, a linear model of its 6 features; one worker, where eval.py's default is two."""
+    return [
+        "data=jsonlines",
+        f"data.root={root}",
+        "data.num_classes=2",
+        "model._target_=tests.datasets.Linear",
+        "~model.width",
+        "+model.in_features=6",
+        "epochs=2",
+        "loader.batch_size=4",
+        "loader.num_workers=1",
+        "progress=false",
+    ]
+
+
+# data.val as a plain torch IterableDataset of the tests' own, splitting itself over workers and processes
+PLAIN_VAL = [
+    "data.val._target_=tests.datasets.FixedStream",
+    *[f"~data.val.{key}" for key in ("files", "input_key", "label_key", "count")],
+    "+data.val.size=50",
+]
+
+
+def figures(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith("val_")}
+
+
+def evaluated(run_dir: Path, ckpt: Path, nproc: int = 1) -> dict:
+    """eval.py's eval.json for `ckpt`, the data and loader left to the checkpoint; one line printed (rank 0's)."""
+    proc = run_eval(run_dir, f"ckpt={ckpt}", nproc=nproc)
+    printed = [line for line in proc.stdout.splitlines() if not line.startswith("[")]  # log records aside
+    assert len(printed) == 1 and "val_acc" in printed[0], proc.stdout
+    return json.loads((run_dir / "eval.json").read_text())
+
+
+def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
+    run_train(tmp_path / "run", *jsonl_run(jsonl_root))
+    records = read_jsonl(tmp_path / "run/metrics.jsonl")
+    result = evaluated(tmp_path / "last", tmp_path / "run/checkpoints/last.pth")
+    assert figures(result) == figures(records[-1]) and len(figures(result)) == 2
+    assert result["samples"] == sum(VAL_FILES) and result["step"] == records[-1]["step"]  # each record once
+    # negative control: epoch 0's checkpoint gives epoch 0's figures, which are not the last epoch's
+    first = evaluated(tmp_path / "first", sorted((tmp_path / "run/checkpoints").glob("step-*.pth"))[0])
+    assert first["step"] == records[0]["step"] and figures(first) == figures(records[0])
+    assert first["val_loss"] != result["val_loss"]
+
+
+def test_a_plain_stream_of_ones_own_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
+    run_train(tmp_path / "run", *jsonl_run(jsonl_root), *PLAIN_VAL)
+    records = read_jsonl(tmp_path / "run/metrics.jsonl")
+    result = evaluated(tmp_path / "last", tmp_path / "run/checkpoints/last.pth")
+    assert figures(result) == figures(records[-1]) and result["samples"] == 50
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("val", [[], PLAIN_VAL], ids=["jsonlines", "plain-stream"])
+def test_two_torchrun_processes_give_a_two_process_runs_last_figures_exactly(tmp_path, jsonl_root, val):
+    """Each rank reads its share of the stream (whole files, or the records the stream hands that rank) and the
+    sums are added over the ranks: the split once, batched as the run's validation batched it."""
+    run_torchrun(tmp_path / "run", *jsonl_run(jsonl_root), *val)
+    records = read_jsonl(tmp_path / "run/metrics.jsonl")
+    size = 50 if val else sum(VAL_FILES)
+    result = evaluated(tmp_path / "last", tmp_path / "run/checkpoints/last.pth", nproc=2)
+    assert figures(result) == figures(records[-1]) and result["samples"] == size
+    # one process reads every record once too (other batches: its figures need not match to the last digit)
+    alone = evaluated(tmp_path / "alone", tmp_path / "run/checkpoints/last.pth")
+    assert alone["samples"] == size and alone["val_acc"] == result["val_acc"]

@@ -6,8 +6,8 @@ import torch
 
 from {{ cookiecutter.package }}.engine import failures, shard_plan
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader, eval_stream_loader
+from {{ cookiecutter.package }}.engine.loader import TrainLoader, eval_loader
+from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
 from tests.datasets import CountingShards, IndexedSamples, SplitStream, StatefulStream
 from tests.helpers import loader_settings
 
@@ -100,7 +100,7 @@ def test_a_stateful_plain_stream_continues_exactly_and_a_stateless_one_is_refuse
 def test_validation_streams_split_over_ranks_and_workers():
     got = []
     for rank in (0, 1):
-        loader = eval_stream_loader(CountingShards(SIZES), loader_settings(batch_size=8, workers=2), rank, 2)
+        loader = eval_loader(CountingShards(SIZES), loader_settings(batch_size=8, workers=2), rank, 2)
         got += [k for _, _, keys in loader for k in keys.tolist()]
     assert sorted(got) == ALL
 

@@ -1,4 +1,5 @@
-"""The train and validation loaders: built once, reused every epoch, and resumable bit for bit.
+"""The train loader of an indexed data set and the validation loader of any (streams too): built once, reused every
+epoch, and the train loader resumable bit for bit.
 
 Why the train loader can be resumed exactly (facts from torch/utils/data/dataloader.py):
 - Batches go to workers round-robin and the cycle restarts at worker 0 every epoch, so batch `i`
@@ -27,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
-from . import failures, rng
+from . import failures, rng, shard_plan
 from .device import map_tensors
 from .errors import UserError
 from .memory import LoaderSettings
@@ -662,6 +663,24 @@ def collate_of(data_cfg, dataset=None, build=instantiate):
     return build(node)
 
 
+class EvalStream(IterableDataset):
+    """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
+    readers in their own order, whole; a plain stream splits itself."""
+
+    def __init__(self, dataset, rank: int = 0, world_size: int = 1):
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+
+    def __iter__(self):
+        if not shard_plan.is_shard_stream(self.dataset):
+            yield from self.dataset
+            return
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shards = list(self.dataset.shards)
+        for descriptor in shards[self.rank * workers + worker :: self.world_size * workers]:
+            yield from self.dataset.read(descriptor)
+
+
 def eval_loader(
     dataset,
     settings: LoaderSettings,
@@ -671,11 +690,24 @@ def eval_loader(
     collate_fn=None,
     start_guard=contextlib.nullcontext,
 ) -> DataLoader:
-    """The validation loader, also built once. Its own generator keeps the main RNG untouched.
+    """The validation loader, also built once (train.py's and eval.py's). Its own generator keeps the main RNG
+    untouched. An indexed data set is read in order, each rank taking its share of the batches; a stream
+    (shard_plan.is_stream) through `EvalStream`, each worker batching its own records, so a rank's last batch of
+    each worker may be short and the batches depend on the readers (processes x workers).
 
     `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers), and
     `start_guard` is around its workers' start (GuardedDataLoader); `collate_fn` (`data.collate`, None: torch's
     default_collate) is the one the train loader uses."""
+    common = {
+        "generator": torch.Generator(),
+        "worker_init_fn": worker_init,
+        "collate_fn": collate_fn,
+        "start_guard": start_guard,
+    }
+    if shard_plan.is_stream(dataset):
+        return GuardedDataLoader.following(
+            settings, EvalStream(dataset, rank, world_size), batch_size=settings.batch_size, **common
+        )
     sampler = EpochBatchSampler(
         len(dataset),
         settings.batch_size,
@@ -686,12 +718,4 @@ def eval_loader(
         world_size=world_size,
         pad=False,
     )
-    return GuardedDataLoader.following(
-        settings,
-        dataset,
-        batch_sampler=sampler,
-        generator=torch.Generator(),
-        worker_init_fn=worker_init,
-        collate_fn=collate_fn,
-        start_guard=start_guard,
-    )
+    return GuardedDataLoader.following(settings, dataset, batch_sampler=sampler, **common)

@@ -33,7 +33,7 @@ from .preempt import StopRequest
 from .runlog import EpochMeter, RunLog
 from .schedule import build_schedule
 from .shard_plan import is_stream
-from .stream_loader import StreamLoader, eval_stream_loader
+from .stream_loader import StreamLoader
 from .task_results import split_loss
 
 log = logging.getLogger("train")
@@ -207,7 +207,7 @@ def build(
         start_guard=StopRequest.starting_workers,
         **streamed,
     )  # built once: a stream's (engine/stream_loader.py) or an indexed data set's
-    val_loader = (eval_stream_loader if is_stream(val_set) else eval_loader)(
+    val_loader = eval_loader(  # an indexed data set's or a stream's, as eval.py's
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
         start_guard=StopRequest.starting_workers,
     )  # fmt: skip
