@@ -1,16 +1,25 @@
 """The host/device boundary: batches handed through unchanged on the CPU, uint8 normalized on the device, amp values,
-and trainings with bf16 autocast and channels_last that still resume exactly."""
+data.input needed only where something works on the input, and trainings with bf16 autocast and
+channels_last that still resume exactly."""
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package }}.engine import schema
-from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.engine.device import (
+    Normalize,
+    PrepareBatch,
+    amp_dtype,
+    device_batches,
+    input_transform,
+    sum_and_read,
+)
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
@@ -59,6 +68,31 @@ def test_only_the_named_input_is_normalized():
     assert PrepareBatch(Normalize(), "mask")({"image": image, "mask": mask})["mask"].dtype == torch.float32
     with pytest.raises(UserError, match=r"data.input='img' is not in the batch \(a dict with keys image, mask\)"):
         PrepareBatch(Normalize(), "img")({"image": image, "mask": mask})
+
+
+def test_data_input_is_needed_only_where_something_works_on_the_input():
+    """A config older than data.input (dict batches, nothing set that works on the input) prepares its batches as it
+    did then: every (N, C, H, W) uint8 tensor scaled to [0, 1], the rest untouched. Each key that works on the input
+    makes a data.input that names no part of the batch a refusal naming that key."""
+    image = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    batch = {"image": image, "side": torch.randint(0, 256, (2, 4), dtype=torch.uint8), "price": torch.randn(2)}
+    out = input_transform(OmegaConf.create({}), CPU)(batch)
+    assert torch.equal(out["image"], image.float() / 255) and out["side"] is batch["side"]
+    assert out["price"] is batch["price"]
+    normalize = {"_target_": "{{ cookiecutter.package }}.engine.device.Normalize", "mean": [0.5] * 3}
+    mixup = {"_target_": "torchvision.transforms.v2.MixUp", "num_classes": 4}
+    refused = r"data.input=\S+ is not in the batch \(a dict with keys image, side, price\): set data.input to the "
+    for data, channels_last, named in (
+        ({"normalize": normalize}, False, "data.normalize works on"),
+        ({"batch_transform": mixup}, False, "data.batch_transform works on"),
+        ({}, True, "channels_last works on"),
+        ({"normalize": normalize, "input": "img"}, True, "data.normalize, channels_last work on"),
+    ):
+        with pytest.raises(UserError, match=refused + f".* the part {named}$"):
+            input_transform(OmegaConf.create(data), CPU, channels_last)(batch)
+        # control: the same config with data.input naming the image prepares it
+        prepared = input_transform(OmegaConf.create({**data, "input": "image"}), CPU, channels_last)(batch)
+        assert prepared["image"].dtype == torch.float32 and prepared["side"] is batch["side"]
 
 
 def test_sum_and_read_mixes_tensors_and_numbers():
