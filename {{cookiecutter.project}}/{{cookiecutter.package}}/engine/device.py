@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -181,7 +182,8 @@ class PrepareBatch:
     that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
     on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
 
-    `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch.
+    `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch. `stage(key)`
+    is around each stage: the dry step's (dry_step.stage) turns an error there into a line naming that key.
     """
 
     def __init__(
@@ -190,23 +192,26 @@ class PrepareBatch:
         self.normalize, self.input, self.device = normalize, input_key, torch.device(device)
         self.needed_by = tuple(needed_by)
 
-    def prepared(self, part):
-        if hasattr(part, "to_images"):
-            part = part.to_images(self.device)
-        return map_tensors(self.normalize, part)
+    def prepared(self, part, stage):
+        with stage("data.decode"):
+            if hasattr(part, "to_images"):
+                part = part.to_images(self.device)
+        with stage("data.normalize"):
+            return map_tensors(self.normalize, part)
 
-    def __call__(self, batch):
+    def __call__(self, batch, stage=contextlib.nullcontext):
         if isinstance(batch, torch.Tensor) or hasattr(batch, "to_images"):
-            return self.prepared(batch)
+            return self.prepared(batch, stage)
         key = self.input
         if isinstance(batch, Mapping) and key in batch:
-            return type(batch)((k, self.prepared(v) if k == key else v) for k, v in batch.items())
+            return type(batch)((k, self.prepared(v, stage) if k == key else v) for k, v in batch.items())
         if isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
-            parts = [self.prepared(v) if i == key else v for i, v in enumerate(batch)]
+            parts = [self.prepared(v, stage) if i == key else v for i, v in enumerate(batch)]
             return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
         if not self.needed_by:  # nothing set works on the input: as before data.input existed, every (N, C, H, W)
             # tensor through the plain Normalize (uint8 scaled to [0, 1]): a config older than the key trains the same
-            return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
+            with stage("data.normalize"):
+                return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
         if isinstance(batch, Mapping):
             has = f" with keys {', '.join(map(str, batch))}"
         else:
