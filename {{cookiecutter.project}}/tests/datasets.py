@@ -40,6 +40,14 @@ class RngDrawingDataset(Dataset):
         return x, label
 
 
+class GrayImages(RngDrawingDataset):
+    """RngDrawingDataset's samples as a grayscale data set ships them: uint8 images of one channel, `(1, H, W)`."""
+
+    def __getitem__(self, index: int):
+        image, label = super().__getitem__(index)
+        return (image[:1].clamp(0, 1) * 255).round().to(torch.uint8), label
+
+
 class IndexedSamples(RngDrawingDataset):
     """RngDrawingDataset's samples, each with its index: `(x, label, index)`, so a batch says which samples it holds
     (RecordingClassification writes them down). `draws=False`: fixed samples, drawn from the index alone."""

@@ -1,16 +1,26 @@
 """The host/device boundary: batches handed through unchanged on the CPU, uint8 normalized on the device, amp values,
-and trainings with bf16 autocast and channels_last that still resume exactly."""
+data.input needed only where something works on the input, each stage of preparing a batch refused in one line
+naming its key, and trainings with bf16 autocast and channels_last that still resume exactly."""
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package }}.engine import schema
-from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, amp_dtype, device_batches, sum_and_read
+from {{ cookiecutter.package }}.engine.device import (
+    Normalize,
+    PrepareBatch,
+    amp_dtype,
+    device_batches,
+    input_transform,
+    sum_and_read,
+)
+from {{ cookiecutter.package }}.engine.dry_step import dry_step
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
@@ -59,6 +69,85 @@ def test_only_the_named_input_is_normalized():
     assert PrepareBatch(Normalize(), "mask")({"image": image, "mask": mask})["mask"].dtype == torch.float32
     with pytest.raises(UserError, match=r"data.input='img' is not in the batch \(a dict with keys image, mask\)"):
         PrepareBatch(Normalize(), "img")({"image": image, "mask": mask})
+
+
+def test_data_input_is_needed_only_where_something_works_on_the_input():
+    """A config older than data.input (dict batches, nothing set that works on the input) prepares its batches as it
+    did then: every (N, C, H, W) uint8 tensor scaled to [0, 1], the rest untouched. Each key that works on the input
+    makes a data.input that names no part of the batch a refusal naming that key."""
+    image = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    batch = {"image": image, "side": torch.randint(0, 256, (2, 4), dtype=torch.uint8), "price": torch.randn(2)}
+    out = input_transform(OmegaConf.create({}), CPU)(batch)
+    assert torch.equal(out["image"], image.float() / 255) and out["side"] is batch["side"]
+    assert out["price"] is batch["price"]
+    normalize = {"_target_": "{{ cookiecutter.package }}.engine.device.Normalize", "mean": [0.5] * 3}
+    mixup = {"_target_": "torchvision.transforms.v2.MixUp", "num_classes": 4}
+    refused = r"data.input=\S+ is not in the batch \(a dict with keys image, side, price\): set data.input to the "
+    for data, channels_last, named in (
+        ({"normalize": normalize}, False, "data.normalize works on"),
+        ({"batch_transform": mixup}, False, "data.batch_transform works on"),
+        ({}, True, "channels_last works on"),
+        ({"normalize": normalize, "input": "img"}, True, "data.normalize, channels_last work on"),
+    ):
+        with pytest.raises(UserError, match=refused + f".* the part {named}$"):
+            input_transform(OmegaConf.create(data), CPU, channels_last)(batch)
+        # control: the same config with data.input naming the image prepares it
+        prepared = input_transform(OmegaConf.create({**data, "input": "image"}), CPU, channels_last)(batch)
+        assert prepared["image"].dtype == torch.float32 and prepared["side"] is batch["side"]
+
+
+# One stage of preparing the dry step's first batch fails: (overrides on RNG_DATA, the start of the one line). The
+# data set's images are floats, except GrayImages' uint8 images of one channel, for the RGB data.normalize of shapes.
+STAGES = [
+    (
+        ["data.train._target_=tests.datasets.GrayImages"],
+        "error: data.normalize ({{ cookiecutter.package }}.engine.device.Normalize) fails on 2 training samples: "
+        "RuntimeError: output with shape [2, 1, 16, 16] doesn't match the broadcast shape [2, 3, 16, 16]",
+    ),
+    (
+        ["+data.collate={_target_: torch.stack, _partial_: true}"],
+        "error: data.collate (torch.stack) fails on 2 training samples: TypeError: expected Tensor as element 0",
+    ),
+    (
+        ["data.input=image"],
+        "error: data.input='image' is not in the batch (a list with 2 parts): set data.input to the position or key "
+        "of the model's input, the part data.normalize works on",
+    ),
+    (
+        ["+data.batch_transform={_target_: torchvision.transforms.v2.MixUp, num_classes: 1}"],
+        "error: data.batch_transform (torchvision.transforms.v2.MixUp) fails on 2 training samples: RuntimeError: "
+        "Class values must be smaller than num_classes.",
+    ),
+    (
+        ["channels_last=true", "model._target_=torch.nn.Conv3d", "~model.width", "~model.num_classes"]
+        + ["+model.in_channels=3", "+model.out_channels=4", "+model.kernel_size=1"],
+        "error: channels_last=true fails on model torch.nn.Conv3d: RuntimeError: required rank 4 tensor to use "
+        "channels_last format",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, line", STAGES, ids=["normalize", "collate", "input", "batch_transform", "channels_last"]
+)
+def test_each_stage_of_preparing_a_batch_is_refused_in_one_line_naming_its_key(tmp_path, overrides, line):
+    proc = run_train(tmp_path / "run", *RNG_DATA, *overrides, expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_grayscale_images_pass_the_dry_step_with_a_normalize_of_one_channel():
+    """The line above says what to change: with a data.normalize of one channel (and a model taking one), the same
+    grayscale data passes the dry step; the control, the RGB normalize of shapes, is refused naming data.normalize."""
+    gray = [*RNG_DATA, "data.train._target_=tests.datasets.GrayImages", "data.val._target_=tests.datasets.GrayImages"]
+    one_channel = ["data.normalize.mean=[0.5]", "data.normalize.std=[0.25]", "+model.in_channels=1"]
+    schema.register()
+    with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
+        fitting, rgb = compose("config", [*gray, *one_channel]), compose("config", [*gray, "+model.in_channels=1"])
+    assert dry_step(fitting) == []
+    with pytest.raises(UserError, match=r"^data.normalize \(.*Normalize\) fails on 2 training samples: RuntimeError"):
+        dry_step(rgb)
 
 
 def test_sum_and_read_mixes_tensors_and_numbers():

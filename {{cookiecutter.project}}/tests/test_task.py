@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, same_weights
 
@@ -139,6 +140,21 @@ def test_the_task_seam_refuses_in_one_line_before_the_run_folder(example):
     assert "model.hiden is not an argument of regression.MLP (did you mean model.hidden?" in line
     line = refusal(copy, *regression, "checkpoint.monitor=val_mse", "+data.train.jiter=0.1")
     assert "data.train.jiter is not an argument of regression.Houses" in line
+
+
+def test_a_config_older_than_data_input_trains_as_it_did(example, tmp_path):
+    """The README's regression (dict batches {"features", "price"}, as before data.input existed) sets no data.input
+    and nothing that works on the input: it trains. The control: with a data.normalize, the default data.input=0 names
+    no part of those batches, refused in one line naming both keys."""
+    copy, (train, _) = example
+    assert "input" not in OmegaConf.load(copy / "conf/data/houses.yaml")
+    run(copy, train, "max_steps=3", f"hydra.run.dir={tmp_path / 'houses'}")
+    assert load_ckpt(tmp_path / "houses/checkpoints/last.pth")["step"] == 3
+    normalize = "+data.normalize._target_={{ cookiecutter.package }}.engine.device.Normalize"
+    assert refusal(copy, *shlex.split(train)[2:], normalize) == (
+        "error: data.input=0 is not in the batch (a dict with keys features, price): set data.input to the position "
+        "or key of the model's input, the part data.normalize works on"
+    )
 
 
 NO_COUNT = """

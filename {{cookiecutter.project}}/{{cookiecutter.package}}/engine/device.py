@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -180,42 +181,67 @@ class PrepareBatch:
     attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
     that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
     on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
+
+    `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch. `stage(key)`
+    is around each stage: the dry step's (dry_step.stage) turns an error there into a line naming that key.
     """
 
-    def __init__(self, normalize, input_key: int | str = 0, device: torch.device | str = "cpu"):
+    def __init__(
+        self, normalize, input_key: int | str = 0, device: torch.device | str = "cpu", needed_by=("data.normalize",)
+    ):
         self.normalize, self.input, self.device = normalize, input_key, torch.device(device)
+        self.needed_by = tuple(needed_by)
 
-    def prepared(self, part):
-        if hasattr(part, "to_images"):
-            part = part.to_images(self.device)
-        return map_tensors(self.normalize, part)
+    def prepared(self, part, stage):
+        with stage("data.decode"):
+            if hasattr(part, "to_images"):
+                part = part.to_images(self.device)
+        with stage("data.normalize"):
+            return map_tensors(self.normalize, part)
 
-    def __call__(self, batch):
+    def __call__(self, batch, stage=contextlib.nullcontext):
         if isinstance(batch, torch.Tensor) or hasattr(batch, "to_images"):
-            return self.prepared(batch)
+            return self.prepared(batch, stage)
         key = self.input
         if isinstance(batch, Mapping) and key in batch:
-            return type(batch)((k, self.prepared(v) if k == key else v) for k, v in batch.items())
+            return type(batch)((k, self.prepared(v, stage) if k == key else v) for k, v in batch.items())
         if isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
-            parts = [self.prepared(v) if i == key else v for i, v in enumerate(batch)]
+            parts = [self.prepared(v, stage) if i == key else v for i, v in enumerate(batch)]
             return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
-        has = f"keys {', '.join(map(str, batch))}" if isinstance(batch, Mapping) else f"{len(batch)} parts"
+        if not self.needed_by:  # nothing set works on the input: as before data.input existed, every (N, C, H, W)
+            # tensor through the plain Normalize (uint8 scaled to [0, 1]): a config older than the key trains the same
+            with stage("data.normalize"):
+                return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
+        if isinstance(batch, Mapping):
+            has = f" with keys {', '.join(map(str, batch))}"
+        else:
+            has = f" with {len(batch)} parts" if isinstance(batch, (list, tuple)) else ""
+        users = ", ".join(self.needed_by)
         raise UserError(
-            f"data.input={key!r} is not in the batch (a {type(batch).__name__} with {has}): set data.input to the "
-            "position or key of the model's input, the part data.normalize applies to"
+            f"data.input={key!r} is not in the batch (a {type(batch).__name__}{has}): set data.input to the "
+            f"position or key of the model's input, the part {users} {'work' if ',' in users else 'works'} on"
         )
 
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
     """`data.normalize` (a Hydra `_target_`) built on `device`, for the input `data.input` names (0 when absent);
     without a normalize, uint8 images are only scaled to [0, 1]. data.decode=gpu decodes there too: refused when
-    `device` is not a CUDA device (device=cpu on a machine with one)."""
+    `device` is not a CUDA device (device=cpu on a machine with one). `data.input` must name a part of the batch only
+    where something set works on the input: data.normalize, channels_last, data.batch_transform (MixUp needs float
+    images), data.decode=gpu."""
     node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
     if data_cfg.get("decode") == "gpu" and device.type != "cuda":
         raise UserError(
             f"data.decode=gpu decodes each batch with nvJPEG on the training device, and this run trains on "
             f"{device.type}: use data.decode=auto, or device=cuda"
         )
+    users = {
+        "data.normalize": node is not None,
+        "channels_last": channels_last,
+        "data.batch_transform": data_cfg.get("batch_transform") is not None,
+        "data.decode=gpu": data_cfg.get("decode") == "gpu",
+    }
+    needed_by = [name for name, used in users.items() if used]
     if node is None:
-        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key, device)
-    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key, device)
+        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key, device, needed_by)
+    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key, device, needed_by)

@@ -2,8 +2,9 @@
 
 The data sets, model, optimizer and task of the config are built, a batch of two training samples goes through
 `data.collate`, the device, `data.normalize`, `task.loss` (its return form checked) and backward on the device
-the run will use, and a batch of two validation samples through `task.metrics`. So a wrong argument, a data path
-that does not exist, a model that does not fit the data, a task that does not fit the batches, an op without a
+the run will use, and a batch of two validation samples through `task.metrics`. Each stage of preparing a batch
+fails in one line naming its key (`stage`). So a wrong argument, a data path that does not exist, a normalize that
+does not fit the images, a model that does not fit the data, a task that does not fit the batches, an op without a
 deterministic kernel under `deterministic=true`, or a `checkpoint.monitor` the task does not report stops the
 command in one line before the run folder is written. Under `deterministic=warn` the ops without a deterministic
 kernel are let through and returned, for the run to name once. All RNG (python, numpy, torch) is left as it was.
@@ -20,6 +21,7 @@ import warnings
 import numpy as np
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from . import fsdp, shard_plan
@@ -61,15 +63,17 @@ def dry_step(cfg) -> list[str]:
         val_set = _build(cfg.data.val, "data.val")
         check_data(train_set, val_set, cfg.data.get("num_classes"))
         collate = collate_of(cfg.data, train_set, lambda node: _build(node, "data.collate")) or default_collate
-        prepare = input_transform(cfg.data, device, cfg.channels_last)
+        with stage(cfg, "data.normalize", "to build"):
+            prepare = input_transform(cfg.data, device, cfg.channels_last)
         model.to(device)
         if cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+            with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
+                model = model.to(memory_format=torch.channels_last)
         target = cfg.task._target_
-        batch = prepare(to_device(first_two(train_set, collate, "data.train"), device, non_blocking=False))
+        batch = two_prepared(cfg, train_set, collate, prepare, device, "training")
         if cfg.data.get("batch_transform") is not None:
             transform = _build(cfg.data.batch_transform, "data.batch_transform")
-            with _named(cfg, str(cfg.data.batch_transform.get("_target_")), "batch_transform", "training"):
+            with stage(cfg, "data.batch_transform", "on 2 training samples"):
                 batch = transform(batch)
         with kernels(cfg.deterministic, device, unexact), _named(cfg, target, "loss", "training"):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
@@ -79,7 +83,7 @@ def dry_step(cfg) -> list[str]:
             with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not so here
                 warnings.simplefilter("ignore", UserWarning)
                 build_schedule(cfg.schedule, optimizer, total_steps=100).step()
-        batch = prepare(to_device(first_two(val_set, collate, "data.val"), device, non_blocking=False))
+        batch = two_prepared(cfg, val_set, collate, prepare, device, "validation")
         with torch.no_grad(), kernels(cfg.deterministic, device, unexact), _named(cfg, target, "metrics", "validation"):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
@@ -175,17 +179,51 @@ def _build(node, name: str):
         raise UserError(f"{name}: cannot build {node._target_}: {reason(e)}") from None
 
 
-def first_two(dataset, collate, name: str):
-    """A batch of the first two samples, through the configured collate (also the throwaway step's in run.py)."""
+def first_samples(dataset, name: str) -> list:
+    """The first two samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
+    throwaway step's in run.py)."""
     try:
         if shard_plan.is_stream(dataset):
             samples = shard_plan.first_records(dataset, 2)
         else:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
-        if not samples:
-            raise UserError(f"{name} holds no samples: point it at data")
-        return collate(samples)
     except UserError:
         raise
     except Exception as e:
         raise UserError(f"{name}: reading its first samples fails: {reason(e)}") from None
+    if not samples:
+        raise UserError(f"{name} holds no samples: point it at data")
+    return samples
+
+
+def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):
+    """A batch of two samples of `split` prepared as the run prepares its batches, each stage in `stage`: its collate
+    (data.collate, or the data set's own collate_fn), then on the device data.input, data.decode, data.normalize."""
+    name, where = "data.train" if split == "training" else "data.val", f"on 2 {split} samples"
+    samples = first_samples(dataset, name)
+    with stage(cfg, name if getattr(dataset, "collate_fn", None) is not None else "data.collate", where):
+        batch = collate(samples)
+    return prepare(to_device(batch, device, non_blocking=False), lambda key: stage(cfg, key, where))
+
+
+@contextlib.contextmanager
+def stage(cfg, key: str, where: str):
+    """One stage of preparing the batches (or the model for them), named by the key that sets it: anything it raises
+    stops the command in one line naming that key and the error's first line, where a traceback would name neither."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{setting(cfg, key)} fails {where}: {reason(e)}") from None
+
+
+def setting(cfg, key: str) -> str:
+    """`key` as this run sets it: with its `_target_` (`data.collate (text.pad_batch)`), its value (`data.decode=gpu`),
+    or as not set (the stage then runs its default: torch's default_collate, the plain Normalize)."""
+    node = OmegaConf.select(cfg, key, default=None)
+    if OmegaConf.is_dict(node):
+        return f"{key} ({node.get('_target_')})"
+    if node is None:
+        return f"{key} (not set)"
+    return f"{key}={str(node).lower() if isinstance(node, bool) else node}"

@@ -22,7 +22,7 @@ from . import checkpoint, distributed, failures, fsdp, memory, resume, rng, shar
 from .batch_transform import SeededBatchTransform
 from .checks import check_data
 from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
-from .dry_step import first_two, quiet
+from .dry_step import first_samples, quiet
 from .ema import EMA
 from .errors import UserError
 from .init_from import init_weights
@@ -258,7 +258,7 @@ def build(
 
     def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        batch = first_two(copy.copy(train_set), collate or default_collate, "data.train")
+        batch = (collate or default_collate)(first_samples(copy.copy(train_set), "data.train"))
         return split_loss(spare.loss(net, prepare(to_device(batch, device))))[0]
 
     distributed.settle_buckets(net, throwaway)
