@@ -1,13 +1,26 @@
 """Streams through train.py: each record once per epoch over workers and processes, and a mid-epoch resume that
 is the run that never stopped (tests.datasets.CountingShards: 8 unequal shards; SplitStream, StatefulStream)."""
 
+import shlex
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from {{ cookiecutter.package }}.engine import shard_plan
-from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
+from {{ cookiecutter.package }}.engine.stream_loader import RESTART_EPOCH, StreamLoader
 from tests.datasets import CountingShards
-from tests.helpers import load_ckpt, loader_settings, read_jsonl, recorded_steps, run_torchrun, run_train, same_weights
+from tests.helpers import (
+    PROJECT,
+    load_ckpt,
+    loader_settings,
+    read_jsonl,
+    recorded_steps,
+    run_torchrun,
+    run_train,
+    same_weights,
+)
 from tests.test_stream import write_jsonl
 
 SIZES = (37, 5, 60, 18, 41, 9, 26, 14)
@@ -162,7 +175,7 @@ def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
     stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant", "epochs=1"]
     run_train(tmp_path / "plain", *stateless, "max_steps=7")
     resume = f"resume={tmp_path}/plain/checkpoints/last.pth"
-    proc = run_train(tmp_path / "again", *stateless, "+data.stream_resume=restart_epoch", resume)
+    proc = run_train(tmp_path / "again", *stateless, RESTART_EPOCH, resume)
     assert "starts over" in proc.stdout + proc.stderr
     assert read_jsonl(tmp_path / "again/metrics.jsonl")[-1]["epoch"] == 0
 
@@ -243,3 +256,59 @@ def test_a_two_process_stop_resumes_on_one_process_each_remaining_record_once(tm
     assert "order of its batches changed" in proc.stdout + proc.stderr
     rest = [k for batches in recorded_steps(tmp_path / "rest").values() for batch in batches for k in batch]
     assert sorted(head + rest) == ALL  # one process drops nothing: the epoch's every record, once
+
+
+def printed_command(output: str) -> list[str]:
+    """The command a run printed to go on (the line after "to continue:" or "to train ... more"), to run as it is."""
+    lines = output.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.endswith(("to continue:", "more epochs:", "more epoch:"))]
+    command = shlex.split(lines[at + 1])
+    assert command[:2] == ["python", "train.py"]
+    return [sys.executable, *command[1:]]
+
+
+@pytest.mark.slow
+def test_a_stateless_stream_goes_on_from_an_epochs_end_and_restart_epoch_adds_no_epoch(tmp_path):
+    stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant"]
+    run_train(tmp_path / "straight", *stateless)
+    straight = read_jsonl(tmp_path / "straight/metrics.jsonl")
+    end = straight[0]["step"]  # epoch 0's last step
+    run_train(tmp_path / "stopped", *stateless, f"max_steps={end}")
+    assert [line["step"] for line in read_jsonl(tmp_path / "stopped/metrics.jsonl")] == [end]  # validated
+    for name, extra in (("resumed", []), ("restarted", [RESTART_EPOCH])):
+        run_train(tmp_path / name, *stateless, *extra, f"resume={tmp_path}/stopped/checkpoints/last.pth")
+        assert same_weights(tmp_path / name / "checkpoints/last.pth", tmp_path / "straight/checkpoints/last.pth")
+        assert [line["step"] for line in read_jsonl(tmp_path / name / "metrics.jsonl")] == [straight[1]["step"]]
+
+
+@pytest.mark.slow
+def test_the_commands_a_stopped_stateless_stream_prints_work_as_printed(tmp_path):
+    stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant"]
+    stopped = run_train(tmp_path / "stopped", *stateless, "max_steps=7")
+    command = printed_command(stopped.stdout + stopped.stderr)  # mid-epoch: the epoch starts over
+    assert RESTART_EPOCH in command
+    proc = subprocess.run([*command, f"hydra.run.dir={tmp_path}/continued"], cwd=PROJECT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "starts over" in proc.stdout + proc.stderr
+    more = printed_command(proc.stdout + proc.stderr)  # finished: "to train 2 more epochs"
+    proc = subprocess.run([*more, f"hydra.run.dir={tmp_path}/more"], cwd=PROJECT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_jsonl(tmp_path / "more/metrics.jsonl")[-1]["epoch"] == 3
+    # the refusal of the plain resume names the addition that makes it work, which then does
+    resume = f"resume={tmp_path}/stopped/checkpoints/last.pth"
+    refused = run_train(tmp_path / "refused", *stateless, resume, expect=2)
+    assert f"add {RESTART_EPOCH} to the command" in refused.stderr
+    run_train(tmp_path / "refused", *stateless, resume, RESTART_EPOCH)
+
+
+@pytest.mark.slow
+def test_a_resume_refused_for_another_reader_count_says_nothing_of_a_run_that_stays_the_same(tmp_path):
+    stateful = [*PLAIN, "data.train._target_=tests.datasets.StatefulStream", "schedule=constant"]
+    run_train(tmp_path / "first", *stateful, "max_steps=7")
+    resume = f"resume={tmp_path}/first/checkpoints/last.pth"
+    proc = run_train(tmp_path / "refused", *stateful, resume, "loader.num_workers=1", expect=2)
+    assert proc.stderr.count("\n") == 1 and "resume with loader.num_workers=2" in proc.stderr
+    assert "keep the run the same" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "refused").exists()  # refused before the run folder is written

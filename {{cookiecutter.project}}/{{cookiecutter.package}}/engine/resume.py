@@ -242,9 +242,8 @@ def precheck(cfg, run_dir: Path) -> None:
     check_fits(ckpt, cfg, model, world_size)
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
-        # a stateful stream saved the states of the readers that made its batches; a stateless one none
         readers = world_size * max(cfg.loader.num_workers, 1)
-        why = plain_stream_refusal(loader, readers, bool(loader["states"]), cfg.data.get("stream_resume", "exact"))
+        why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
         if why:
             raise UserError(f"resume: data.train {why}")
 

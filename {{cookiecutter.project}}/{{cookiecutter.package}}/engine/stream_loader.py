@@ -463,6 +463,7 @@ class StreamLoader:
             "first": self.first,
             "consumed": torch.from_numpy(self.done.copy()),
             "states": {str(reader): state for reader, state in self.states.items()},
+            "stateful": self.stateful,  # what a resume's check before the run needs to know of the data set
             "skipped": self.skipped,
         }
 
