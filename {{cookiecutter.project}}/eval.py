@@ -29,14 +29,13 @@ with process.long_lived_imports():
     import torch
     from hydra.core.config_store import ConfigStore
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf, open_dict
 
-    from {{ cookiecutter.package }}.engine import checkpoint, distributed, resume, schema
-    from {{ cookiecutter.package }}.engine.device import input_transform, pick_device
+    from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, resume, schema
+    from {{ cookiecutter.package }}.engine.device import pick_device
     from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
     from {{ cookiecutter.package }}.engine.evaluate import evaluate
-    from {{ cookiecutter.package }}.engine.loader import collate_of, eval_loader, resolve_settings
+    from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
     from {{ cookiecutter.package }}.engine.preempt import StopRequest
 
 log = logging.getLogger("eval")
@@ -88,14 +87,13 @@ def evaluate_checkpoint(cfg) -> dict | None:
     device = pick_device(cfg.device)
     if cfg.deterministic:  # the same kernels as the training run's validation
         process.use_deterministic_kernels()
-    model_cfg = cfg.model
-    model = instantiate(model_cfg)
+    model = parts.model(cfg)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged
     try:
         model.load_state_dict(ckpt["ema"] if use_ema else ckpt["model"])
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise UserError(f"eval: the checkpoint's weights do not fit model {model_cfg['_target_']} ({first})") from None
+        raise UserError(f"eval: the checkpoint's weights do not fit model {cfg.model._target_} ({first})") from None
 
     world = distributed.join(device)  # after the checks above: under torchrun each rank takes a share of the split
     try:
@@ -107,18 +105,18 @@ def evaluate_checkpoint(cfg) -> dict | None:
                 "may differ from the run's in their last digits", resume.written_by(ckpt), world.world_size,
             )  # fmt: skip
         model.to(device)
-        dataset = instantiate(cfg.data[cfg.split])
-        collate = collate_of(cfg.data, dataset)
+        dataset = parts.data_set(cfg, cfg.split)
+        collate = parts.collate(cfg, dataset)
         settings = resolve_settings(cfg.loader, device.type)
         loader = eval_loader(
             dataset, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker,
             collate_fn=collate, start_guard=StopRequest.starting_workers,
         )  # fmt: skip
         channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
-        prepare = input_transform(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
+        prepare = parts.prepare(cfg, device, channels_last)  # uint8 -> normalized floats, as in training
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        metrics = evaluate(instantiate(cfg.task), model, loader, device, world, prepare)  # summed over the ranks
+        metrics = evaluate(parts.task(cfg), model, loader, device, world, prepare)  # summed over the ranks
     finally:
         distributed.leave(world)
     if not world.is_main:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 from sklearn.datasets import load_sample_images
 from torchvision.datasets import ImageFolder
@@ -47,8 +48,9 @@ from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import ImageFiles
 from {{ cookiecutter.package }}.engine.device import device_batches, input_transform
-from {{ cookiecutter.package }}.engine.loader import TrainLoader, collate_of
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.parts import collate
 
 PROJECT = Path(__file__).resolve().parents[1]
 SIZES = ((500, 375), (2048, 1536))
@@ -181,9 +183,9 @@ def loader_rates(root: Path, decode: str, workers: int, rounds: int) -> list[flo
     nvJPEG's handles): TrainLoader (persistent workers, pinned), device_batches, then data.normalize."""
     dataset = ImageFiles(root, transform(), decode=decode)
     dataset.paths, dataset.labels = np.tile(dataset.paths, LOADER_REPEAT), np.tile(dataset.labels, LOADER_REPEAT)
-    data_cfg = {"decode": decode, "normalize": None}  # the keys collate_of and input_transform read
+    data_cfg = OmegaConf.create({"decode": decode, "normalize": None})  # the keys the collate and input_transform read
     settings = LoaderSettings(LOADER_BATCH, workers, 2, True, True, 0.0)
-    loader = TrainLoader(dataset, settings, seed=0, collate_fn=collate_of(data_cfg, dataset))
+    loader = TrainLoader(dataset, settings, seed=0, collate_fn=collate(OmegaConf.create({"data": data_cfg}), dataset))
     device = torch.device("cuda")
     prepare = input_transform(data_cfg, device)
     rates = []

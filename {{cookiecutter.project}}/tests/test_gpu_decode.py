@@ -17,11 +17,11 @@ from torchvision.io import decode_jpeg
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import CropDecoder, ImageFiles
-from {{ cookiecutter.package }}.engine import memory, rng
+from {{ cookiecutter.package }}.engine import memory, parts, rng
 from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.gpu_decode import EncodedBatch, EncodedImage, collate
-from {{ cookiecutter.package }}.engine.loader import TrainLoader, collate_of
+from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from tests.helpers import loader_settings
 from tests.test_data import centre_list, crop_list, photo
 
@@ -171,11 +171,14 @@ def test_what_the_device_cannot_finish_is_refused_in_one_line(photos):
         CropDecoder(transform, "gpu")
     tv = ImageFiles(photos, crop_list(32), decode="torchvision")
     gpu = on_gpu_reader(tv, crop_list(32))
-    own = OmegaConf.create({"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}})
+    own = OmegaConf.create(
+        {"data": {"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}}}
+    )
     with pytest.raises(UserError, match=r"^data.collate is set, and ImageFiles collates its batches itself \(data"):
-        collate_of(own, gpu)
-    assert collate_of(OmegaConf.create({}), gpu) is collate and collate_of(OmegaConf.create({}), tv) is None
-    assert collate_of(own, tv).func.__name__ == "collate_and_ask"  # yours, where the data set names none
+        parts.collate(own, gpu)
+    none = OmegaConf.create({"data": {}})
+    assert parts.collate(none, gpu) is collate and parts.collate(none, tv) is None
+    assert parts.collate(own, tv).func.__name__ == "collate_and_ask"  # yours, where the data set names none
     with pytest.raises(UserError, match=f"^{ON_THE_CPU}$"):
         input_transform(OmegaConf.create({"decode": "gpu"}), CPU)
     assert isinstance(input_transform(OmegaConf.create({"decode": "auto"}), CPU), PrepareBatch)

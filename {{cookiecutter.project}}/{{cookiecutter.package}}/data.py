@@ -138,7 +138,7 @@ class CropDecoder:
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
         self.flip = self.crop = None  # decode=gpu: the flip step, if any, and what the device resizes each box to
-        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for loader.collate_of
+        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for parts.collate
         if decode == "gpu":
             self.flip = gpu_steps(transform, self.plan)
             step = self.plan[0]
@@ -242,7 +242,7 @@ class ImageFiles(datasets.ImageFolder):
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
         self.reader = CropDecoder(transform, decode)
-        self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (loader.collate_of)
+        self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (parts.collate)
 
     @staticmethod
     def precheck(root, decode: str = "auto", **_) -> list[str]:

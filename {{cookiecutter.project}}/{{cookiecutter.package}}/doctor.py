@@ -48,14 +48,12 @@ import psutil
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate, get_worker_info
 
-from .engine import fsdp, memory, monitor, rng, schema, shard_plan
-from .engine.device import input_transform, to_device
+from .engine import fsdp, memory, monitor, parts, rng, schema, shard_plan
+from .engine.device import to_device
 from .engine.errors import UserError, find_user_error
-from .engine.loader import TrainLoader, collate_of, resolve_settings, usable_cpus
-from .engine.optim import build_optimizer
+from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 from .engine.shard_plan import is_stream
 from .engine.stream_loader import StreamLoader
 from .engine.task_results import split_loss
@@ -132,7 +130,7 @@ class StreamProbe(ItemTimes, IterableDataset):
 
 
 class ProbeCollate:
-    """The run's collate (default_collate, data.collate, data.decode=gpu's: loader.collate_of), plus the worker's
+    """The run's collate (default_collate, data.collate, data.decode=gpu's: parts.collate), plus the worker's
     first-item figures riding along with the batch."""
 
     def __init__(self, probe: Probe, collate=None):
@@ -263,9 +261,9 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
     saved = rng.capture()  # the model's initialisation draws from the main RNG; leave it as it was
     try:
-        model = instantiate(cfg.model).to(device)
-        task = instantiate(cfg.task)
-        collate = collate_of(cfg.data, dataset) or default_collate
+        model = parts.model(cfg).to(device)
+        task = parts.task(cfg)
+        collate = parts.collate(cfg, dataset) or default_collate
         if is_stream(dataset):
             samples = shard_plan.first_records(dataset, batch_size)
             samples = [samples[i % len(samples)] for i in range(batch_size)]
@@ -274,7 +272,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
         batch = collate(samples)
     finally:
         rng.apply(saved)
-    batch = input_transform(cfg.data, device)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
+    batch = parts.prepare(cfg, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
             if device.type == "cuda":
@@ -291,9 +289,9 @@ def model_memory(cfg) -> dict:
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of
     them under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
     with torch.random.fork_rng(devices=[]):  # the model's initialisation draws: leave the RNG as it was
-        model = instantiate(cfg.model)
+        model = parts.model(cfg)
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
-    slots = fsdp.state_slots(build_optimizer(cfg.optim, model))
+    slots = fsdp.state_slots(parts.optimizer(cfg, model))
     whole = params * (2 + slots)
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
             "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
@@ -406,9 +404,9 @@ def diagnose(cfg) -> dict:
     available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
     shm_free, shm_size = memory.shm_space() or (None, None)  # where the batches in flight live (memory.py)
     began = time.perf_counter()
-    train_set = instantiate(cfg.data.train)
+    train_set = parts.data_set(cfg, "train")
     build_s = time.perf_counter() - began
-    results, collate = [], collate_of(cfg.data, train_set)  # the batches as train.py collates them
+    results, collate = [], parts.collate(cfg, train_set)  # the batches as train.py collates them
     for name in profiles:
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)

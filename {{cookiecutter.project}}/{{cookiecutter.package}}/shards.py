@@ -208,7 +208,7 @@ class ShardDataset(Dataset):
     ):
         self.root, self.transform = Path(root), transform
         self.reader = CropDecoder(transform, decode)
-        self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (loader.collate_of)
+        self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (parts.collate)
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
         self.classes = list(index["classes"])
         shards = index["shards"]

@@ -20,18 +20,15 @@ import warnings
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
-from . import fsdp, shard_plan
-from .checks import check_data, reason
-from .device import amp_dtype, input_transform, pick_device, to_device
+from . import fsdp, parts, shard_plan
+from .checks import reason
+from .device import amp_dtype, pick_device, to_device
 from .errors import UserError
 from .init_from import init_weights
-from .loader import collate_of
-from .optim import build_optimizer, clip_gradients
-from .schedule import build_schedule
+from .optim import clip_gradients
 from .task_results import check_loss, check_metrics, report
 
 NO_KERNEL = " does not have a deterministic implementation"  # the words of torch's error and warning
@@ -44,35 +41,26 @@ def dry_step(cfg) -> list[str]:
     device = pick_device(cfg.device)
     unexact: list[str] = []
     with kept_rng():
-        model = _build(cfg.model, "model")  # model, optimizer and task first: they cost less than the data
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(f"model: {cfg.model._target_} built a {type(model).__name__}, not a torch.nn.Module")
+        model = parts.model(cfg)  # model, optimizer and task first: they cost less than the data
         if cfg.parallel.strategy == "fsdp":  # a shard class naming nothing in the model, amp=fp16: refused here
             fsdp.units(model, fsdp.unit_names(cfg.parallel, model))
             fsdp.policy(amp_dtype(cfg.amp, device))
         if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
-        try:
-            optimizer = build_optimizer(cfg.optim, model)
-        except UserError:  # a param_groups entry that matches nothing: its own line
-            raise
-        except Exception as e:
-            raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
-        task = _build(cfg.task, "task")
-        train_set = _build(cfg.data.train, "data.train")
-        val_set = _build(cfg.data.val, "data.val")
-        check_data(train_set, val_set, cfg.data.get("num_classes"))
-        collate = collate_of(cfg.data, train_set, lambda node: _build(node, "data.collate")) or default_collate
+        optimizer = parts.optimizer(cfg, model)
+        task = parts.task(cfg)
+        train_set, val_set = parts.data_sets(cfg)
+        collate = parts.collate(cfg, train_set) or default_collate
         with stage(cfg, "data.normalize", "to build"):
-            prepare = input_transform(cfg.data, device, cfg.channels_last)
+            prepare = parts.prepare(cfg, device)
         model.to(device)
         if cfg.channels_last:
             with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
                 model = model.to(memory_format=torch.channels_last)
         target = cfg.task._target_
         batch = two_prepared(cfg, train_set, collate, prepare, device, "training")
-        if cfg.data.get("batch_transform") is not None:
-            transform = _build(cfg.data.batch_transform, "data.batch_transform")
+        transform = parts.batch_transform(cfg)
+        if transform is not None:
             with stage(cfg, "data.batch_transform", "on 2 training samples"):
                 batch = transform(batch)
         with kernels(cfg.deterministic, device, unexact), _named(cfg, target, "loss", "training"):
@@ -82,7 +70,7 @@ def dry_step(cfg) -> list[str]:
             optimizer.step()
             with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not so here
                 warnings.simplefilter("ignore", UserWarning)
-                build_schedule(cfg.schedule, optimizer, total_steps=100).step()
+                parts.schedule(cfg, optimizer, 100).step()
         batch = two_prepared(cfg, val_set, collate, prepare, device, "validation")
         with torch.no_grad(), kernels(cfg.deterministic, device, unexact), _named(cfg, target, "metrics", "validation"):
             metrics = task.metrics(model.eval(), batch)
@@ -165,18 +153,6 @@ def _named(cfg, target: str, method: str, split: str):
         raise UserError(
             f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}: {reason(e)}"
         ) from None
-
-
-def _build(node, name: str):
-    try:
-        return instantiate(node)
-    except UserError:
-        raise
-    except Exception as e:
-        cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
-        if cause is not None:  # a data set's own one-line refusal (a missing folder), raised through Hydra
-            raise cause from None
-        raise UserError(f"{name}: cannot build {node._target_}: {reason(e)}") from None
 
 
 def first_samples(dataset, name: str) -> list:

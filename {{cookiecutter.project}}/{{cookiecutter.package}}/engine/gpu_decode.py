@@ -6,7 +6,7 @@ batch with nvJPEG on the device, after the batch's copy, and crops, resizes and 
   make (the crop's own `make_params`, then `RandomHorizontalFlip`'s `torch.rand(1)`). So a sample draws what it
   draws with data.decode=auto: the run is deterministic, exact on resume and the same for any worker count. A file
   the worker decodes itself (PNG and the other formats, a CMYK or MPO JPEG) comes as pixels, as with `auto`.
-- `collate`, which a data set with data.decode=gpu names as its `collate_fn` (loader.collate_of takes it from
+- `collate`, which a data set with data.decode=gpu names as its `collate_fn` (parts.collate takes it from
   there): files of different lengths do not stack, so a batch's images become one `EncodedBatch`, a list of files
   kept in one buffer (in a worker, one shared-memory file for the batch rather than one per image); the labels go
   through default_collate.

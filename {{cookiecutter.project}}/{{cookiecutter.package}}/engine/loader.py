@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
@@ -641,26 +640,6 @@ class TrainLoader:
         if self.settings.num_workers:  # no workers yet: the next epoch starts a generation from these streams
             restored = [rng.from_saved(s) for s in streams] if streams else None
             self.generation = Generation(self.settings.num_workers, restored)
-
-
-def collate_of(data_cfg, dataset=None, build=instantiate):
-    """The loaders' collate: `data.collate` built (a `_target_`, by `build`); else the one `dataset` names as its
-    `collate_fn`; else None, torch's default_collate. The data sets reading through data.py's CropDecoder name
-    gpu_decode.collate under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not
-    stack, and it keeps them as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of
-    yours beside it is refused: it would be handed undecoded files."""
-    node, own = data_cfg.get("collate"), getattr(dataset, "collate_fn", None)
-    if node is not None and own is not None:
-        raise UserError(
-            f"data.collate is set, and {type(dataset).__name__} collates its batches itself (data.decode=gpu: a "
-            "batch's JPEG files kept as a list, decoded on the device): drop data.collate, or keep it with "
-            "data.decode=auto"
-        )
-    if own is not None:
-        return own
-    if node is None:
-        return None
-    return build(node)
 
 
 class EvalStream(IterableDataset):

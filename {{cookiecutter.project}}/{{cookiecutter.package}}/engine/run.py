@@ -14,24 +14,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from torch.utils.data import default_collate
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, fsdp, memory, resume, rng, sharded_checkpoint{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import checkpoint, distributed, failures, fsdp, memory, parts, resume, rng, sharded_checkpoint{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
-from .checks import check_data
-from .device import amp_dtype, device_batches, input_transform, pick_device, to_device
+from .device import amp_dtype, device_batches, pick_device, to_device
 from .dry_step import first_samples, quiet
 from .ema import EMA
 from .errors import UserError
 from .init_from import init_weights
-from .loader import TrainLoader, collate_of, eval_loader, resolve_settings
+from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
-from .optim import build_optimizer
 from .preempt import StopRequest
 from .runlog import EpochMeter, RunLog
-from .schedule import build_schedule
 from .shard_plan import is_stream
 from .stream_loader import StreamLoader
 from .task_results import split_loss
@@ -175,9 +171,8 @@ def build(
     if ckpt:
         resume.compare(ckpt, cfg, found)  # a change of the run is refused unless resume_strict=false
 
-    train_set, val_set = instantiate(cfg.data.train), instantiate(cfg.data.val)
-    check_data(train_set, val_set, cfg.data.get("num_classes"))
-    collate = collate_of(cfg.data, train_set)  # data.decode=gpu's data sets name their own
+    train_set, val_set = parts.data_sets(cfg)
+    collate = parts.collate(cfg, train_set)  # data.decode=gpu's data sets name their own
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
@@ -211,7 +206,7 @@ def build(
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
         start_guard=StopRequest.starting_workers,
     )  # fmt: skip
-    prepare = input_transform(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on device
+    prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
@@ -221,7 +216,7 @@ def build(
             f"resume: {found} is a whole checkpoint (parallel=ddp) and parallel=fsdp resumes sharded ones: resume it "
             f"with parallel=ddp, or start from its weights with init_from={found}"
         )
-    model = instantiate(cfg.model)
+    model = parts.model(cfg)
     if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict)
     elif cfg.init_from:
@@ -231,13 +226,13 @@ def build(
         model = model.to(memory_format=torch.channels_last)
     if sharded:  # before the optimizer, which must hold the sharded parameters
         model = fsdp.shard(model, cfg.parallel, amp)
-    optimizer = build_optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
+    optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
     total_steps = None if per_epoch is None else cfg.epochs * -(-per_epoch // cfg.accumulate_steps)
-    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=total_steps)
+    scheduler = parts.schedule(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
-    task = instantiate(cfg.task)  # before restore: whatever it draws from the RNG, a resumed run draws the same
+    task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         ema = sharded_ema(cfg, model, amp, device)
@@ -268,8 +263,9 @@ def build(
             ema.load_state_dict(ckpt["ema"])
     if ema is not None and ckpt and ckpt.get("ema") is None:
         log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
-    node = cfg.data.get("batch_transform")
-    batch_transform = SeededBatchTransform(instantiate(node), cfg.seed, world.rank) if node is not None else None
+    batch_transform = parts.batch_transform(cfg)
+    if batch_transform is not None:  # keyed on (epoch, batch number): the same draws for any worker count
+        batch_transform = SeededBatchTransform(batch_transform, cfg.seed, world.rank)
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
@@ -317,7 +313,7 @@ def spare_task(cfg, world: distributed.World):
         return None
     saved = rng.capture_main()
     try:
-        return instantiate(cfg.task)
+        return parts.task(cfg)
     finally:
         rng.restore_main(saved)
 {% if cookiecutter.with_tracking == "yes" %}

@@ -1,0 +1,99 @@
+"""The parts of a run, built from its config in one place: the model, the data sets, their collate, the batches'
+preparation (data.input, data.decode, data.normalize), the task, the optimizer and the LR schedule.
+
+train.py's run (run.py), the dry step, eval.py and the doctor all build through these functions, so a class of
+yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+
+from .checks import check_data, reason
+from .device import PrepareBatch, input_transform
+from .errors import UserError
+from .optim import build_optimizer
+from .schedule import build_schedule
+
+
+def build(node, key: str):
+    """`node` (a Hydra `_target_`) built; a failure is one line naming `key`, or a data set's own one-line refusal
+    (a missing folder) raised through Hydra, as it is."""
+    try:
+        return instantiate(node)
+    except UserError:
+        raise
+    except Exception as e:
+        cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
+        if cause is not None:
+            raise cause from None
+        raise UserError(f"{key}: cannot build {node._target_}: {reason(e)}") from None
+
+
+def model(cfg) -> torch.nn.Module:
+    """`model`, on the CPU as its class makes it."""
+    built = build(cfg.model, "model")
+    if not isinstance(built, torch.nn.Module):
+        raise UserError(f"model: {cfg.model._target_} built a {type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def task(cfg):
+    """`task`: its loss(model, batch) and metrics(model, batch) are all the run knows of the problem."""
+    return build(cfg.task, "task")
+
+
+def data_set(cfg, split: str):
+    """The data set of `data.<split>` (train, val, or another node of the data config)."""
+    return build(cfg.data[split], f"data.{split}")
+
+
+def data_sets(cfg) -> tuple:
+    """(data.train, data.val), checked to fit each other and `data.num_classes`."""
+    train, val = data_set(cfg, "train"), data_set(cfg, "val")
+    check_data(train, val, cfg.data.get("num_classes"))
+    return train, val
+
+
+def collate(cfg, dataset):
+    """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`;
+    else None, torch's default_collate. The data sets reading through data.py's CropDecoder name gpu_decode.collate
+    under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not stack, and it keeps them
+    as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours beside it is
+    refused: it would be handed undecoded files."""
+    node, own = cfg.data.get("collate"), getattr(dataset, "collate_fn", None)
+    if node is not None and own is not None:
+        raise UserError(
+            f"data.collate is set, and {type(dataset).__name__} collates its batches itself (data.decode=gpu: a "
+            "batch's JPEG files kept as a list, decoded on the device): drop data.collate, or keep it with "
+            "data.decode=auto"
+        )
+    return own if own is not None or node is None else build(node, "data.collate")
+
+
+def prepare(cfg, device: torch.device, channels_last: bool | None = None) -> PrepareBatch:
+    """What turns a batch on `device` into the model's input: data.input, data.decode, data.normalize (uint8 images
+    to normalized floats). `channels_last`: the run's, unless given."""
+    return input_transform(cfg.data, device, cfg.channels_last if channels_last is None else channels_last)
+
+
+def batch_transform(cfg):
+    """`data.batch_transform` (MixUp, CutMix: training batches only, after `prepare`), or None."""
+    node = cfg.data.get("batch_transform")
+    return None if node is None else build(node, "data.batch_transform")
+
+
+def optimizer(cfg, net: torch.nn.Module) -> torch.optim.Optimizer:
+    """`optim` over `net`'s parameters, in its parameter groups."""
+    try:
+        return build_optimizer(cfg.optim, net)
+    except UserError:  # a param_groups entry that matches nothing: its own line
+        raise
+    except Exception as e:
+        raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
+
+
+def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int | None):
+    """`schedule` over `total_steps` optimizer steps (None: a stream whose length shows as it ends)."""
+    return build_schedule(cfg.schedule, optim, total_steps=total_steps)
