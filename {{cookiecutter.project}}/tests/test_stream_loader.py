@@ -118,7 +118,7 @@ def test_what_cannot_be_planned_or_restored_is_refused_in_one_line():
     other = StreamLoader(StatefulStream(), loader_settings(batch_size=8, workers=3), seed=0)
     with pytest.raises(UserError, match="resume with loader.num_workers=2"):
         other.load_state_dict(first.state_dict())
-    indexed = {**first.state_dict(), "kind": None}
+    indexed = TrainLoader(IndexedSamples(64), settings, seed=0).state_dict()
     with pytest.raises(UserError, match="resume with the data the run started with"):
         StreamLoader(StatefulStream(), settings, seed=0).load_state_dict(indexed)
     with pytest.raises(UserError, match="resume with the data the run started with"):

@@ -45,24 +45,13 @@ def usable_cpus() -> int:
 
 
 def resolve_settings(cfg, device_type: str) -> LoaderSettings:
-    """Check a loader profile and settle `auto` values; combinations that cannot apply are adjusted and said so."""
-    if cfg.batch_size < 1:
-        raise UserError(f"loader.batch_size must be at least 1, got {cfg.batch_size}")
-    workers = cfg.num_workers
-    if workers == "auto":
-        workers = usable_cpus()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise UserError(f"loader.num_workers must be an integer >= 0 or 'auto', got {cfg.num_workers!r}")
+    """Settle a loader profile's `auto` values; combinations that cannot apply are adjusted and said so. The ranges of
+    its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed."""
+    workers = usable_cpus() if cfg.num_workers == "auto" else cfg.num_workers
     prefetch = cfg.prefetch_factor
-    if prefetch is not None and prefetch < 1:
-        raise UserError(f"loader.prefetch_factor must be at least 1 (or null), got {prefetch}")
-    if cfg.timeout < 0:
-        raise UserError(f"loader.timeout must be >= 0 seconds, got {cfg.timeout}")
     pin = cfg.pin_memory
     if pin == "auto":
         pin = device_type == "cuda"
-    if not isinstance(pin, bool):
-        raise UserError(f"loader.pin_memory must be true, false or 'auto', got {cfg.pin_memory!r}")
     if pin and device_type != "cuda":
         log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
         pin = False
@@ -391,7 +380,125 @@ class GuardedDataLoader(DataLoader):
             return super().__iter__()
 
 
-class TrainLoader:
+class EpochLoader:
+    """What the train loaders share: one DataLoader for the run, iterated once per epoch; `epoch` (epochs done),
+    `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip` left out,
+    the next epoch started early, and a state for checkpoints. TrainLoader (an indexed data set) and StreamLoader
+    (engine/stream_loader.py) add how an epoch's batches are planned, seeded and resumed."""
+
+    kind = "indexed"  # a checkpoint's loader state says which loader wrote it
+    resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands
+
+    def __init__(
+        self, settings: LoaderSettings, seed: int, rng_mode: str, rank: int, world_size: int, worker_init,
+        on_bad_sample: str, bad_samples: failures.BadSampleLog | None, start_guard,
+    ):  # fmt: skip
+        if on_bad_sample not in ("error", "skip"):
+            raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
+        self.settings, self.seed, self.rng_mode, self.rank, self.world_size = settings, seed, rng_mode, rank, world_size
+        self.worker_init, self.start_guard = worker_init, start_guard  # start_guard: around every start of workers
+        self.skip = on_bad_sample == "skip"
+        self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
+        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
+        if settings.num_workers and settings.timeout:
+            self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
+            weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
+        self.loader: DataLoader | None = None  # the DataLoader reused every epoch (one-off ones are not kept)
+        self.epoch = 0  # epochs completed
+        self.position = 0  # batches of the current epoch consumed by the loop
+        self.worker_pids: set[int] = set()  # workers that served this epoch
+        self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
+        self._early = None  # the next epoch's iterator, made early (start_next_epoch)
+
+    @property
+    def global_batch(self) -> int:
+        return self.settings.batch_size * self.world_size
+
+    def guarded(self, dataset, **kwargs) -> DataLoader:
+        """A DataLoader of `dataset` with this loader's settings, its workers started under the start guard."""
+        return GuardedDataLoader.following(self.settings, dataset, start_guard=self.start_guard, **kwargs)
+
+    def next_batch(self, iterator):
+        """`next(iterator)`; a stall, a bad sample or a full /dev/shm raised as one line naming it."""
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise
+        except Exception as e:
+            failure = failures.from_loader_error(e, self)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def count_skipped(self, skipped: list) -> None:
+        """Samples a consumed batch left out (data.on_bad_sample=skip), listed in bad_samples.txt."""
+        if skipped:
+            self.skipped += len(skipped)
+            if self.bad_samples is not None:
+                self.bad_samples.add(self.epoch, skipped)
+
+    def start_next_epoch(self) -> None:
+        """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
+
+        Only with persistent workers: they are alive during validation anyway, and what they queue is within the
+        prefetch plan (non-persistent profiles keep their promise to free memory between epochs). Nothing is
+        consumed, so the position and the state stay as they are."""
+        s = self.settings
+        if self._early is None and not self.position and s.persistent_workers and s.num_workers:
+            self._early = self.begin_early()
+
+    def begin_early(self):
+        raise NotImplementedError
+
+    def progress(self) -> dict:
+        """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
+        batches = self.batches_done()
+        return {
+            "epoch": self.epoch,
+            "position": self.position,  # global batches of this epoch consumed
+            "batches": batches,  # global batches consumed over the run
+            "samples": batches * self.global_batch,  # a stream's: at most (a reader's last batch may be short)
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+        }
+
+    def batches_done(self) -> int:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """What every loader's checkpoint state holds, and its own (`own_state`)."""
+        return {
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "batch_size": self.settings.batch_size,
+            "global_batch": self.global_batch,
+            "num_workers": self.settings.num_workers,
+            "world_size": self.world_size,
+            "rng_mode": self.rng_mode,
+            "skipped": self.skipped,
+            **self.own_state(),
+        }
+
+    def own_state(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
+        """Continue from `state`, a rank's `state_dict()` (`reseed`: another number of processes wrote it)."""
+        kind = state.get("kind", "indexed")  # older checkpoints of an indexed data set have none
+        if kind != self.kind:
+            said = {"indexed": "an indexed data set", "stream": "a stream", "shard_stream": "a shard stream"}
+            raise UserError(
+                f"resume: the checkpoint's train data was {said[kind]} and this run's is {said[self.kind]}: resume "
+                "with the data the run started with"
+            )
+        self.load_own(state, strict, reseed)
+
+    def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
+        raise NotImplementedError
+
+
+class TrainLoader(EpochLoader):
     """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
 
     State: `epoch`, `position` (batches of this epoch consumed: global batches, the same on every rank and for any
@@ -427,18 +534,10 @@ class TrainLoader:
     ):
         if rng_mode not in ("per_sample", "per_worker"):
             raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
-        if on_bad_sample not in ("error", "skip"):
-            raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
-        self.rng_mode, self.settings, self.worker_init = rng_mode, settings, worker_init
-        self.start_guard = start_guard  # around every start of workers (GuardedDataLoader)
-        skip = on_bad_sample == "skip"
-        self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=skip)
-        self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
-        self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
-        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
-        if settings.num_workers and settings.timeout:
-            self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
-            weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
+        super().__init__(
+            settings, seed, rng_mode, rank, world_size, worker_init, on_bad_sample, bad_samples, start_guard
+        )  # fmt: skip
+        self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=self.skip)
         self.sampler = EpochBatchSampler(
             len(dataset),
             settings.batch_size,
@@ -451,24 +550,13 @@ class TrainLoader:
         loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
         self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
-        self.loader: DataLoader | None = None  # the DataLoader reused every epoch (one-off ones are not kept)
-        self.epoch = 0  # epochs completed
-        self.position = 0  # batches of the current epoch consumed by the loop
-        self.worker_pids: set[int] = set()  # workers that served this epoch
         self.generation = Generation(settings.num_workers) if settings.num_workers else None
-        self._early: tuple | None = None  # (the next epoch's batches, the generator before they drew a base seed)
 
     def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
-        return GuardedDataLoader.following(
-            self.settings,
-            self.dataset,
-            batch_sampler=self.sampler,
-            collate_fn=self.collate,
-            worker_init_fn=seeding,
-            generator=generator,
-            persistent_workers=persistent,
-            start_guard=self.start_guard,
-        )
+        return self.guarded(
+            self.dataset, batch_sampler=self.sampler, collate_fn=self.collate, worker_init_fn=seeding,
+            generator=generator, persistent_workers=persistent,
+        )  # fmt: skip
 
     @property
     def batches_per_epoch(self) -> int:
@@ -478,12 +566,6 @@ class TrainLoader:
     def at_epoch_end(self) -> bool:
         """The batch just consumed is the epoch's last."""
         return self.position == self.batches_per_epoch
-
-    resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands (StreamLoader's may not)
-
-    @property
-    def world_size(self) -> int:
-        return self.sampler.world_size
 
     @property
     def dropped_records(self) -> int:
@@ -504,19 +586,11 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.batches_per_epoch - self.position
 
-    def start_next_epoch(self) -> None:
-        """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
-
-        Only with persistent workers: they are alive during validation anyway, and what they queue is
-        within the prefetch plan (non-persistent profiles keep their promise to free memory between
-        epochs). Nothing is consumed, so position and streams stay as they are.
-        """
-        s = self.settings
-        if self._early is not None or self.position or not (s.persistent_workers and s.num_workers):
-            return
+    def begin_early(self) -> tuple:
+        """(the next epoch's batches, the generator before they drew a base seed: what a checkpoint keeps)."""
         before = self.generator.get_state()
         self.sampler.set_epoch(self.epoch, 0)
-        self._early = (iter(self._loader_for(0)), before)
+        return iter(self._loader_for(0)), before
 
     def __iter__(self):
         start = self.position
@@ -532,21 +606,13 @@ class TrainLoader:
         while True:  # to StopIteration, not just the last batch: a non-persistent iterator ends its workers there
             index += 1
             try:
-                batch, snapshot, skipped = next(iterator)
+                batch, snapshot, skipped = self.next_batch(iterator)
             except StopIteration:
                 break
-            except Exception as e:  # a stall, a bad sample, a full /dev/shm: named, in one line
-                failure = failures.from_loader_error(e, self)
-                if failure is None:
-                    raise
-                raise failure from e
             if snapshot is not None:
                 self.generation.consume(index, snapshot)
                 self.worker_pids.add(snapshot.pid)
-            if skipped:
-                self.skipped += len(skipped)
-                if self.bad_samples is not None:
-                    self.bad_samples.add(self.epoch, skipped)
+            self.count_skipped(skipped)
             self.position = index + 1
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
@@ -572,46 +638,23 @@ class TrainLoader:
             self.loader = self._dataloader(seeding, self.generator, persistent)
         return self.loader
 
-    def progress(self) -> dict:
-        """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
-        batches = self.epoch * self.batches_per_epoch + self.position
-        g = self.sampler.global_batch
-        return {
-            "epoch": self.epoch,
-            "position": self.position,  # global batches of this epoch consumed
-            "batches": batches,  # global batches consumed over the run
-            "samples": batches * g,
-            "global_batch": g,
-            "world_size": self.sampler.world_size,
-        }
+    def batches_done(self) -> int:
+        return self.epoch * self.batches_per_epoch + self.position
 
-    def state_dict(self) -> dict:
+    def own_state(self) -> dict:
         # per_sample seeds every sample afresh: the workers' streams carry nothing a resume needs
         streams = self.generation.streams() if self.generation and self.rng_mode == "per_worker" else []
         return {
-            "epoch": self.epoch,
-            "position": self.position,
             "batches_per_epoch": self.batches_per_epoch,
-            "batch_size": self.settings.batch_size,
-            "global_batch": self.sampler.global_batch,
-            "num_workers": self.settings.num_workers,
             "persistent_workers": self.settings.persistent_workers,
-            "world_size": self.sampler.world_size,
-            "rng_mode": self.rng_mode,
             "generator": self.generator.get_state() if self._early is None else self._early[1],
             "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
-            "skipped": self.skipped,
         }
 
-    def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
-        """Continue from `state`, a rank's `state_dict()`. `reseed`: the run had another number of processes, so
-        no rank's generator and worker streams carry over: the generator is seeded from `reseed` and the workers
-        start fresh; the position (global batches of the epoch) carries over as it is."""
-        if "kind" in state:  # StreamLoader's
-            raise UserError(
-                "resume: the checkpoint's train data was a stream and this run's is an indexed data set: resume with "
-                "the data the run started with"
-            )
+    def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
+        """`reseed`: the run had another number of processes, so no rank's generator and worker streams carry over:
+        the generator is seeded from `reseed` and the workers start fresh; the position (global batches of the epoch)
+        carries over as it is."""
         # The batch order depends on these; with per_worker streams, so does which worker serves what.
         must_match = ["batches_per_epoch", "global_batch", "rng_mode"]
         if self.rng_mode == "per_worker" and reseed is None:

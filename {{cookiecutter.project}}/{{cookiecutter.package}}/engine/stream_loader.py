@@ -27,9 +27,6 @@ import inspect
 import itertools
 import logging
 import os
-import shutil
-import tempfile
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +36,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import failures, rng, shard_plan
 from .device import map_tensors
 from .errors import UserError
-from .loader import GuardedDataLoader, SeedWorker, for_the_queue
+from .loader import EpochLoader, SeedWorker, for_the_queue
 from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
@@ -233,10 +230,10 @@ class ReaderStream(IterableDataset):
             count += 1
 
 
-class StreamLoader:
+class StreamLoader(EpochLoader):
     """The train loader of a stream, built once. Iterate it once per epoch; `state_dict()` at any step.
 
-    The same face as TrainLoader (engine/loader.py): `epoch`, `position` (batches of this epoch consumed),
+    An EpochLoader (engine/loader.py), as TrainLoader is: `epoch`, `position` (batches of this epoch consumed),
     `batches_per_epoch` (known for a shard stream with `sizes`; else None, and the epoch ends where the stream
     does), `at_epoch_end`, `worker_pids`, `skipped`, `start_next_epoch()`.
     - Shard stream, `sizes`: every rank takes the same steps (shard_plan.steps_left); the records past them are
@@ -269,12 +266,16 @@ class StreamLoader:
             )
         if stream_resume not in ("exact", "restart_epoch"):
             raise UserError(f"data.stream_resume must be exact or restart_epoch, got {stream_resume!r}")
+        super().__init__(
+            settings, seed, rng_mode, rank, world_size, worker_init, on_bad_sample, bad_samples, start_guard
+        )  # fmt: skip
         self.stream = ReaderStream(
             dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
-            skip=on_bad_sample == "skip",
+            skip=self.skip,
         )  # fmt: skip
         shards = self.stream.shards
-        if on_bad_sample == "skip" and not self.stream.seeks:
+        self.kind = "shard_stream" if shards else "stream"
+        if self.skip and not self.stream.seeks:
             raise UserError(
                 f"data.on_bad_sample=skip: data.train ({name}) cannot go on past a record that failed (a generator "
                 "that raised has ended): make it a shard stream whose read(shard, start=0) starts at a record "
@@ -286,27 +287,17 @@ class StreamLoader:
                 "every rank must take the same steps, planned from the records per shard; give it `shards`, `read` and "
                 "`sizes`, or run one process"
             )
-        self.settings, self.seed, self.rank, self.world_size = settings, seed, rank, world_size
-        self.rng_mode, self.stream_resume = rng_mode, stream_resume
-        self.worker_init, self.start_guard = worker_init, start_guard
-        self.bad_samples, self.stack_dir = bad_samples, None  # stack_dir: where workers write stacks on a stall
-        if settings.num_workers and settings.timeout:
-            self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
-            weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
+        self.stream_resume = stream_resume
         self.workers = max(settings.num_workers, 1)  # readers per rank
         methods = ("state_dict", "load_state_dict")
         self.stateful = not shards and all(callable(getattr(dataset, m, None)) for m in methods)
-        self.loader = None  # the DataLoader, made at the first epoch: workers copy the stream with its resume states
-        self.epoch, self.position, self.batches = 0, 0, 0  # batches: consumed over the run
+        self.batches = 0  # consumed over the run
         self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
         self.done = np.zeros(len(self.stream.consumed), dtype=np.int64)  # per shard: records the loop consumed
         self.states: dict[int, dict] = {}  # plain streams: reader -> its state as of its last consumed batch
-        self.worker_pids: set[int] = set()
-        self.skipped = 0  # records data.on_bad_sample=skip left out of this epoch's consumed batches
         self.dropped = 0  # records the epoch leaves out, over all ranks, so that ranks take the same steps
         self.dropped_records = 0  # the same, of the epoch that ended last (metrics.jsonl)
         self.batches_per_epoch: int | None = None
-        self._early = None  # the next epoch's iterator, made early (start_next_epoch)
         self._last = False  # the batch just consumed is the epoch's last
         self._plan()
 
@@ -350,36 +341,23 @@ class StreamLoader:
                 f"({self.readers}): lower loader.batch_size or loader.num_workers"
             )
 
-    def _dataloader(self):
-        return GuardedDataLoader.following(
-            self.settings,
-            self.stream,
-            batch_size=None,  # the workers make whole batches
-            collate_fn=_as_is,
-            worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
-            generator=torch.Generator().manual_seed(self.seed),
-            start_guard=self.start_guard,
-        )
-
-    def _begin(self):
+    def begin_early(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
         self.stream.control.copy_(torch.tensor([self.epoch, self.first]))
         self.stream.consumed.copy_(torch.from_numpy(self.done))
         if self.loader is None:
-            self.loader = self._dataloader()
+            self.loader = self.guarded(
+                self.stream, batch_size=None, collate_fn=_as_is,  # the workers make whole batches
+                worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
+                generator=torch.Generator().manual_seed(self.seed),
+            )  # fmt: skip
         return iter(self.loader)
-
-    def start_next_epoch(self) -> None:
-        """With persistent workers: hand them the next epoch now, e.g. while validation runs (TrainLoader's)."""
-        s = self.settings
-        if self._early is None and not self.position and s.persistent_workers and s.num_workers:
-            self._early = self._begin()
 
     def __iter__(self):
         self.worker_pids = set()
         if self.position == 0:
             self.skipped = 0
-        iterator = self._early if self._early is not None else self._begin()
+        iterator = self._early if self._early is not None else self.begin_early()
         self._early = None
         known, ended = self.batches_per_epoch is not None, set()
         upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator, ended)
@@ -410,14 +388,9 @@ class StreamLoader:
         """The next batch and what it carries; None once every reader has sent its `ended` marker."""
         while len(ended) < self.workers:
             try:
-                batch, meta = next(iterator)
+                batch, meta = self.next_batch(iterator)
             except StopIteration:
                 return None
-            except Exception as e:  # a stall, a bad record, a full /dev/shm: named, in one line
-                failure = failures.from_loader_error(e, self)
-                if failure is None:
-                    raise
-                raise failure from e
             if not meta.ended:
                 return batch, meta
             ended.add(meta.worker)
@@ -432,39 +405,19 @@ class StreamLoader:
         if meta.state is not None:
             self.states[self.rank * self.workers + meta.worker] = meta.state
         self.worker_pids.add(meta.pid)
-        if meta.skipped:
-            self.skipped += len(meta.skipped)
-            if self.bad_samples is not None:
-                self.bad_samples.add(self.epoch, meta.skipped)
+        self.count_skipped(meta.skipped)
 
-    def progress(self) -> dict:
-        g = self.settings.batch_size * self.world_size
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "batches": self.batches,
-            "samples": self.batches * g,  # at most: a reader's last batch of an epoch may be short
-            "global_batch": g,
-            "world_size": self.world_size,
-        }
+    def batches_done(self) -> int:
+        return self.batches
 
-    def state_dict(self) -> dict:
+    def own_state(self) -> dict:
         return {
-            "kind": "shard_stream" if self.stream.shards else "stream",
-            "epoch": self.epoch,
-            "position": self.position,
             "batches": self.batches,
-            "batch_size": self.settings.batch_size,
-            "global_batch": self.settings.batch_size * self.world_size,
-            "num_workers": self.settings.num_workers,
-            "world_size": self.world_size,
             "readers": self.readers,
-            "rng_mode": self.rng_mode,
             "first": self.first,
             "consumed": torch.from_numpy(self.done.copy()),
             "states": {str(reader): state for reader, state in self.states.items()},
             "stateful": self.stateful,  # what a resume's check before the run needs to know of the data set
-            "skipped": self.skipped,
         }
 
     @staticmethod
@@ -475,19 +428,13 @@ class StreamLoader:
         merged["consumed"] = torch.stack([s["consumed"] for s in states]).amax(0)
         return merged
 
-    def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
-        """Continue from `state` (`reseed`: another number of processes wrote it; the order of the rest of the epoch
-        then changes, nothing else: a stream seeds its records by their place in their shard)."""
-        kind = "shard_stream" if self.stream.shards else "stream"
-        if state.get("kind") != kind:
+    def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
+        """`reseed`: another number of processes wrote `state`; the order of the rest of the epoch then changes,
+        nothing else: a stream seeds its records by their place in their shard."""
+        if state["global_batch"] != self.global_batch:
             raise UserError(
-                f"resume: the checkpoint's train data was {state.get('kind', 'an indexed data set')} and this run's "
-                f"is a {kind.replace('_', ' ')}: resume with the data the run started with"
-            )
-        if state["global_batch"] != self.settings.batch_size * self.world_size:
-            raise UserError(
-                f"resume: the checkpoint's global batch is {state['global_batch']}, this run's "
-                f"{self.settings.batch_size * self.world_size}: resume with the same loader.batch_size"
+                f"resume: the checkpoint's global batch is {state['global_batch']}, this run's {self.global_batch}: "
+                "resume with the same loader.batch_size"
             )
         self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
         self.skipped = state["skipped"] if self.position else 0
