@@ -6,10 +6,11 @@ from pathlib import Path
 PROJECT, PACKAGE = {{ cookiecutter.project | tojson }}, {{ cookiecutter.package | tojson }}
 LEFT_OUT = {
     "license": ["LICENSE"] if {{ cookiecutter.license | tojson }} == "none" else [],
-    "with_tracking": [f"{PACKAGE}/engine/tracking.py", "conf/logger", "tests/test_tracking.py"],
-    "with_shards": [f"{PACKAGE}/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py"],
-    "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py"],
-    "with_benchmarks": ["benchmarks"],
+    "with_tracking": [f"{PACKAGE}/engine/tracking.py", "conf/logger", "tests/test_tracking.py", "docs/tracking.md"],
+    "with_shards": [f"{PACKAGE}/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py",
+                    "docs/shards.md"],
+    "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
+    "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
 }
 ANSWERS = {
     "with_tracking": {{ cookiecutter.with_tracking | tojson }},

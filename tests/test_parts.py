@@ -1,5 +1,6 @@
 """The optional parts (cookiecutter.json's with_*): a part answered `no` leaves no file, config key or group, extra,
-test or README section of its own behind, and the project without it is still ruff-clean and trains."""
+test, docs/ page or README section of its own behind, no link to what it took away, and the project without it is
+still ruff-clean and trains."""
 import re
 import subprocess
 import sys
@@ -16,13 +17,15 @@ MINIMAL = {part: "no" for part in PARTS}
 
 # What each part brings: paths, and words that name it (in any text file of the bake: code, YAML, README, tests)
 LEFT_OUT = {
-    "with_tracking": (["my_trainer/engine/tracking.py", "conf/logger", "tests/test_tracking.py"],
-                      [r"mlflow", r"wandb", r"W&B", r"logger\.use", r"conf/logger", r"Experiment tracking"]),
-    "with_shards": (["my_trainer/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py"],
-                    [r"ShardDataset", r"data=shards", r"webdataset", r"\.shards pack", r"Tar shards"]),
-    "with_slurm": (["my_trainer/engine/slurm.py", "conf/hydra", "tests/test_slurm.py"],
-                   [r"submitit", r"hydra/launcher", r"slurm\.py", r"\[slurm\]", r"SLURM with submitit"]),
-    "with_benchmarks": (["benchmarks"], [r"benchmarks[/.]", r"gpu_check", r"## Benchmarks"]),
+    "with_tracking": (["my_trainer/engine/tracking.py", "conf/logger", "tests/test_tracking.py", "docs/tracking.md"],
+                      [r"mlflow", r"wandb", r"W&B", r"logger\.use", r"conf/logger", r"Experiment tracking",
+                       r"tracking\.md"]),
+    "with_shards": (["my_trainer/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py",
+                     "docs/shards.md"],
+                    [r"ShardDataset", r"data=shards", r"webdataset", r"\.shards pack", r"Tar shards", r"shards\.md"]),
+    "with_slurm": (["my_trainer/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
+                   [r"submitit", r"hydra/launcher", r"slurm\.py", r"\[slurm\]", r"SLURM with submitit", r"slurm\.md"]),
+    "with_benchmarks": (["benchmarks", "docs/benchmarks.md"], [r"benchmarks[/.]", r"gpu_check", r"# Benchmarks"]),
 }
 EXTRAS = {"with_tracking": {"mlflow", "wandb"}, "with_slurm": {"slurm"}, "with_benchmarks": {"bench"}}
 
@@ -51,6 +54,14 @@ def ruff_clean(project) -> None:
         assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
 
 
+def docs_hold_together(project) -> None:
+    """The bake's own tests/test_docs.py: README.md short, every link of README.md and docs/ leading somewhere (a link
+    to a page the part took away would not)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py"],
+                          cwd=project, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 def trains(project, tmp_path) -> None:
     run_dir = tmp_path / "debug-run"
     proc = subprocess.run([sys.executable, "train.py", "experiment=debug", f"hydra.run.dir={run_dir}"], cwd=project,
@@ -66,6 +77,7 @@ def test_a_part_answered_no_leaves_nothing_of_itself_and_the_project_trains(bake
     others = [p for p in PARTS if p != part]
     assert all(left_out(project, p) for p in others)  # the other parts are all there
     ruff_clean(project)
+    docs_hold_together(project)
     trains(project, tmp_path)
 
 
@@ -73,6 +85,7 @@ def test_every_part_answered_no(bake, tmp_path):
     project = bake(tmp_path / "bake", **MINIMAL)
     assert {part: left_out(project, part) for part in PARTS} == {part: [] for part in PARTS}
     ruff_clean(project)
+    docs_hold_together(project)
     trains(project, tmp_path)
 
 

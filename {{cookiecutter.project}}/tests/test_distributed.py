@@ -136,7 +136,8 @@ def test_requeue_path_saves_hands_over_and_resumes_in_the_same_folder(tmp_path):
 
 
 def elastic_cmd(run_dir, *overrides):
-    """The command of the README: torchrun restarts failed attempts; each resumes from the folder's own last.pth."""
+    """The command of docs/distributed.md: torchrun restarts failed attempts; each resumes from the folder's
+    own last.pth."""
     return torchrun_cmd(
         run_dir,
         "checkpoint.every_steps=2",

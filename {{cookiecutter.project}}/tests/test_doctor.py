@@ -90,7 +90,7 @@ PROFILE_SET = [
 ]
 
 
-def test_recommend_follows_the_decision_table():  # the README's table (Loader doctor)
+def test_recommend_follows_the_decision_table():  # docs/loader.md's table (Loader doctor)
     tight = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=1200, cores=8, full_batches=100)
     assert tight["profile"] == "memory-tight" and "memory is tight" in tight["reasons"][0]
     waiting = recommend(PROFILE_SET, "balanced", model_bps=50, available_mib=64000, cores=8, full_batches=100)

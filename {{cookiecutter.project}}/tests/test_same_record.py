@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import load_ckpt, read_jsonl, run_train, same_weights
 
-# What differs between any two runs, stopped or not: the README's "The same record" names them
+# What differs between any two runs, stopped or not: docs/resume.md's "The same record" names them
 MEASURED = {
     "samples_per_s", "data_wait_s", "epoch_time_s", "data_wait_share", "rss_mib", "pss_mib", "fds",
     "page_faults_per_batch", "worker_pids",

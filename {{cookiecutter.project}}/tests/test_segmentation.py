@@ -21,7 +21,7 @@ from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.tasks import Segmentation
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights
-from tests.test_task import COMMANDS, FILE_BLOCK, project_copy, readme_section
+from tests.test_task import COMMANDS, FILE_BLOCK, doc_section, project_copy
 
 COLOUR = (200, 40, 90)  # the shape's colour in the hand-made pairs, far from their grey background
 LABEL = 3
@@ -256,12 +256,13 @@ def test_the_experiment_resumes_exactly_with_another_worker_count(tmp_path, trai
 
 @pytest.mark.slow
 def test_the_readmes_torchmetrics_task_runs_under_torchrun_and_agrees_with_the_built_in_one(tmp_path, trained):
-    """The README's torchmetrics example, copied out: 2 ranks, each validating its share into the metric object
-    that torchmetrics gathers; its val_miou is the built-in task's over the whole split (eval.py, one process)."""
+    """The torchmetrics example of docs/your-own-task.md, copied out: 2 ranks, each validating its share into the
+    metric object that torchmetrics gathers; its val_miou is the built-in task's over the whole split (eval.py, one
+    process)."""
     pytest.importorskip("torchmetrics", reason="the test extra brings torchmetrics (pip install -e '.[test]')")
     _, root = trained
     copy = project_copy(tmp_path / "copy")
-    section = readme_section("Segmentation")
+    section = doc_section("your-own-task.md", "Segmentation")
     for path, body in FILE_BLOCK.findall(section):
         (copy / path).write_text(f"# {path}\n{body}")
     (command,) = [line for block in COMMANDS.findall(section) for line in block.splitlines() if "torchrun" in line]

@@ -1,6 +1,6 @@
-"""Your own task (README "Your own task"): the worked example, copied out of the README and run as it says.
+"""Your own task (docs/your-own-task.md): the worked example, copied out of that page and run as it says.
 
-A copy of the project gets the README's files (a data set of dicts, an MLP, a regression task and their three
+A copy of the project gets the page's files (a data set of dicts, an MLP, a regression task and their three
 YAML files), then trains, evaluates and resumes through the unchanged train.py and eval.py. The task seam's
 other checks: a metrics() without `count`, a monitor the task does not report, an argument its target does not
 take, and an op without a deterministic kernel are each refused in one line before the run folder is written.
@@ -24,16 +24,27 @@ FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w/.-]+\.(?:py|yaml))\n(.*?)``
 COMMANDS = re.compile(r"```bash\n(.*?)```", re.S)
 
 
-def readme_section(title: str) -> str:
-    text = (PROJECT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
+def doc_section(page: str, title: str) -> str:
+    """The section `title` of docs/`page`: its heading and what follows, up to the next heading of its level or above
+    (a `# path` line in a code block is no heading)."""
+    level, kept, fence = None, [], False
+    for line in (PROJECT / "docs" / page).read_text().splitlines(keepends=True):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        heading = None if fence else re.match(r"(#+) (.*)\n", line)
+        if heading and level is not None and len(heading[1]) <= level:
+            break
+        if heading and level is None and heading[2] == title:
+            level = len(heading[1])
+        if level is not None:
+            kept.append(line)
+    assert level is not None, f"docs/{page} has no heading {title!r}"
+    return "".join(kept)
 
 
 def readme_example():
-    """({path: text} of the section's files, [its commands]) as the README gives them."""
-    section = readme_section("Your own task")
+    """({path: text} of the section's files, [its commands]) as docs/your-own-task.md gives them."""
+    section = doc_section("your-own-task.md", "Your own task")
     files = {path: f"# {path}\n{body}" for path, body in FILE_BLOCK.findall(section)}
     commands = [line.split("#")[0].strip() for block in COMMANDS.findall(section) for line in block.splitlines()]
     return files, [c for c in commands if c]
@@ -60,7 +71,7 @@ def run(copy: Path, command: str, *extra: str, expect: int = 0) -> subprocess.Co
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    """A project copy holding the README's files, and the README's commands."""
+    """A project copy holding the page's files, and the page's commands."""
     files, commands = readme_example()
     assert sorted(files) == [
         "conf/data/houses.yaml",
@@ -77,7 +88,7 @@ def example(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(example):
-    """The README's train command as written (default run folder under outputs/), then its eval command."""
+    """The page's train command as written (default run folder under outputs/), then its eval command."""
     copy, (train, evaluate) = example
     run(copy, train)
     (run_dir,) = [p.parent for p in (copy / "outputs").glob("*/*/metrics.jsonl")]
@@ -143,7 +154,7 @@ def test_the_task_seam_refuses_in_one_line_before_the_run_folder(example):
 
 
 def test_a_config_older_than_data_input_trains_as_it_did(example, tmp_path):
-    """The README's regression (dict batches {"features", "price"}, as before data.input existed) sets no data.input
+    """The page's regression (dict batches {"features", "price"}, as before data.input existed) sets no data.input
     and nothing that works on the input: it trains. The control: with a data.normalize, the default data.input=0 names
     no part of those batches, refused in one line naming both keys."""
     copy, (train, _) = example
@@ -246,7 +257,7 @@ LOADED = (
 
 @pytest.mark.slow
 def test_a_task_without_images_imports_no_torchvision(example, tmp_path):
-    """The README's regression example (its own data, model and task) trains without torchvision being imported at
+    """The page's regression example (its own data, model and task) trains without torchvision being imported at
     all; the control: the default image classifier does import it, so the probe can see it."""
     copy, (train, _) = example
     images = f"python train.py data.root={tmp_path / 'shapes'} data.per_class=8 loader.batch_size=8"

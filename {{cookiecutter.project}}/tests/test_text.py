@@ -1,13 +1,13 @@
-"""The README's text example (token ids, a padding data.collate, a mask in a dict batch, a small model), copied out
-of the README into a copy of the project and run as it says: it learns, eval.py repeats its last validation, and a
-stop resumes exactly with another worker count."""
+"""The text example of docs/your-own-task.md (token ids, a padding data.collate, a mask in a dict batch, a small
+model), copied out of that page into a copy of the project and run as it says: it learns, eval.py repeats its last
+validation, and a stop resumes exactly with another worker count."""
 
 import json
 
 import pytest
 
 from tests.helpers import read_jsonl, same_weights
-from tests.test_task import COMMANDS, FILE_BLOCK, project_copy, readme_section, run
+from tests.test_task import COMMANDS, FILE_BLOCK, doc_section, project_copy, run
 
 SECTION = "Text: token ids, padding and an attention mask"
 
@@ -15,7 +15,7 @@ SECTION = "Text: token ids, padding and an attention mask"
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     copy = project_copy(tmp_path_factory.mktemp("text") / "project")
-    section = readme_section(SECTION)
+    section = doc_section("your-own-task.md", SECTION)
     for path, body in FILE_BLOCK.findall(section):
         (copy / path).write_text(f"# {path}\n{body}")
     commands = [line.split("#")[0].strip() for block in COMMANDS.findall(section) for line in block.splitlines()]

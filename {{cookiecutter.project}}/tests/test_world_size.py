@@ -175,8 +175,8 @@ def test_a_count_that_does_not_split_the_global_batch_is_refused(tmp_path):
 
 
 def agent(run_dir, port: int, node: int) -> subprocess.Popen:
-    """One node's torchrun agent in elastic mode (README's command): 1 to 2 nodes of 1 process, restarts on failure;
-    every attempt resumes from the run folder's own last.pth. Its output goes to node<node>.log."""
+    """One node's torchrun agent in elastic mode (docs/distributed.md's command): 1 to 2 nodes of 1 process, restarts
+    on failure; every attempt resumes from the run folder's own last.pth. Its output goes to node<node>.log."""
     launcher = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d"]
     launcher += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"]
     # Once the minimum of nodes has joined, a rendezvous waits last_call_timeout (30 s) for more: the re-formed group

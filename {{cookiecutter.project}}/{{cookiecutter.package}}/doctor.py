@@ -24,7 +24,7 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
 - model memory per rank: its parameters, gradients and optimizer state, whole under DDP and about 1/W of them
   under parallel=fsdp on W ranks.
 
-The recommendation follows the decision table in the README ("Loader doctor"): memory tight -> fewer
+The recommendation follows the decision table in docs/loader.md ("Loader doctor"): memory tight -> fewer
 workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
 starts -> persistent workers. A table is printed and everything goes to doctor.json in the run folder.
 """
@@ -300,7 +300,7 @@ def model_memory(cfg) -> dict:
 def recommend(
     results: list[dict], current: str, model_bps: float, available_mib: float, cores: int, full_batches: int
 ) -> dict:
-    """The README's decision table, applied in its order: memory first, then a waiting model, then epoch starts."""
+    """The decision table of docs/loader.md, in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
     if not ran:
         why = "no profile produced two batches in epoch 2: nothing to compare"

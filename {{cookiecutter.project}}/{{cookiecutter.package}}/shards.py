@@ -28,7 +28,7 @@ rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
   shard holds few classes (`--in-order`, or shards written sorted by another tool).
 
 `stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
-readers, and which records share a batch depends on the readers (README, "Streams").
+readers, and which records share a batch depends on the readers (docs/streams.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streams: data read in order, shard by shard, that train.py trains on like an indexed data set (README, "Streams").
+"""Streams: data read in order, shard by shard, that train.py trains on like an indexed data set (docs/streams.md).
 
 A *shard stream* has `shards` (picklable shard descriptors: paths, URLs), `read(shard)` (that shard's records,
 transforms applied) and, best, `sizes` (records per shard). train.py hands whole shards to the readers (DataLoader

@@ -71,7 +71,7 @@ def index_seed(base: int, index: int) -> int:
 def seed_sample(seed: int) -> None:
     """Seed python, numpy and torch's CPU generator for one sample (rng_mode=per_sample), through their public
     seeding calls: ~6 us, against ~14 us for `seed_cpu`, because numpy takes one 32-bit word here (its two-word
-    seeding runs a longer initialisation). What that costs a real data set is in the README's rng_mode section."""
+    seeding runs a longer initialisation). What that costs a real data set is in docs/rng-mode.md."""
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed >> 32)
     random.seed(seed)
