@@ -92,7 +92,8 @@ class CheckBeforeRun(Callback):
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
         # starts straddle a second, hydra#2070), and rank 0 alone reports a refusal for all of them.
         other_rank = int(os.environ.get("RANK", "0")) != 0  # the same config fails the same way on rank 0: it says so
-        world = self.refusing(lambda: distributed.join_early(pick_device(task.device)), quiet=other_rank)
+        device = self.refusing(lambda: pick_device(task.device), quiet=other_rank)
+        world = self.refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
         run_dir = asked = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         explicit = any(o.split("=")[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
         made = []  # the folders this command made, the run folder and any new parents, to remove on a refusal
