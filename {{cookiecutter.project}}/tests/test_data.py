@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.transforms import v2
 
-from {{ cookiecutter.package }}.data import SHAPES, CropDecoder, ImageFiles, make_shapes, shapes
+from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
 from {{ cookiecutter.package }}.engine import checks, failures, rng, schema
+from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from tests.helpers import PROJECT, loader_settings, read_jsonl, run_train

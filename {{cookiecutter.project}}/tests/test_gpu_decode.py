@@ -1,4 +1,4 @@
-"""data.decode=gpu's host side (engine/gpu_decode.py and data.py's CropDecoder), all a CPU machine can check: a JPEG
+"""data.decode=gpu's host side (engine/gpu_decode.py, decode.py's CropDecoder), all a CPU machine can check: a JPEG
 sample is the file's bytes with the box RandomResizedCrop and the flip RandomHorizontalFlip draw from the same seed;
 the collate keeps a batch's files as a list, through real workers, the same for any worker count and on resume; and
 the batch decoded on the CPU (libjpeg-turbo in nvJPEG's place, the same cut, resize and flip after it) is the batch
@@ -16,8 +16,9 @@ from PIL import Image
 from torchvision.io import decode_jpeg
 from torchvision.transforms import v2
 
-from {{ cookiecutter.package }}.data import CropDecoder, ImageFiles
+from {{ cookiecutter.package }}.data import ImageFiles
 from {{ cookiecutter.package }}.engine import memory, parts, rng
+from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.gpu_decode import EncodedBatch, EncodedImage, collate

@@ -9,7 +9,6 @@ it forked from the parent (copy-on-read, pytorch/pytorch#13246); a numpy array i
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -21,20 +20,18 @@ import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
-from torchvision.io import ImageReadMode, decode_jpeg
+{% if cookiecutter.with_benchmarks == "yes" %}
 from torchvision.transforms import v2
-from torchvision.transforms.v2.functional import pil_to_tensor, resize
+{% endif %}
+from torchvision.transforms.v2.functional import pil_to_tensor
 
+from .engine.decode import CropDecoder, check_decode
 from .engine.errors import UserError
-from .engine.gpu_decode import Crop, EncodedImage, collate
 
 SHAPES = ("circle", "square", "triangle", "cross")
 SHAPES_FORMAT = 1  # bump when the drawing changes, so an old folder is not silently reused
 IGNORE = 255  # a mask pixel of this value has no class: left out of the loss and the metrics
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
-JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
-SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
 {% if cookiecutter.with_benchmarks == "yes" %}
@@ -52,178 +49,6 @@ def train_transform(image_size: int) -> v2.Compose:
 
 
 {% endif %}
-def check_decode(decode, cuda: bool = True) -> None:
-    """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
-    other words earlier, this covers code outside Hydra and, with `cuda`, what only this machine can tell (no CUDA
-    for gpu). `CropDecoder` checks the word alone: the workers' part of gpu reads bytes and draws crops, which needs
-    no CUDA, and the device's part (device.input_transform) refuses a run on the CPU itself."""
-    if decode not in DECODERS:
-        raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
-    if cuda and decode == "gpu" and not torch.cuda.is_available():
-        raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
-
-
-class RandomBox:
-    """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
-    (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
-
-    def __init__(self, step: v2.RandomResizedCrop):
-        self.step, self.size = step, list(step.size)
-        self.interpolation, self.antialias = step.interpolation, step.antialias
-
-    def box(self, image: Image.Image) -> tuple[float, float, float, float]:
-        params = self.step.make_params([image])
-        return params["top"], params["left"], params["height"], params["width"]
-
-
-class CentreBox:
-    """`v2.Resize(short side)` then `v2.CenterCrop`: the part of the image they keep, in the image's own pixels."""
-
-    def __init__(self, resize: v2.Resize, centre: v2.CenterCrop):
-        self.short, self.size = resize.size[0], list(centre.size)
-        self.interpolation, self.antialias = resize.interpolation, resize.antialias
-
-    def box(self, image: Image.Image) -> tuple[float, float, float, float] | None:
-        width, height = image.size
-        # the resized size as torchvision's Resize computes it: the short side to `short`, the long one truncated
-        if width <= height:
-            new_w, new_h = self.short, int(self.short * height / width)
-        else:
-            new_w, new_h = int(self.short * width / height), self.short
-        crop_h, crop_w = self.size
-        if crop_h > new_h or crop_w > new_w:
-            return None  # CenterCrop would pad: the whole transform runs, as without data.decode
-        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
-        fy, fx = height / new_h, width / new_w
-        return top * fy, left * fx, crop_h * fy, crop_w * fx
-
-
-def crop_plan(transform):
-    """(the box of the crop the transform starts with, the steps after it), for a `v2.Compose` of `ToImage` then
-    `RandomResizedCrop`, or `ToImage`, `Resize(short side)`, `CenterCrop` (the shipped train and val lists); None
-    for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
-    a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
-    steps = list(transform.transforms) if type(transform) is v2.Compose else []
-    public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
-    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
-        return RandomBox(steps[1]), steps[2:]
-    if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
-        if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
-            return CentreBox(steps[1], steps[2]), steps[3:]
-    return None
-
-
-class CropDecoder:
-    """An image file's bytes -> `transform(image)`, decoding only what the transform's first crop keeps.
-
-    `decode=pil`: PIL decodes the whole file and `convert("RGB")`s it, then the whole transform runs (ImageFolder's
-    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn
-    first (the same draws the transform makes, from the same generator), then the file is decoded at the smallest
-    DCT scale (1/2, 1/4, 1/8: libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the
-    output size or more, and the box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo
-    through torchvision.io (`torchvision`, and `auto` when no smaller scale holds the box: faster than PIL at full
-    size). The steps after the crop (the flip) then run as before. A CMYK JPEG decodes through PIL (torchvision
-    converts CMYK otherwise); PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit
-    PNG is what comes out, and EXIF orientation is not applied (ImageFolder does not apply it either). A file that
-    does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
-
-    `decode=gpu`: an RGB or grayscale JPEG is not decoded here. Its box is drawn as above and its flip as
-    `RandomHorizontalFlip` draws it, and the sample is the file's bytes with them (engine/gpu_decode.py's
-    `EncodedImage`), for the main process to decode with nvJPEG; every other file is decoded here as with `auto`.
-    The transform must then be one the device can finish: see `gpu_steps`.
-    """
-
-    def __init__(self, transform, decode: str = "auto"):
-        check_decode(decode, cuda=False)
-        self.transform, self.decode = transform, decode
-        self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
-        self.flip = self.crop = None  # decode=gpu: the flip step, if any, and what the device resizes each box to
-        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for parts.collate
-        if decode == "gpu":
-            self.flip = gpu_steps(transform, self.plan)
-            step = self.plan[0]
-            self.crop = Crop(tuple(step.size), step.interpolation, step.antialias)
-
-    def __call__(self, data: bytes):
-        with Image.open(io.BytesIO(data)) as image:
-            if self.plan is None or image.format not in JPEG_FORMATS:
-                return self.whole(image)
-            crop, rest = self.plan
-            box = crop.box(image)
-            if box is None:
-                return self.whole(image)
-            if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
-                return self.encoded(data, image.size, box)
-            pixels, _ = self.region(data, image, box, crop.size)
-        out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
-        out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
-        for step in rest:
-            out = step(out)
-        return out
-
-    def encoded(self, data: bytes, size: tuple[int, int], box) -> EncodedImage:
-        """The file's bytes, the box as the CPU path cuts it at full size (`cut` at scale 1), and the flip drawn after
-        the box as `RandomHorizontalFlip.forward` draws it (`torch.rand(1) >= p`: not flipped)."""
-        y0, x0, y1, x1 = cut(box, 1, size)
-        flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
-        file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip, self.crop)
-
-    def whole(self, image: Image.Image):
-        image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
-        return image if self.transform is None else self.transform(image)
-
-    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
-        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
-        _, _, height, width = box
-        scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
-        if self.decode == "torchvision":
-            scale = 1  # decoded whole
-        if image.mode in ("RGB", "L") and scale == 1:
-            try:
-                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-            except RuntimeError:
-                pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
-            else:
-                y0, x0, y1, x1 = cut(box, 1, image.size)
-                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
-        if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
-            scale = 1  # PIL could not draft this file: decoded whole
-        y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
-        # cut before the conversion to a tensor, which copies every pixel it is given (for a whole 1/4-scale decode
-        # of a 2,048 x 1,536 photo, a fifth of the decode's own time); an RGB file is not converted: convert("RGB")
-        # would only copy it again
-        part = image.crop((x0, y0, x1, y1))
-        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
-
-
-def gpu_steps(transform, plan):
-    """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
-    (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
-    one line: a step of another kind would run in the main process, off the sample's seeded generator."""
-    crop, rest = plan if plan is not None else (None, None)
-    if crop is not None and (not rest or (len(rest) == 1 and type(rest[0]) is v2.RandomHorizontalFlip)):
-        return rest[0] if rest else None
-    steps = transform.transforms if type(transform) is v2.Compose else [transform]
-    names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
-    raise UserError(
-        "data.decode=gpu decodes, crops, resizes and flips on the device: the transform must be ToImage, "
-        "RandomResizedCrop (torchvision 0.21 or later) and optionally RandomHorizontalFlip, or ToImage, Resize (one "
-        f"number) and CenterCrop; this one is {names}: use data.decode=auto for it"
-    )
-
-
-def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(top, left, bottom, right) of `box` (top, left, height, width in the file's pixels) in the image decoded at
-    1/`scale`, of `size` = (width, height) pixels: to the nearest pixel (a decoded pixel is `scale` of the file's),
-    at least one pixel, inside the image. At scale 1, RandomResizedCrop's box as it is."""
-    top, left, height, width = box
-    y0, x0 = min(round(top / scale), size[1] - 1), min(round(left / scale), size[0] - 1)
-    y1 = max(y0 + 1, min(size[1], round((top + height) / scale)))
-    x1 = max(x0 + 1, min(size[0], round((left + width) / scale)))
-    return y0, x0, y1, x1
-
-
 class ImageFiles(datasets.ImageFolder):
     """`torchvision.datasets.ImageFolder` (one subfolder per class, decoding in the worker) with its file list held
     in numpy arrays instead of a list of (path, class) tuples; a JPEG decoded only as far as the transform's first
@@ -304,9 +129,10 @@ def precheck_shapes(
 shapes.precheck = precheck_shapes  # config.CheckBeforeRun calls a target's `precheck` before Hydra writes anything
 
 
-def recipe(per_class: int, image_size: int, data_seed: int) -> dict:
+def recipe(per_class: int, image_size: int, data_seed: int, layout: str = "classification") -> dict:
     """What a shapes folder was drawn with: stored beside the images as shapes.json and checked on reuse."""
-    return {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
+    drawn_with = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
+    return drawn_with if layout == "classification" else {**drawn_with, "layout": layout}
 
 
 def drawn(root: Path, wanted: dict, other: str = "") -> bool:
@@ -328,18 +154,25 @@ def drawn(root: Path, wanted: dict, other: str = "") -> bool:
     return False
 
 
-def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> None:
-    """Draw the PNG files once, one class folder per shape (ImageFolder's layout); see `draw_once`."""
+def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, layout: str = "classification") -> None:
+    """Draw the shapes once (see `draw_once`): PNG files in one folder per shape (ImageFolder's layout), or with
+    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's). Both draw the same images."""
 
     def draw(tmp: Path, rng: np.random.Generator) -> None:
         for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
             for name in SHAPES:
-                folder = tmp / split / name
-                folder.mkdir(parents=True)
                 for i in range(count):
-                    draw_shape(name, image_size, rng)[0].save(folder / f"{i:05d}.png")
+                    image, mask = draw_shape(name, image_size, rng)
+                    if layout == "classification":
+                        files = [(image, tmp / split / name / f"{i:05d}.png")]
+                    else:
+                        files = [(image, tmp / split / "images" / f"{name}-{i:05d}.png"),
+                                 (mask, tmp / split / "masks" / f"{name}-{i:05d}.png")]  # fmt: skip
+                    for picture, path in files:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        picture.save(path)
 
-    draw_once(root, recipe(per_class, image_size, data_seed), draw)
+    draw_once(root, recipe(per_class, image_size, data_seed, layout), draw)
 
 
 def draw_once(root: Path, wanted: dict, draw) -> None:
@@ -499,7 +332,7 @@ def segmentation(
     """One split of segmentation data: with `generate`, the shapes drawn into `root` on first use (masks with class
     1 + the shape's index in SHAPES, 0 the background); without it, your own folder of pairs in `root`."""
     if generate:
-        make_segmentation_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
+        make_shapes(Path(root), per_class, image_size, data_seed, layout="segmentation")
     return SegmentationFolder(root, split, transform=transform, num_classes=num_classes)
 
 
@@ -510,32 +343,12 @@ def precheck_segmentation(
     the generated shapes."""
     if not generate:
         return SegmentationFolder.precheck(root, split)
-    drawn(Path(root), segmentation_recipe(per_class, image_size, data_seed), "or data.generate=false to read your own")
+    wanted = recipe(per_class, image_size, data_seed, "segmentation")
+    drawn(Path(root), wanted, "or data.generate=false to read your own")
     return None
 
 
 segmentation.precheck = precheck_segmentation
-
-
-def segmentation_recipe(per_class: int, image_size: int, data_seed: int) -> dict:
-    """The recipe of a segmentation shapes folder: a classification folder's, marked as the other layout."""
-    return {**recipe(per_class, image_size, data_seed), "layout": "segmentation"}
-
-
-def make_segmentation_shapes(root: Path, per_class: int, image_size: int, data_seed: int) -> None:
-    """Draw the shapes and their masks once, in SegmentationFolder's layout; see `draw_once`."""
-
-    def draw(tmp: Path, rng: np.random.Generator) -> None:
-        for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
-            (tmp / split / "images").mkdir(parents=True)
-            (tmp / split / "masks").mkdir()
-            for name in SHAPES:
-                for i in range(count):
-                    image, mask = draw_shape(name, image_size, rng)
-                    image.save(tmp / split / "images" / f"{name}-{i:05d}.png")
-                    mask.save(tmp / split / "masks" / f"{name}-{i:05d}.png")
-
-    draw_once(root, segmentation_recipe(per_class, image_size, data_seed), draw)
 
 
 def cifar10(root, train: bool, transform=None, download: bool = False):

@@ -46,7 +46,7 @@ import numpy as np
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-from .data import CropDecoder, check_decode
+from .engine.decode import CropDecoder, check_decode
 from .engine.errors import UserError
 
 INDEX = "index.json"
@@ -194,7 +194,7 @@ class ShardDataset(Dataset):
     (in the epoch's random shard order) have their samples shuffled together; 0 shuffles everything
     together like an image folder. `max_open`: files one process keeps open (default: enough for two
     windows, so a batch straddling two windows reads without re-opening). `decode` (data.decode): how
-    a JPEG is decoded, only as far as the transform's first crop needs by default (data.py's `CropDecoder`).
+    a JPEG is decoded, only as far as the transform's first crop needs by default (engine/decode.py's `CropDecoder`).
     """
 
     def __init__(
@@ -291,7 +291,7 @@ class ShardDataset(Dataset):
         return np.concatenate(parts)
 
     def _sample(self, data: bytes, label: int):
-        return self.reader(data), label  # decoded as an image folder's file is (data.py's CropDecoder)
+        return self.reader(data), label  # decoded as an image folder's file is (engine/decode.py's CropDecoder)
 
     def _file(self, shard: int):
         pid = os.getpid()

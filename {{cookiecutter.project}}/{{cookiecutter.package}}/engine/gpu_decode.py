@@ -1,7 +1,7 @@
 """data.decode=gpu: the loader's workers read each JPEG file's bytes and draw its crop; the main process decodes each
 batch with nvJPEG on the device, after the batch's copy, and crops, resizes and flips it there.
 
-- In a worker, data.py's `CropDecoder` makes a JPEG sample an `EncodedImage`: the file's bytes as a uint8 tensor,
+- In a worker, decode.py's `CropDecoder` makes a JPEG sample an `EncodedImage`: the file's bytes as a uint8 tensor,
   and the box of its crop and its flip, drawn from the sample's seeded generator with the draws the CPU decoders
   make (the crop's own `make_params`, then `RandomHorizontalFlip`'s `torch.rand(1)`). So a sample draws what it
   draws with data.decode=auto: the run is deterministic, exact on resume and the same for any worker count. A file

@@ -58,7 +58,7 @@ def data_sets(cfg) -> tuple:
 
 def collate(cfg, dataset):
     """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`;
-    else None, torch's default_collate. The data sets reading through data.py's CropDecoder name gpu_decode.collate
+    else None, torch's default_collate. The data sets reading through decode.py's CropDecoder name gpu_decode.collate
     under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not stack, and it keeps them
     as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours beside it is
     refused: it would be handed undecoded files."""

@@ -259,7 +259,7 @@ OPEN_KEYS = {
     "data.image_size": integer(1),
     "data.per_class": integer(1),
     "data.root": text(),
-    "data.decode": one_of("auto", "pil", "torchvision", "gpu"),  # data.py's DECODERS
+    "data.decode": one_of("auto", "pil", "torchvision", "gpu"),  # engine/decode.py's DECODERS
     "model.width": integer(1),
     "optim.lr": number(0, above=True),
     "optim.weight_decay": number(0),

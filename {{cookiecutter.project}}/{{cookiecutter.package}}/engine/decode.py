@@ -1,0 +1,193 @@
+"""data.decode: an image file's bytes decoded only as far as the transform's first crop needs (`CropDecoder`), the
+crop's box drawn first with the transform's own draws; with data.decode=gpu a JPEG left as bytes for the device
+(engine/gpu_decode.py). The data sets of data.py and shards.py read their files through it."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from PIL import Image
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
+from torchvision.transforms.v2.functional import pil_to_tensor, resize
+
+from .errors import UserError
+from .gpu_decode import Crop, EncodedImage, collate
+
+DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
+JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
+SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
+
+
+def check_decode(decode, cuda: bool = True) -> None:
+    """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
+    other words earlier, this covers code outside Hydra and, with `cuda`, what only this machine can tell (no CUDA
+    for gpu). `CropDecoder` checks the word alone: the workers' part of gpu reads bytes and draws crops, which needs
+    no CUDA, and the device's part (device.input_transform) refuses a run on the CPU itself."""
+    if decode not in DECODERS:
+        raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
+    if cuda and decode == "gpu" and not torch.cuda.is_available():
+        raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
+
+
+class RandomBox:
+    """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
+    (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
+
+    def __init__(self, step: v2.RandomResizedCrop):
+        self.step, self.size = step, list(step.size)
+        self.interpolation, self.antialias = step.interpolation, step.antialias
+
+    def box(self, image: Image.Image) -> tuple[float, float, float, float]:
+        params = self.step.make_params([image])
+        return params["top"], params["left"], params["height"], params["width"]
+
+
+class CentreBox:
+    """`v2.Resize(short side)` then `v2.CenterCrop`: the part of the image they keep, in the image's own pixels."""
+
+    def __init__(self, resize: v2.Resize, centre: v2.CenterCrop):
+        self.short, self.size = resize.size[0], list(centre.size)
+        self.interpolation, self.antialias = resize.interpolation, resize.antialias
+
+    def box(self, image: Image.Image) -> tuple[float, float, float, float] | None:
+        width, height = image.size
+        # the resized size as torchvision's Resize computes it: the short side to `short`, the long one truncated
+        if width <= height:
+            new_w, new_h = self.short, int(self.short * height / width)
+        else:
+            new_w, new_h = int(self.short * width / height), self.short
+        crop_h, crop_w = self.size
+        if crop_h > new_h or crop_w > new_w:
+            return None  # CenterCrop would pad: the whole transform runs, as without data.decode
+        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+        fy, fx = height / new_h, width / new_w
+        return top * fy, left * fx, crop_h * fy, crop_w * fx
+
+
+def crop_plan(transform):
+    """(the box of the crop the transform starts with, the steps after it), for a `v2.Compose` of `ToImage` then
+    `RandomResizedCrop`, or `ToImage`, `Resize(short side)`, `CenterCrop` (the shipped train and val lists); None
+    for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
+    a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
+    steps = list(transform.transforms) if type(transform) is v2.Compose else []
+    public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
+    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
+        return RandomBox(steps[1]), steps[2:]
+    if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
+        if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
+            return CentreBox(steps[1], steps[2]), steps[3:]
+    return None
+
+
+class CropDecoder:
+    """An image file's bytes -> `transform(image)`, decoding only what the transform's first crop keeps.
+
+    `decode=pil`: PIL decodes the whole file and `convert("RGB")`s it, then the whole transform runs (ImageFolder's
+    way). Otherwise, for a JPEG (a camera's MPO too) and a transform `crop_plan` knows: the crop's box is drawn
+    first (the same draws the transform makes, from the same generator), then the file is decoded at the smallest
+    DCT scale (1/2, 1/4, 1/8: libjpeg-turbo through PIL's `Image.draft`) whose image still holds the box at the
+    output size or more, and the box is cut and resized from that (`auto`); or decoded whole by libjpeg-turbo
+    through torchvision.io (`torchvision`, and `auto` when no smaller scale holds the box: faster than PIL at full
+    size). The steps after the crop (the flip) then run as before. A CMYK JPEG decodes through PIL (torchvision
+    converts CMYK otherwise); PNG and the rest go as with `pil`: PIL's `convert("RGB")` of grayscale, CMYK, 16-bit
+    PNG is what comes out, and EXIF orientation is not applied (ImageFolder does not apply it either). A file that
+    does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
+
+    `decode=gpu`: an RGB or grayscale JPEG is not decoded here. Its box is drawn as above and its flip as
+    `RandomHorizontalFlip` draws it, and the sample is the file's bytes with them (engine/gpu_decode.py's
+    `EncodedImage`), for the main process to decode with nvJPEG; every other file is decoded here as with `auto`.
+    The transform must then be one the device can finish: see `gpu_steps`.
+    """
+
+    def __init__(self, transform, decode: str = "auto"):
+        check_decode(decode, cuda=False)
+        self.transform, self.decode = transform, decode
+        self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
+        self.flip = self.crop = None  # decode=gpu: the flip step, if any, and what the device resizes each box to
+        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for parts.collate
+        if decode == "gpu":
+            self.flip = gpu_steps(transform, self.plan)
+            step = self.plan[0]
+            self.crop = Crop(tuple(step.size), step.interpolation, step.antialias)
+
+    def __call__(self, data: bytes):
+        with Image.open(io.BytesIO(data)) as image:
+            if self.plan is None or image.format not in JPEG_FORMATS:
+                return self.whole(image)
+            crop, rest = self.plan
+            box = crop.box(image)
+            if box is None:
+                return self.whole(image)
+            if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
+                return self.encoded(data, image.size, box)
+            pixels, _ = self.region(data, image, box, crop.size)
+        out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
+        out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
+        for step in rest:
+            out = step(out)
+        return out
+
+    def encoded(self, data: bytes, size: tuple[int, int], box) -> EncodedImage:
+        """The file's bytes, the box as the CPU path cuts it at full size (`cut` at scale 1), and the flip drawn after
+        the box as `RandomHorizontalFlip.forward` draws it (`torch.rand(1) >= p`: not flipped)."""
+        y0, x0, y1, x1 = cut(box, 1, size)
+        flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
+        file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip, self.crop)
+
+    def whole(self, image: Image.Image):
+        image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
+        return image if self.transform is None else self.transform(image)
+
+    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
+        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
+        _, _, height, width = box
+        scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
+        if self.decode == "torchvision":
+            scale = 1  # decoded whole
+        if image.mode in ("RGB", "L") and scale == 1:
+            try:
+                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            except RuntimeError:
+                pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
+            else:
+                y0, x0, y1, x1 = cut(box, 1, image.size)
+                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
+        if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
+            scale = 1  # PIL could not draft this file: decoded whole
+        y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
+        # cut before the conversion to a tensor, which copies every pixel it is given (for a whole 1/4-scale decode
+        # of a 2,048 x 1,536 photo, a fifth of the decode's own time); an RGB file is not converted: convert("RGB")
+        # would only copy it again
+        part = image.crop((x0, y0, x1, y1))
+        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+
+
+def gpu_steps(transform, plan):
+    """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
+    (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
+    one line: a step of another kind would run in the main process, off the sample's seeded generator."""
+    crop, rest = plan if plan is not None else (None, None)
+    if crop is not None and (not rest or (len(rest) == 1 and type(rest[0]) is v2.RandomHorizontalFlip)):
+        return rest[0] if rest else None
+    steps = transform.transforms if type(transform) is v2.Compose else [transform]
+    names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
+    raise UserError(
+        "data.decode=gpu decodes, crops, resizes and flips on the device: the transform must be ToImage, "
+        "RandomResizedCrop (torchvision 0.21 or later) and optionally RandomHorizontalFlip, or ToImage, Resize (one "
+        f"number) and CenterCrop; this one is {names}: use data.decode=auto for it"
+    )
+
+
+def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of `box` (top, left, height, width in the file's pixels) in the image decoded at
+    1/`scale`, of `size` = (width, height) pixels: to the nearest pixel (a decoded pixel is `scale` of the file's),
+    at least one pixel, inside the image. At scale 1, RandomResizedCrop's box as it is."""
+    top, left, height, width = box
+    y0, x0 = min(round(top / scale), size[1] - 1), min(round(left / scale), size[0] - 1)
+    y1 = max(y0 + 1, min(size[1], round((top + height) / scale)))
+    x1 = max(x0 + 1, min(size[0], round((left + width) / scale)))
+    return y0, x0, y1, x1
