@@ -48,7 +48,8 @@ def train(cfg) -> tuple[int, float]:
     stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
     with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened
         run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, unexact)
-        stopping = False  # a signal asked to stop, and every rank agreed to stop at the same step
+        run.callbacks.call("on_run_start", run)  # conf/callbacks: a sample grid, early stopping... (callbacks.py)
+        stopping = False  # a signal or a callback asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():
             run.model.train()
             meter = run.epoch_meter()  # loss sums on the device (a resume's carried in); waits, samples on the host
@@ -73,6 +74,7 @@ def train(cfg) -> tuple[int, float]:
                     break  # mid-epoch: no validation; the checkpoint holds the position in the epoch and its sums
             else:
                 stopping = validate(run, meter) or stopping  # and save, best.pth too when this epoch is the best
+        run.callbacks.call("on_run_end", run)
         closing = run.closing_line() if run.world.is_main else None
         if closing:
             log.info(closing)
@@ -114,13 +116,15 @@ def log_step(run: Run, meter: EpochMeter) -> bool:
     if run.log_line_due():
         parts = {name: value for name, value in figures.items() if name.startswith("loss_")}
         run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"), parts)
+        run.callbacks.call("on_log", run, figures)
     return signalled
 
 
 def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
-    """Validate, log the record (metrics.jsonl, TensorBoard) and save with it (best.pth when it is the best so far);
-    True when a rank was asked to stop meanwhile. At an epoch's end it closes the epoch; mid-epoch (val_every_steps)
-    the train loader and the RNG are left as they are, so the run goes on exactly as without it."""
+    """Validate, log the record (metrics.jsonl, TensorBoard), hand it to the callbacks and save with it (best.pth
+    when it is the best so far); True when a rank was asked to stop meanwhile, or a callback asked to. At an epoch's
+    end it closes the epoch; mid-epoch (val_every_steps) the train loader and the RNG are left as they are, so the run
+    goes on exactly as without it."""
     train_time = meter.end_training() if epoch_end else time.perf_counter() - meter.started
     if epoch_end and run.train_loader.epoch < run.cfg.epochs:  # persistent workers queue the next epoch meanwhile
         run.train_loader.start_next_epoch()
@@ -146,8 +150,9 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
     figures = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k == "train_loss" or k.startswith("val_"))
     log.info("epoch %d step %d %s %.0f samples/s data_wait %.2fs", record["epoch"], run.step, figures, rate,
              meter.data_wait)  # fmt: skip
+    asked = run.callbacks.validation_end(run, record)  # e.g. early stopping; before the save that keeps its state
     run.checkpoints.save(run, record)
-    return signalled
+    return signalled or asked
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -392,3 +392,76 @@ class MacroRecall:
         present = totals["support"] > 0
         recall = totals["hits"][present] / totals["support"][present]
         return {"macro_recall": recall.mean(), "side_off": totals["side_off"]}
+
+
+class CountingCallback:
+    """A callback of the tests' own, with state: the log lines and validations it saw, and the sum of the losses
+    logged. A resumed run's must end where the straight run's ends."""
+
+    def __init__(self):
+        self.logs, self.validations, self.loss_sum = 0, 0, 0.0
+
+    def on_log(self, run, figures: dict) -> None:
+        self.logs += 1
+        self.loss_sum += figures["loss"]
+
+    def on_validation_end(self, run, record: dict) -> None:
+        self.validations += 1
+
+    def state_dict(self) -> dict:
+        return {"logs": self.logs, "validations": self.validations, "loss_sum": self.loss_sum}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.logs, self.validations, self.loss_sum = state["logs"], state["validations"], state["loss_sum"]
+
+
+class Detections(Dataset):
+    """Detection-style samples: an image whose size varies (3, s, s) and a dict of targets, batched by
+    `detection_collate` as (list of images, list of dicts)."""
+
+    def __init__(self, size: int = 64, num_classes: int = 4):
+        self.size, self.num_classes = size, num_classes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        label = index % self.num_classes
+        side = 6 + index % 3
+        return torch.full((3, side, side), label / self.num_classes) + 0.1 * torch.randn(3, side, side), {
+            "label": torch.tensor(label)
+        }
+
+
+def detection_collate(samples):
+    images, targets = zip(*samples)
+    return list(images), list(targets)
+
+
+class PooledLinear(torch.nn.Module):
+    """A classifier of a list of images of any size: each image's channel means, then a linear layer."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+
+    def forward(self, images: list) -> torch.Tensor:
+        return self.head(torch.stack([image.mean(dim=(1, 2)) for image in images]))
+
+
+class DetectionTask:
+    """Classification of (list of images, list of {"label"}) batches."""
+
+    def loss(self, model, batch):
+        images, targets = batch
+        return torch.nn.functional.cross_entropy(model(images), torch.stack([t["label"] for t in targets]))
+
+    def metrics(self, model, batch):
+        images, targets = batch
+        labels = torch.stack([t["label"] for t in targets])
+        logits = model(images)
+        return {
+            "loss": torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+            "acc": (logits.argmax(1) == labels).sum(),
+            "count": torch.tensor(len(images)),
+        }

@@ -177,6 +177,7 @@ class CheckpointPolicy:
             state = snapshot(run.cfg, run.step, run.scheduler, run.scaler, run.train_loader, ranks)
             state["best"] = self.best.state()
             state["meter"] = meter
+            state["callbacks"] = run.callbacks.state_dict() if run.callbacks is not None else {}
             state["nondeterministic_ops"] = list(run.unexact)  # deterministic=warn: why this run is not bit-exact
 {% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues

@@ -51,6 +51,10 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
     for group in ("data", "model", "optim", "task", "schedule"):
         arguments(raw[group], f"{group}.")
+    for name, node in (raw.get("callbacks") or {}).items():
+        if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
+            raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
+        arguments(node, f"callbacks.{name}.")
 
 
 def shipped(cfg, group: str) -> bool:

@@ -59,9 +59,17 @@ def tensors(batch) -> Iterator[torch.Tensor]:
             yield from tensors(v)
 
 
-def batch_size(batch) -> int:
-    """How many samples `batch` holds: the leading size of its first tensor."""
-    first = next(tensors(batch), None)
+def batch_size(batch, key: int | str = 0) -> int:
+    """How many samples `batch` holds, counted on its `key` part (data.input) when it has one: a list (a detection
+    batch's images) counts its length, a tensor its leading size; a batch without that part, its first tensor's."""
+    part = batch
+    if isinstance(batch, Mapping) and key in batch:
+        part = batch[key]
+    elif isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
+        part = batch[key]
+    if isinstance(part, list):
+        return len(part)
+    first = next(tensors(part), None)
     return int(first.shape[0]) if first is not None and first.dim() else 1
 
 

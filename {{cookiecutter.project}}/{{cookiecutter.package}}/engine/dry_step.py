@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from . import fsdp, parts, shard_plan
+from .callbacks import Callbacks
 from .checks import reason
 from .device import amp_dtype, pick_device, to_device
 from .errors import UserError
@@ -49,6 +50,7 @@ def dry_step(cfg) -> list[str]:
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         optimizer = parts.optimizer(cfg, model)
         task = parts.task(cfg)
+        Callbacks(cfg)  # each built once: a bad argument or value is refused before the run folder is written
         train_set, val_set = parts.data_sets(cfg)
         collate = parts.collate(cfg, train_set) or default_collate
         with stage(cfg, "data.normalize", "to build"):
@@ -155,14 +157,14 @@ def _named(cfg, target: str, method: str, split: str):
         ) from None
 
 
-def first_samples(dataset, name: str) -> list:
-    """The first two samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
-    throwaway step's in run.py)."""
+def first_samples(dataset, name: str, count: int = 2) -> list:
+    """The first `count` samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
+    throwaway step's in run.py, and callbacks.SampleGrid's)."""
     try:
         if shard_plan.is_stream(dataset):
-            samples = shard_plan.first_records(dataset, 2)
+            samples = shard_plan.first_records(dataset, count)
         else:
-            samples = [dataset[i] for i in range(min(2, len(dataset)))]
+            samples = [dataset[i] for i in range(min(count, len(dataset)))]
     except UserError:
         raise
     except Exception as e:

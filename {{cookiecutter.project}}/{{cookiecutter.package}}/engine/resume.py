@@ -45,6 +45,7 @@ SAME_RUN = {
     "data.on_bad_sample": "what a bad sample does, from here on",
     "data.stream_resume": "how a stream without a state goes on from a mid-epoch checkpoint",
     "parallel.reshard_after_forward": "when FSDP frees gathered weights: memory and communication, not the math",
+    "callbacks.*": "what runs beside training; a stateful one's state is checked on its own (engine/callbacks.py)",
 }
 RUN_KEYS_UNDER_SAME = {
     "loader.batch_size": None,

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import checkpoint, distributed, failures, fsdp, memory, parts, resume, rng, sharded_checkpoint{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
+from .callbacks import Callbacks
 from .device import amp_dtype, device_batches, pick_device, to_device
 from .dry_step import first_samples, quiet
 from .ema import EMA
@@ -63,6 +64,9 @@ class Run:
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
     carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
     meter: EpochMeter | None = None  # the epoch's running figures, which a mid-epoch checkpoint keeps
+    callbacks: Callbacks | None = None  # the `callbacks` config's, called at the loop's hooks (engine/callbacks.py)
+    train_set: object = None  # data.train as built (not wrapped): what a callback may read samples of
+    collate: object = None  # the loaders' collate (None: torch's default_collate)
 
     @property
     def evaluated(self) -> torch.nn.Module:
@@ -120,7 +124,8 @@ class Run:
     def epoch_meter(self) -> EpochMeter:
         """A new epoch's running figures (`meter`); the first after a mid-epoch resume starts from the sums the
         checkpoint carried."""
-        self.meter, self.carried = EpochMeter(self.device, self.carried), None
+        self.meter = EpochMeter(self.device, self.carried, self.cfg.data.get("input", 0))
+        self.carried = None
         return self.meter
 
     def train_batches(self):
@@ -141,7 +146,9 @@ class Run:
         if self.checkpoints.last is None:
             return None
         done = self.train_loader.epoch >= self.cfg.epochs
-        note = f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)" if self.unexact else None
+        notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
+        notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
+        note = "; ".join(notes) or None
         restart = not done and not self.train_loader.resumes_mid_epoch
         return resume.where(
             self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note, restart
@@ -233,6 +240,7 @@ def build(
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
+    callbacks = Callbacks(cfg)  # likewise
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         ema = sharded_ema(cfg, model, amp, device)
@@ -269,6 +277,8 @@ def build(
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
+    if ckpt:
+        callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
     if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
         resume.report(ckpt, cfg, found)
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
@@ -291,6 +301,7 @@ def build(
         optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
         step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
         ckpt.get("meter") if ckpt and train_loader.position else None,  # restart_epoch: the epoch starts over
+        callbacks=callbacks, train_set=train_set, collate=collate,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on

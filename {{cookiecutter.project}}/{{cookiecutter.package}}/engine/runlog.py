@@ -93,6 +93,24 @@ class RunLog:
             self.tracking.log(record["step"], {f"epoch/{k}": v for k, v in numbers.items() if k != "step"})
 {% endif %}
 
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """A picture (3, H, W), values in [0, 1], on the CPU: TensorBoard{% if cookiecutter.with_tracking == "yes" %}, and the trackers of `logger.use` that take
+        pictures (MLflow, W&B){% endif %}."""
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            self.tb.add_image(tag, image, step)
+            self.tb.flush()
+{% if cookiecutter.with_tracking == "yes" %}
+        if self.tracking is not None:
+            self.tracking.image(step, tag, (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+{% endif %}
+
+    def hparams(self, params: dict, figures: dict) -> None:
+        """The run's settings and final figures for TensorBoard's HParams tab, as the run `tb/hparams`."""
+        if self.enabled and self.tb is not None:
+            self.tb.add_hparams(params, figures, run_name="hparams")
+
     def scalars(self, group: str, values: dict, step: int) -> None:
         """TensorBoard only, e.g. the loader health samples under `health/`."""
         if not self.enabled or self.tb is None:
@@ -132,8 +150,8 @@ class EpochMeter:
     `carried`: the sums over ranks of the epoch's steps before a mid-epoch checkpoint (`state()`), so that a resumed
     run's steps.jsonl and metrics.jsonl hold the figures of the run that never stopped."""
 
-    def __init__(self, device: torch.device, carried: dict | None = None):
-        self.device = device
+    def __init__(self, device: torch.device, carried: dict | None = None, input_key: int | str = 0):
+        self.device, self.input_key = device, input_key  # data.input: the batch's part its samples are counted on
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
@@ -159,7 +177,7 @@ class EpochMeter:
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, parts: dict, batch, step: int) -> None:
         """One micro-batch's loss (and, on an optimizer step with clipping on, the norm; the task's loss parts),
         `step` the optimizer step it belongs to; all device work, no read."""
-        n = batch_size(batch)
+        n = batch_size(batch, self.input_key)
         if self.window_parts.keys() != parts.keys() and (self.window_parts or self.batches):
             # every rank packs the same parts in the same order for the one all-reduce of a log point
             raise UserError(

@@ -209,6 +209,11 @@ def class_paths(v):
         return "null or a list of module class import paths, e.g. [torchvision.models.vision_transformer.EncoderBlock]"
 
 
+def callback_nodes(v):
+    if not (OmegaConf.is_dict(v) or isinstance(v, dict)):
+        return "a dict of named callback nodes, e.g. 'callbacks=[sample_grid,early_stopping]' (conf/callbacks/)"
+
+
 @dataclass
 class ParallelConfig:
     strategy: Strategy = key(typed())
@@ -245,6 +250,7 @@ class Config:
 {% endif %}
     process: ProcessConfig = field(default_factory=ProcessConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    callbacks: Any = key(callback_nodes)  # named callback nodes (conf/callbacks/), each a `_target_`
     data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
     model: Any = MISSING
     optim: Any = MISSING

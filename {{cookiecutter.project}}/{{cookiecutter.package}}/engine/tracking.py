@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -107,6 +108,13 @@ def start(
     return Tracking(trackers, timeout)
 
 
+@dataclass
+class Picture:
+    step: int
+    tag: str
+    array: object  # (H, W, 3) uint8 numpy
+
+
 class Tracking:
     """The trackers behind one queue and one thread. `log` never waits; `close` waits for the queue at most
     `timeout_s` and says what was not sent."""
@@ -126,6 +134,10 @@ class Tracking:
         """Python floats only (what steps.jsonl and metrics.jsonl hold): queued, sent by the thread."""
         self.queue.put((step, dict(metrics)))
 
+    def image(self, step: int, tag: str, picture) -> None:
+        """A picture, (H, W, 3) uint8 numpy: queued, sent by the thread to the trackers that take pictures."""
+        self.queue.put(Picture(step, tag, picture))
+
     def _drain(self) -> None:
         done = False
         while not done:
@@ -136,9 +148,13 @@ class Tracking:
                 except queue.Empty:
                     break
             done = batch[-1] is None
-            points = [item for item in batch if item is not None]
-            for tracker in self.trackers if points else ():
-                self._call(tracker, "log", points)
+            points = [item for item in batch if item is not None and not isinstance(item, Picture)]
+            pictures = [item for item in batch if isinstance(item, Picture)]
+            for tracker in self.trackers:
+                if points:
+                    self._call(tracker, "log", points)
+                for picture in pictures if hasattr(tracker, "image") else ():
+                    self._call(tracker, "image", picture)
 
     def _call(self, tracker, method: str, *args) -> None:
         try:
@@ -305,6 +321,9 @@ class MlflowTracker:
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
+    def image(self, picture: Picture) -> None:
+        self.client.log_image(self.run_id, picture.array, key=picture.tag.replace("/", "_"), step=picture.step)
+
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
             self.client.set_tag(self.run_id, f"checkpoint.{kind}", str(path))
@@ -356,6 +375,11 @@ class WandbTracker:
     def log(self, points: list) -> None:
         for step, metrics in points:
             self.run.log(metrics, step=step)
+
+    def image(self, picture: Picture) -> None:
+        import wandb  # the wandb extra's: imported where used, as start() does
+
+        self.run.log({picture.tag: wandb.Image(picture.array)}, step=picture.step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():

@@ -1,0 +1,139 @@
+"""Callbacks (engine/callbacks.py, callbacks.py, conf/callbacks/): early stopping that stops a resumed run at the
+same step, a stateful callback of the tests' own exact across a stop, the sample grid and HParams read back from
+TensorBoard's files, weights unchanged by the shipped callbacks, a detection-style batch counted right, refusals in
+one line, and docs/callbacks.md's confusion matrix run as the page gives it."""
+
+import re
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from {{ cookiecutter.package }}.engine.device import batch_size
+from tests.helpers import load_ckpt, read_jsonl, run_torchrun, run_train, same_weights
+from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
+
+SHIPPED = ["callbacks=[sample_grid,hparams,early_stopping]", "callbacks.sample_grid.every_epoch=true"]
+# min_delta above any change of val_acc: the first validation sets the best, and every later one waits
+STOPPING = ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=2", "callbacks.early_stopping.min_delta=2"]
+COUNTER = ["+callbacks.counter._target_=tests.datasets.CountingCallback"]
+
+
+def test_early_stopping_stops_a_resumed_run_at_the_same_step(tmp_path, shapes):
+    run = [*shapes, "epochs=4", *STOPPING]
+    proc = run_train(tmp_path / "straight", *run)
+    assert "stopped by callback early_stopping: val_acc has not improved" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_jsonl(tmp_path / "straight/metrics.jsonl")] == [5, 10, 15]  # 2 after the best
+    run_train(tmp_path / "stopped", *run, "max_steps=7")
+    resume = f"resume={tmp_path}/stopped/checkpoints/last.pth"
+    run_train(tmp_path / "stopped", *run, resume)
+    assert [r["step"] for r in read_jsonl(tmp_path / "stopped/metrics.jsonl")] == [5, 10, 15]
+    assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "stopped/checkpoints/last.pth")
+    # the control: the same resume with the callback's count dropped stops later (here: not before the last epoch)
+    ckpt = load_ckpt(tmp_path / "stopped/checkpoints/last.pth")
+    first = load_ckpt(tmp_path / "straight/checkpoints/last.pth")["callbacks"]["early_stopping"]
+    assert first["waited"] == 2
+    run_train(tmp_path / "again", *run, "max_steps=7")
+    ckpt = load_ckpt(tmp_path / "again/checkpoints/last.pth")
+    ckpt["callbacks"]["early_stopping"] = {"best": None, "waited": 0}
+    torch.save(ckpt, tmp_path / "dropped.pth")
+    run_train(tmp_path / "control", *run, f"resume={tmp_path}/dropped.pth")
+    assert [r["step"] for r in read_jsonl(tmp_path / "control/metrics.jsonl")] == [10, 15, 20]
+
+
+def test_a_callback_of_ones_own_keeps_its_state_across_a_stop(tmp_path, shapes):
+    run = [*shapes, "epochs=3", "log_every_steps=2", *COUNTER]
+    run_train(tmp_path / "straight", *run)
+    straight = load_ckpt(tmp_path / "straight/checkpoints/last.pth")["callbacks"]["counter"]
+    assert straight["validations"] == 3 and straight["logs"] == len(read_jsonl(tmp_path / "straight/steps.jsonl"))
+    run_train(tmp_path / "stopped", *run, "max_steps=7")
+    run_train(tmp_path / "resumed", *run, f"resume={tmp_path}/stopped/checkpoints/last.pth")
+    assert load_ckpt(tmp_path / "resumed/checkpoints/last.pth")["callbacks"]["counter"] == straight
+    # a resume without the callback, or with a new one, is refused in one line; resume_strict=false goes on fresh
+    without = run_train(tmp_path / "without", *shapes, "epochs=3", "log_every_steps=2",
+                        f"resume={tmp_path}/stopped/checkpoints/last.pth", expect=2)  # fmt: skip
+    assert without.stderr.count("\n") == 1 and "saved but not configured: counter" in without.stderr
+    ckpt = load_ckpt(tmp_path / "stopped/checkpoints/last.pth")
+    ckpt["callbacks"] = {}
+    torch.save(ckpt, tmp_path / "dropped.pth")
+    run_train(tmp_path / "control", *run, f"resume={tmp_path}/dropped.pth", "resume_strict=false")
+    assert load_ckpt(tmp_path / "control/checkpoints/last.pth")["callbacks"]["counter"] != straight
+
+
+@pytest.mark.slow
+def test_a_callback_of_ones_own_keeps_its_state_on_two_processes(tmp_path, shapes):
+    run = [*shapes, "epochs=3", "log_every_steps=1", *COUNTER]
+    run_torchrun(tmp_path / "straight", *run)
+    run_torchrun(tmp_path / "stopped", *run, "max_steps=4")
+    run_torchrun(tmp_path / "resumed", *run, f"resume={tmp_path}/stopped/checkpoints/last.pth")
+    straight = load_ckpt(tmp_path / "straight/checkpoints/last.pth")
+    resumed = load_ckpt(tmp_path / "resumed/checkpoints/last.pth")
+    assert resumed["callbacks"]["counter"] == straight["callbacks"]["counter"]
+    assert all(torch.equal(straight["model"][k], resumed["model"][k]) for k in straight["model"])
+
+
+def test_the_shipped_callbacks_write_images_and_hparams_and_change_no_weight(tmp_path, shapes):
+    run_train(tmp_path / "with", *shapes, *SHIPPED, "callbacks.early_stopping.patience=9")
+    run_train(tmp_path / "without", *shapes, "callbacks=[]")
+    assert same_weights(tmp_path / "with/checkpoints/last.pth", tmp_path / "without/checkpoints/last.pth")
+    events = EventAccumulator(str(tmp_path / "with/tb"), size_guidance={"images": 0})
+    events.Reload()
+    grids = events.Images("samples/train")
+    assert [g.step for g in grids] == [0, 5, 10]  # at the start, then after each epoch
+    assert (grids[0].height, grids[0].width) == (2 + 2 * 34, 2 + 8 * 34)  # 16 samples of 32 px, 8 a row
+    hparams = EventAccumulator(str(tmp_path / "with/tb/hparams"))
+    hparams.Reload()
+    content = hparams.PluginTagToContent("hparams")
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= content.keys()
+    assert b"optim.lr" in content["_hparams_/session_start_info"]
+    last = read_jsonl(tmp_path / "with/metrics.jsonl")[-1]["val_acc"]
+    assert [s.value for s in hparams.Scalars("hparams/val_acc")] == [pytest.approx(last)]
+    empty = EventAccumulator(str(tmp_path / "without/tb"))
+    empty.Reload()
+    assert empty.Tags()["images"] == [] and not (tmp_path / "without/tb/hparams").exists()
+
+
+def test_a_detection_batch_counts_its_images():
+    images, targets = [torch.zeros(3, 6, 6), torch.zeros(3, 7, 7)], [{"label": torch.tensor(0)}] * 2
+    assert batch_size((images, targets)) == 2  # not 3, the first image's channels
+    assert batch_size((torch.zeros(5, 3, 8, 8), torch.zeros(5))) == 5
+    assert batch_size({"x": torch.zeros(4, 2), "y": torch.zeros(4)}, "y") == 4
+
+
+def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
+    run = [
+        "data.train._target_=tests.datasets.Detections", "data.val._target_=tests.datasets.Detections",
+        *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform",
+                                                                          "decode", "image_size")],
+        "+data.collate._target_=tests.datasets.detection_collate", "+data.collate._partial_=true",
+        "model._target_=tests.datasets.PooledLinear", "~model.width", "task._target_=tests.datasets.DetectionTask",
+        "~task.label_smoothing", "data.num_classes=4", "epochs=1", "loader.batch_size=8", "progress=false",
+        "callbacks=[]",
+    ]  # fmt: skip
+    run_train(tmp_path, *run)
+    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert record["samples_per_s"] * record["epoch_time_s"] == pytest.approx(64, rel=1e-6)
+
+
+def test_a_bad_callback_node_is_refused_in_one_line(tmp_path, shapes):
+    typo = run_train(tmp_path / "typo", *shapes, *STOPPING, "+callbacks.early_stopping.patiense=2", expect=2)
+    assert typo.stderr.startswith("error: callbacks.early_stopping.patiense is not an argument of")
+    assert "did you mean callbacks.early_stopping.patience?" in typo.stderr and typo.stderr.count("\n") == 1
+    value = run_train(tmp_path / "value", *shapes, *STOPPING, "callbacks.early_stopping.patience=0", expect=2)
+    assert re.match(r"error: callbacks\.early_stopping: cannot build .*EarlyStopping: .*patience >= 1", value.stderr)
+    assert value.stderr.count("\n") == 1 and not (tmp_path / "typo").exists() and not (tmp_path / "value").exists()
+
+
+def test_the_confusion_matrix_of_the_docs_runs_as_the_page_gives_it(tmp_path):
+    section = doc_section("callbacks.md", "A confusion matrix at each validation")
+    files = {path: f"# {path}\n{body}" for path, body in FILE_BLOCK.findall(section)}
+    assert list(files) == ["confusion.py"]
+    (command,) = [line for line in section.splitlines() if line.startswith("python train.py")]
+    copy = project_copy(tmp_path / "project")
+    (copy / "confusion.py").write_text(files["confusion.py"])
+    run(copy, command)
+    (tb,) = list((copy / "outputs").glob("*/*/tb"))
+    events = EventAccumulator(str(tb), size_guidance={"images": 0})
+    events.Reload()
+    confusion = events.Images("val/confusion")
+    assert [c.step for c in confusion] == [5, 10] and (confusion[0].height, confusion[0].width) == (64, 64)

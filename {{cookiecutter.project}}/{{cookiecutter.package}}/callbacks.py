@@ -1,0 +1,176 @@
+"""Callbacks: what a run does beside training, picked in `conf/callbacks/` (`python train.py
+'callbacks=[sample_grid,early_stopping]'`) or added by config (`+callbacks.<name>._target_=<your class>`).
+
+The hooks and what `run` offers are in engine/callbacks.py. None of these changes the run: weights with them on are
+the weights without them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import default_collate
+
+from .engine import rng
+from .engine.device import to_device
+from .engine.dry_step import first_samples, kept_rng
+from .engine.errors import UserError
+
+
+class EarlyStopping:
+    """Stop once `monitor` (a metrics.jsonl figure: val_acc, val_loss, train_loss...) has not improved by more than
+    `min_delta` for `patience` validations in a row (`mode` max: higher is better; min: lower is better). The best
+    value and the count travel in every checkpoint: a resumed run stops at the same step."""
+
+    def __init__(self, monitor: str = "val_acc", mode: str = "max", patience: int = 3, min_delta: float = 0.0):
+        if mode not in ("max", "min") or patience < 1 or min_delta < 0:
+            raise ValueError(f"mode must be max or min, patience >= 1, min_delta >= 0; got {mode}, {patience}, "
+                             f"{min_delta}")  # fmt: skip
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
+        self.best: float | None = None
+        self.waited = 0  # validations since the last improvement
+
+    def on_validation_end(self, run, record: dict) -> str | None:
+        if self.monitor not in record:
+            figures = ", ".join(k for k in record if k == "train_loss" or k.startswith("val_"))
+            raise UserError(f"callbacks: EarlyStopping's monitor {self.monitor} is not reported; pick one of {figures}")
+        value = record[self.monitor]
+        margin = value - self.best if self.best is not None else math.inf
+        better = (margin if self.mode == "max" else -margin) > self.min_delta and not math.isnan(value)
+        if better:
+            self.best, self.waited = value, 0
+            return None
+        self.waited += 1
+        if self.waited < self.patience:
+            return None
+        return f"{self.monitor} has not improved on {self.best} for {self.patience} validations"
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "waited": self.waited}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.waited = state["best"], state["waited"]
+
+
+class SampleGrid:
+    """`count` training samples as they enter the model (collated, on the device, through data.normalize),
+    shown as people see them (data.normalize undone) in one TensorBoard image, `samples/train`: at the run's start
+    and, with `every_epoch`, after each epoch's validation (the epoch's augmentations). A segmentation batch (an
+    integer mask (N, H, W) beside the images) shows each mask over its image. The samples are read and augmented
+    under RNG states of their own (each epoch's from the seed): the run's generators are left as they were."""
+
+    def __init__(self, count: int = 16, every_epoch: bool = False, columns: int = 8):
+        if count < 1 or columns < 1:
+            raise ValueError(f"count and columns must be at least 1, got {count} and {columns}")
+        self.count, self.every_epoch, self.columns = count, every_epoch, columns
+
+    def on_run_start(self, run) -> None:
+        self.draw(run, run.train_loader.epoch)
+
+    def on_validation_end(self, run, record: dict) -> None:
+        if self.every_epoch and not record.get("mid_epoch"):
+            self.draw(run, record["epoch"])
+
+    def draw(self, run, epoch: int) -> None:
+        if not run.world.is_main:
+            return
+        with kept_rng():  # a shallow copy: a data set that opens its files on first use does so on the copy
+            rng.seed_everything(rng.derived(run.cfg.seed, epoch, 7))  # this epoch's draws, the same on every run
+            samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
+            batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))
+        images, mask = picture_parts(batch, run.cfg.data.get("input", 0))
+        if images is None:
+            return  # no (N, C, H, W) images in the batch: nothing to show
+        images = undo_normalize(images.float(), run.cfg.data.get("normalize"))
+        if mask is not None:
+            images = overlay(images, mask)
+        run.runlog.image("samples/train", grid(images, self.columns), run.step)
+
+
+class HParams:
+    """The run's config (each key flattened, as a number or a word) and its final figures (the last validation's
+    train_loss and val_*) in TensorBoard's HParams tab, as the run `tb/hparams`: the runs of a sweep compare side by
+    side (`tensorboard --logdir outputs/<sweep folder>`)."""
+
+    def __init__(self):
+        self.last: dict | None = None
+
+    def on_validation_end(self, run, record: dict) -> None:
+        self.last = record
+
+    def on_run_end(self, run) -> None:
+        if self.last is None:
+            return
+        config = flat(OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True))
+        figures = {k: v for k, v in self.last.items() if k == "train_loss" or k.startswith("val_")}
+        run.runlog.hparams(config, {f"hparams/{k}": v for k, v in figures.items()})
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{dotted key: number, bool or word} of a config; lists and None as words (what the HParams tab takes)."""
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = value if isinstance(value, (int, float, bool, str)) else str(value)
+    return out
+
+
+def picture_parts(batch, key) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the images (N, C, H, W) with 1 or 3 channels, an integer mask (N, H, W) beside them or None)."""
+    if isinstance(batch, dict):
+        items = list(batch.values())
+    else:
+        items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    images = batch[key] if isinstance(batch, (dict, list, tuple)) and _has(batch, key) else items[0]
+    if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
+        return None, None
+    masks = [t for t in items if torch.is_tensor(t) and t.dim() == 3 and not t.is_floating_point()
+             and t.shape == images.shape[:1] + images.shape[2:]]  # fmt: skip
+    return images, masks[0] if masks else None
+
+
+def _has(batch, key) -> bool:
+    return key in batch if isinstance(batch, dict) else isinstance(key, int) and key < len(batch)
+
+
+def undo_normalize(images: torch.Tensor, normalize) -> torch.Tensor:
+    """Images in [0, 1] as people see them: data.normalize's mean and std undone, else each image stretched."""
+    mean, std = (normalize.get("mean"), normalize.get("std")) if normalize is not None else (None, None)
+    if mean is not None and std is not None:
+        shape = (1, -1, 1, 1)
+        images = images * torch.tensor(list(std), device=images.device).view(shape)
+        images = images + torch.tensor(list(mean), device=images.device).view(shape)
+    else:
+        low = images.amin(dim=(1, 2, 3), keepdim=True)
+        images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp_min(1e-8)
+    return images.clamp(0, 1)
+
+
+PALETTE = torch.tensor([[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
+                        [145, 30, 180], [70, 240, 240], [240, 50, 230]], dtype=torch.float32) / 255  # fmt: skip
+
+
+def overlay(images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each mask's classes in colour over its image, half and half; 0 (the background) and 255 (no class) left clear."""
+    images = images.expand(-1, 3, -1, -1)
+    colours = PALETTE.to(images.device)[(mask % len(PALETTE)).long()].permute(0, 3, 1, 2)
+    shown = ((mask > 0) & (mask != 255)).unsqueeze(1)
+    return torch.where(shown, 0.5 * images + 0.5 * colours, images)
+
+
+def grid(images: torch.Tensor, columns: int, pad: int = 2) -> torch.Tensor:
+    """(3, H', W') on the CPU: the images in rows of `columns`, `pad` pixels apart."""
+    images = images.expand(-1, 3, -1, -1).cpu()
+    n, _, h, w = images.shape
+    columns = min(columns, n)
+    rows = -(-n // columns)
+    out = torch.zeros(3, rows * (h + pad) + pad, columns * (w + pad) + pad)
+    for i, image in enumerate(images):
+        top, left = pad + (i // columns) * (h + pad), pad + (i % columns) * (w + pad)
+        out[:, top : top + h, left : left + w] = image
+    return out

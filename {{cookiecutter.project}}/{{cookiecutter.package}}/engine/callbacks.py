@@ -1,0 +1,82 @@
+"""The callbacks seam: the `callbacks` config key's named nodes, built once, called at the loop's hooks, and their
+state saved in every checkpoint under their names.
+
+Hooks, each optional on a callback (`run` is engine/run.py's Run: model, loaders, step, runlog, device, cfg...):
+- `on_run_start(run)`: once, before the first step (after a resume's state is back);
+- `on_log(run, figures)`: at each steps.jsonl line, with the figures the loop has already read (no extra read);
+- `on_validation_end(run, record)`: with the record just written to metrics.jsonl, before the checkpoint that keeps
+  it; a true value (True, or a string saying why) asks the run to stop there: it saves and exits 0;
+- `on_run_end(run)`: once, however the loop ended (not after an error).
+
+A node with `state_dict()` / `load_state_dict()` (a callback, or any Stateful object of yours: a curriculum, a
+counter) is saved and restored with the run. A callback must not change the run: one that draws random numbers
+draws from a generator of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import OmegaConf
+
+from . import parts
+from .errors import UserError
+
+log = logging.getLogger("train")
+HOOKS = ("on_run_start", "on_log", "on_validation_end", "on_run_end")
+
+
+def stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Callbacks:
+    """The run's callbacks by name, in the config's order (`cfg.callbacks`)."""
+
+    def __init__(self, cfg):
+        nodes = cfg.get("callbacks") or {}
+        self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items() if node is not None}
+        self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
+
+    def call(self, hook: str, run, *args) -> None:
+        for callback in self.named.values():
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(run, *args)
+
+    def validation_end(self, run, record: dict) -> bool:
+        """`on_validation_end` of each; True when one asked to stop (each is still called: all see the record)."""
+        for name, callback in self.named.items():
+            method = getattr(callback, "on_validation_end", None)
+            answer = method(run, record) if method is not None else None
+            if answer and self.stopped_by is None:
+                self.stopped_by = f"{name}: {answer}" if isinstance(answer, str) else name
+        return self.stopped_by is not None
+
+    def state_dict(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self.named.items() if stateful(obj)}
+
+    def load_state_dict(self, saved: dict, strict: bool) -> None:
+        """The checkpoint's states back into the callbacks of the same names. A stateful callback missing here or
+        new here is refused (resume_strict) or logged: the run would not go on as it was."""
+        mine = {name for name, obj in self.named.items() if stateful(obj)}
+        gone, new = sorted(saved.keys() - mine), sorted(mine - saved.keys())
+        if gone or new:
+            what = "; ".join(
+                part for part in (f"saved but not configured: {', '.join(gone)}" if gone else "",
+                                  f"configured but not saved: {', '.join(new)}" if new else "") if part
+            )  # fmt: skip
+            if strict:
+                raise UserError(
+                    f"resume: the checkpoint's callbacks with state differ from this run's ({what}): resume with the "
+                    "same callbacks, or add resume_strict=false to go on (a new one starts fresh)"
+                )
+            log.warning("resume: callbacks with state changed (%s); resume_strict=false: a new one starts fresh", what)
+        for name in sorted(mine & saved.keys()):
+            self.named[name].load_state_dict(saved[name])
+
+
+def nodes(cfg) -> dict:
+    """The `callbacks` config as plain dicts by name (for the config checks)."""
+    raw = cfg.get("callbacks") or {}
+    return {name: OmegaConf.to_container(node, resolve=False) for name, node in raw.items() if node is not None}
