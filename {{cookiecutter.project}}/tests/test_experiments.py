@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 from hydra import compose, initialize_config_dir
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from {{ cookiecutter.package }}.data import make_shapes
 from {{ cookiecutter.package }}.engine import schema
@@ -79,6 +80,10 @@ def test_multirun_gives_each_job_its_own_folder(tmp_path, shapes_root):
     for job in jobs:
         assert len(read_jsonl(sweep / job / "metrics.jsonl")) == 1
         assert (sweep / job / "checkpoints/best.pth").is_file() and list((sweep / job / "tb").iterdir())
+        # the HParams tab: each job a session with its settings (callbacks.HParams), side by side under the sweep
+        hparams = EventAccumulator(str(sweep / job / "tb/hparams"))
+        hparams.Reload()
+        assert b"loader.persistent_workers" in hparams.PluginTagToContent("hparams")["_hparams_/session_start_info"]
 
 
 @pytest.mark.slow

@@ -191,6 +191,7 @@ def test_mlflow_resume_continues_the_same_run(tmp_path, mlflow_server):
     assert run.data.tags["checkpoint.last"] == str(second / "checkpoints/last.pth")
     assert {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")} == {
         "checkpoints/last.pth", "checkpoints/best.pth"}  # fmt: skip
+    assert client.list_artifacts(run.info.run_id, "images")  # the sample grid (callbacks.SampleGrid), a picture
 
 
 @pytest.mark.slow
@@ -307,8 +308,9 @@ def wandb_history(records) -> dict:
     for _, r in records:
         if r.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            pictures = tuple(k[: -len("_type")] for k in items if k.endswith("/_type"))  # e.g. the sample grid
             for k, v in items.items():
-                if not k.startswith("_"):
+                if not k.startswith("_") and not k.startswith(pictures or ("\0",)):
                     points.setdefault(k, []).append((items["_step"], float(v)))
     return points
 
@@ -324,6 +326,7 @@ def test_wandb_offline_resume_continues_the_same_run(tmp_path):
     (run,) = [r.run for _, r in wandb_records(first) if r.WhichOneof("record_type") == "run"]
     config = {u.key: json.loads(u.value_json) for u in run.config.update if u.key != "_wandb"}
     assert config == flat(load_ckpt(first / "checkpoints/last.pth")["config"])
+    assert list((first / "wandb").glob("offline-run-*/files/media/images/**/*.png"))  # the sample grid, a picture
     # control: without the stored id, the resumed run is a second W&B run
     shutil.rmtree(second)
     _, again = stop_and_resume(tmp_path / "control", "logger=wandb", keep_ids=False)
