@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
-from . import fsdp, parts, shard_plan
+from . import fsdp, parts{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .checks import reason
 from .device import amp_dtype, pick_device, to_device
 from .errors import UserError
@@ -159,10 +159,14 @@ def first_samples(dataset, name: str) -> list:
     """The first two samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
     throwaway step's in run.py)."""
     try:
+{% if cookiecutter.with_streams == "yes" %}
         if shard_plan.is_stream(dataset):
             samples = shard_plan.first_records(dataset, 2)
         else:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
+{% else %}
+        samples = [dataset[i] for i in range(min(2, len(dataset)))]
+{% endif %}
     except UserError:
         raise
     except Exception as e:
