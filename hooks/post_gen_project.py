@@ -9,12 +9,16 @@ LEFT_OUT = {
     "with_tracking": [f"{PACKAGE}/engine/tracking.py", "conf/logger", "tests/test_tracking.py", "docs/tracking.md"],
     "with_shards": [f"{PACKAGE}/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py",
                     "docs/shards.md"],
+    "with_streams": [f"{PACKAGE}/stream.py", f"{PACKAGE}/engine/stream_loader.py", f"{PACKAGE}/engine/shard_plan.py",
+                     "conf/data/jsonlines.yaml", "tests/test_stream.py", "tests/test_stream_loader.py",
+                     "tests/test_stream_train.py", "tests/test_shard_plan.py", "docs/streams.md"],
     "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
     "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
 }
 ANSWERS = {
     "with_tracking": {{ cookiecutter.with_tracking | tojson }},
     "with_shards": {{ cookiecutter.with_shards | tojson }},
+    "with_streams": {{ cookiecutter.with_streams | tojson }},
     "with_slurm": {{ cookiecutter.with_slurm | tojson }},
     "with_benchmarks": {{ cookiecutter.with_benchmarks | tojson }},
 }

@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli there
     import tomli as tomllib
 
-PARTS = ("with_tracking", "with_shards", "with_slurm", "with_benchmarks")
+PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks")
 MINIMAL = {part: "no" for part in PARTS}
 
 # What each part brings: paths, and words that name it (in any text file of the bake: code, YAML, README, tests)
@@ -23,6 +23,12 @@ LEFT_OUT = {
     "with_shards": (["my_trainer/shards.py", "conf/data/shards.yaml", "tests/test_shards.py", "benchmarks/p6_shards.py",
                      "docs/shards.md"],
                     [r"ShardDataset", r"data=shards", r"webdataset", r"\.shards pack", r"Tar shards", r"shards\.md"]),
+    "with_streams": (["my_trainer/stream.py", "my_trainer/engine/stream_loader.py", "my_trainer/engine/shard_plan.py",
+                      "conf/data/jsonlines.yaml", "tests/test_stream.py", "tests/test_stream_loader.py",
+                      "tests/test_stream_train.py", "tests/test_shard_plan.py", "docs/streams.md"],
+                     [r"StreamLoader", r"stream_resume", r"restart_epoch", r"JsonLines", r"data=jsonlines", r"ShardStream",
+                      r"shard_plan", r"EvalStream", r"StreamProbe", r"is_stream", r"[Ss]hard stream", r"\[Streams\]",
+                      r"streams\.md"]),
     "with_slurm": (["my_trainer/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
                    [r"submitit", r"hydra/launcher", r"slurm\.py", r"\[slurm\]", r"SLURM with submitit", r"slurm\.md"]),
     "with_benchmarks": (["benchmarks", "docs/benchmarks.md"], [r"benchmarks[/.]", r"gpu_check", r"# Benchmarks"]),

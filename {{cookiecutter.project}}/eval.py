@@ -7,7 +7,7 @@
 
 The config is composed from the same conf/ as train.py. The `data`, `model` and `task` a run trained with are
 stored in its checkpoint and used as they are, and so are its loaders' batch size and worker count; the split is
-read by train.py's validation loader (engine/loader.py's eval_loader, indexed data sets and streams alike), so on
+read by train.py's validation loader (engine/loader.py's eval_loader{% if cookiecutter.with_streams == "yes" %}, indexed data sets and streams alike{% endif %}), so on
 the run's number of processes the numbers match the run's own validation exactly. Name a group on the command
 line (`data=...`, `data.root=...`, `loader.batch_size=...`) and this command's config is used for it instead.
 Prints one line and writes eval.json (`<split>_<name>` for every metric the task reports) into this command's
@@ -79,7 +79,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
         if "loader" not in named:  # the batches set how the per-batch sums are rounded: the run's validation's
             ran = ckpt["ranks"][0]["loader"]  # what its loaders used (a resume on other processes changes the batch)
             cfg.loader.batch_size = ran["batch_size"]
-            cfg.loader.num_workers = ran["num_workers"]  # a stream's batches are each worker's own records
+            cfg.loader.num_workers = ran["num_workers"]{% if cookiecutter.with_streams == "yes" %}  # a stream's batches are each worker's own records{% endif +%}
     splits = [k for k, v in cfg.data.items() if OmegaConf.is_dict(v) and "_target_" in v]
     if cfg.split not in splits:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
@@ -124,7 +124,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
     return {
         **{f"{cfg.split}_{name}": value for name, value in metrics.items() if name != "count"},
         "split": cfg.split,
-        "samples": int(metrics["count"]),  # read, not asked of the data set: a stream need not know its length
+        "samples": int(metrics["count"]),  # read, not asked of the data set{% if cookiecutter.with_streams == "yes" %}: a stream need not know its length{% endif +%}
         "step": ckpt["step"],
         "weights": "ema" if use_ema else "model",
         "checkpoint": str(found),

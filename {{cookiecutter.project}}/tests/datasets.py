@@ -8,13 +8,17 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset{% if cookiecutter.with_streams == "yes" %}, IterableDataset{% endif +%}
 
+{% if cookiecutter.with_streams == "yes" %}
 from {{ cookiecutter.package }}.engine.errors import UserError
+{% endif %}
 {% if cookiecutter.with_shards == "yes" %}
 from {{ cookiecutter.package }}.shards import ShardDataset
 {% endif %}
+{% if cookiecutter.with_streams == "yes" %}
 from {{ cookiecutter.package }}.stream import ShardStream
+{% endif %}
 from {{ cookiecutter.package }}.tasks import Classification
 
 
@@ -157,6 +161,7 @@ class SlowItems(RngDrawingDataset):
         return super().__getitem__(index)
 
 
+{% if cookiecutter.with_streams == "yes" %}
 class CountingShards(ShardStream):
     """A shard stream of unequal shards: record `i` of shard `s` is `(x, label, s * 1000 + i)`, its input drawing
     from torch, numpy and python `random` like RngDrawingDataset's, so any RNG slip shows in the weights. `sizes`:
@@ -250,6 +255,7 @@ class FixedStream(IterableDataset):
             yield torch.cos(torch.arange(self.dim) * (0.3 + index / self.size)) + label, label
 
 
+{% endif %}
 def dict_collate(samples) -> dict:
     """A `data.collate` of your own: the batch as a dict, `{"image": (N, C, H, W), "label": (N,)}`."""
     images, labels = torch.utils.data.default_collate(samples)

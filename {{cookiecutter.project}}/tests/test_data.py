@@ -14,7 +14,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
-from {{ cookiecutter.package }}.engine import checks, failures, rng, schema
+from {{ cookiecutter.package }}.engine import checks, failures, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}rng, schema
 from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
@@ -294,3 +294,30 @@ def test_digits_as_jpeg_train_as_well_with_auto_as_with_pil(tmp_path):
         acc[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["val_acc"]
     print(f"val_acc after 4 epochs: {acc}")
     assert abs(acc["auto"] - acc["pil"]) <= 0.03 and acc["pil"] - acc["scrambled"] >= 0.5, acc
+{% if cookiecutter.with_streams == "no" %}
+
+
+class Records(torch.utils.data.IterableDataset):
+    """A data set read in order (it takes whatever arguments the data config gives it)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def __iter__(self):
+        return iter([(torch.zeros(3, 8, 8, dtype=torch.uint8), 0)] * 4)
+
+
+def test_a_data_set_read_in_order_is_refused_in_one_line(tmp_path):
+    """The project was generated without streams (with_streams=no): an IterableDataset in data.train is one `error:`
+    line from train.py, before any run folder is made, not a DataLoader's traceback mid-build."""
+    shapes = [f"data.root={tmp_path / 's'}", "data.per_class=2", "data.image_size=8"]
+    proc = run_train(tmp_path / "run", *shapes, "data.train._target_=tests.test_data.Records", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data.train: Records is an IterableDataset"), proc.stderr
+    assert "streams are not part of this project" in lines[0]
+    assert not (tmp_path / "run").exists()
+    # the check refuses a data set read in order, not any data set that is not the project's own
+    assert parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "builtins.list"}}}), "val") == []
+    with pytest.raises(UserError, match=r"^data.val: Records is an IterableDataset"):
+        parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "tests.test_data.Records"}}}), "val")
+{% endif %}

@@ -11,7 +11,9 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.doctor import model_memory, recommend
 from tests.helpers import PROJECT
+{% if cookiecutter.with_streams == "yes" %}
 from tests.test_stream_train import STREAM
+{% endif %}
 
 PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
 
@@ -40,6 +42,7 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
     assert report["machine"]["shm_size_mib"] > 0 and "/dev/shm: " in proc.stdout  # where the batches in flight live
     assert all("MiB free of" in r["plan"] for r in report["profiles"] if r["num_workers"])
     assert "model memory per rank: parameters" in proc.stdout and report["model_memory_mib"]["ddp_per_rank"] > 0
+{% if cookiecutter.with_streams == "yes" %}
 
 
 @pytest.mark.slow
@@ -56,6 +59,7 @@ def test_doctor_measures_a_stream(tmp_path):
     for r in report["profiles"]:
         assert r["batches_per_s"] > 0 and r["first_batch_e2_s"] > 0 and r["plan_mib"] > 0
     assert report["recommendation"]["profile"] in PROFILES
+{% endif %}
 
 
 def test_model_memory_per_rank_whole_under_ddp_and_split_under_fsdp():

@@ -1,5 +1,9 @@
+{% if cookiecutter.with_streams == "yes" %}
 """eval.py: a checkpoint evaluated later gives exactly the numbers its run logged, on an indexed data set or a stream,
 in one process or under torchrun; bad input gets one line."""
+{% else %}
+"""eval.py: a checkpoint evaluated later gives exactly the numbers its run logged; bad input gets one line."""
+{% endif %}
 
 import json
 import subprocess
@@ -8,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
+{% if cookiecutter.with_streams == "yes" %}
 from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_torchrun, run_train, torchrun_cmd
 from tests.test_stream import write_jsonl
+{% else %}
+from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_train, torchrun_cmd
+{% endif %}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +100,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, trained):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
         assert not (tmp_path / str(i) / "eval.json").exists()
+{% if cookiecutter.with_streams == "yes" %}
 
 
 VAL_FILES = [9, 5, 7, 4]  # records per val/*.jsonl file: readers take whole files and batch their own records
@@ -173,3 +182,4 @@ def test_two_torchrun_processes_give_a_two_process_runs_last_figures_exactly(tmp
     # one process reads every record once too (other batches: its figures need not match to the last digit)
     alone = evaluated(tmp_path / "alone", tmp_path / "run/checkpoints/last.pth")
     assert alone["samples"] == size and alone["val_acc"] == result["val_acc"]
+{% endif %}

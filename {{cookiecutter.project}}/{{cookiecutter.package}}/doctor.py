@@ -32,7 +32,9 @@ starts -> persistent workers. A table is printed and everything goes to doctor.j
 from __future__ import annotations
 
 import gc
+{% if cookiecutter.with_streams == "yes" %}
 import itertools
+{% endif %}
 import json
 import logging
 import os
@@ -48,6 +50,7 @@ import psutil
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+{% if cookiecutter.with_streams == "yes" %}
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate, get_worker_info
 
 from .engine import fsdp, memory, monitor, parts, rng, schema, shard_plan
@@ -56,6 +59,14 @@ from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 from .engine.shard_plan import is_stream
 from .engine.stream_loader import StreamLoader
+{% else %}
+from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
+
+from .engine import fsdp, memory, monitor, parts, rng, schema
+from .engine.device import to_device
+from .engine.errors import UserError, find_user_error
+from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+{% endif %}
 from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")
@@ -101,6 +112,7 @@ class Probe(ItemTimes, Dataset):
         item = self.dataset[index]
         self.note(began)
         return item
+{% if cookiecutter.with_streams == "yes" %}
 
 
 class StreamProbe(ItemTimes, IterableDataset):
@@ -127,6 +139,7 @@ class StreamProbe(ItemTimes, IterableDataset):
                 return
             self.note(began)
             yield item
+{% endif %}
 
 
 class ProbeCollate:
@@ -205,6 +218,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
         change = "; ".join(changes) or None
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
+{% if cookiecutter.with_streams == "yes" %}
     if is_stream(dataset):  # the stream's first records, read as train.py reads them (StreamLoader)
         probe = StreamProbe(dataset, batches_per_epoch(settings) * settings.batch_size)
         loader = StreamLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
@@ -213,6 +227,12 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
         part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
         probe = Probe(part)
         loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
+{% else %}
+    count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
+    part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
+    probe = Probe(part)
+    loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
+{% endif %}
     result = {
         "profile": name,
         "num_workers": settings.num_workers,
@@ -249,12 +269,14 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     del loader, probe
     wait_for_workers_to_exit()
     return result
+{% if cookiecutter.with_streams == "yes" %}
 
 
 def stream_records(dataset) -> int | None:
     """A stream's records per epoch: its shards' sizes added, or None where it does not say."""
     sizes = shard_plan.shard_sizes(dataset) if shard_plan.is_shard_stream(dataset) else None
     return None if sizes is None else sum(sizes)
+{% endif %}
 
 
 def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int = 5) -> float:
@@ -264,11 +286,15 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
         model = parts.model(cfg).to(device)
         task = parts.task(cfg)
         collate = parts.collate(cfg, dataset) or default_collate
+{% if cookiecutter.with_streams == "yes" %}
         if is_stream(dataset):
             samples = shard_plan.first_records(dataset, batch_size)
             samples = [samples[i % len(samples)] for i in range(batch_size)]
         else:
             samples = [dataset[i % len(dataset)] for i in range(batch_size)]
+{% else %}
+        samples = [dataset[i % len(dataset)] for i in range(batch_size)]
+{% endif %}
         batch = collate(samples)
     finally:
         rng.apply(saved)
@@ -413,8 +439,16 @@ def diagnose(cfg) -> dict:
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
     model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
     weights = model_memory(cfg)
+{% if cookiecutter.with_streams == "yes" %}
     samples = stream_records(train_set) if is_stream(train_set) else len(train_set)  # None: a stream without sizes
+{% else %}
+    samples = len(train_set)
+{% endif %}
+{% if cookiecutter.with_streams == "yes" %}
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
+{% else %}
+    full_batches = max(samples // cfg.loader.batch_size, 1)
+{% endif %}
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     report = {
         "machine": {

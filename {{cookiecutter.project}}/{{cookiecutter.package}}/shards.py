@@ -26,9 +26,11 @@ rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
   instead of one per sample; the price is a less thorough mix (samples from far-apart shards
   never share a batch within an epoch), harmless when pack mixed the samples, costly when each
   shard holds few classes (`--in-order`, or shards written sorted by another tool).
+{% if cookiecutter.with_streams == "yes" %}
 
 `stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
 readers, and which records share a batch depends on the readers (docs/streams.md).
+{% endif %}
 """
 
 from __future__ import annotations

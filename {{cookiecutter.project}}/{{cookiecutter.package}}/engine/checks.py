@@ -118,7 +118,7 @@ def _schema_of(f: dataclasses.Field):
 
 
 # data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
-LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input", "stream_resume")
+LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input"{% if cookiecutter.with_streams == "yes" %}, "stream_resume"{% endif %})
 
 
 def added_data_keys(cfg, overrides: list[str]) -> None:

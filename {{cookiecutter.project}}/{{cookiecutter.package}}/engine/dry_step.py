@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
-from . import fsdp, parts, shard_plan
+from . import fsdp, parts{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .callbacks import Callbacks
 from .checks import reason
 from .device import amp_dtype, pick_device, to_device
@@ -161,10 +161,14 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
     """The first `count` samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
     throwaway step's in run.py, and callbacks.SampleGrid's)."""
     try:
+{% if cookiecutter.with_streams == "yes" %}
         if shard_plan.is_stream(dataset):
             samples = shard_plan.first_records(dataset, count)
         else:
             samples = [dataset[i] for i in range(min(count, len(dataset)))]
+{% else %}
+        samples = [dataset[i] for i in range(min(count, len(dataset)))]
+{% endif %}
     except UserError:
         raise
     except Exception as e:

@@ -43,7 +43,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     if names is None:
         raise UserError("validation: the split holds no samples for this process: give it more data")
     if fsdp.is_sharded(model):  # every rank's forward gathers the weights with the others': as many on each
-        for _ in range(distributed.most(batches, world, device) - batches):  # a stream's count shows at its end
+        for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
     flat = sum_and_read([sums[k] for k in names], device, world)
     if not hasattr(task, "compute"):  # 0-dim sums only (check_metrics): the floats read are the totals

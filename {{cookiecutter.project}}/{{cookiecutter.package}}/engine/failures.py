@@ -200,7 +200,7 @@ def dump_stacks(armed: dict[int, Path], wait_s: float = 3.0) -> dict[int, str]:
 
 
 def stalled(loader) -> Stalled:
-    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader or StreamLoader) while it waited for
+    """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
     its next batch.
 
     Which worker holds that batch follows from the loader's own order (`worker_due()`): batches go to the workers

@@ -1,5 +1,10 @@
+{% if cookiecutter.with_streams == "yes" %}
 """The train loader of an indexed data set and the validation loader of any (streams too): built once, reused every
 epoch, and the train loader resumable bit for bit.
+{% else %}
+"""The train loader and the validation loader of an indexed data set: built once, reused every epoch, and the train
+loader resumable bit for bit.
+{% endif %}
 
 Why the train loader can be resumed exactly (facts from torch/utils/data/dataloader.py):
 - Batches go to workers round-robin and the cycle restarts at worker 0 every epoch, so batch `i`
@@ -27,9 +32,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+{% if cookiecutter.with_streams == "yes" %}
 from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
+{% else %}
+from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
+
+from . import failures, rng
+{% endif %}
 from .device import map_tensors
 from .errors import UserError
 from .memory import LoaderSettings
@@ -383,11 +394,18 @@ class GuardedDataLoader(DataLoader):
 class EpochLoader:
     """What the train loaders share: one DataLoader for the run, iterated once per epoch; `epoch` (epochs done),
     `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip` left out,
+{% if cookiecutter.with_streams == "yes" %}
     the next epoch started early, and a state for checkpoints. TrainLoader (an indexed data set) and StreamLoader
     (engine/stream_loader.py) add how an epoch's batches are planned, seeded and resumed."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
     resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands
+{% else %}
+    the next epoch started early, and a state for checkpoints. TrainLoader adds how an epoch's batches are planned,
+    seeded and resumed."""
+
+    kind = "indexed"  # a checkpoint's loader state says which loader wrote it
+{% endif %}
 
     def __init__(
         self, settings: LoaderSettings, seed: int, rng_mode: str, rank: int, world_size: int, worker_init,
@@ -457,7 +475,7 @@ class EpochLoader:
             "epoch": self.epoch,
             "position": self.position,  # global batches of this epoch consumed
             "batches": batches,  # global batches consumed over the run
-            "samples": batches * self.global_batch,  # a stream's: at most (a reader's last batch may be short)
+            "samples": batches * self.global_batch,{% if cookiecutter.with_streams == "yes" %}  # a stream's: at most (a reader's last batch may be short){% endif +%}
             "global_batch": self.global_batch,
             "world_size": self.world_size,
         }
@@ -485,6 +503,7 @@ class EpochLoader:
 
     def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
         """Continue from `state`, a rank's `state_dict()` (`reseed`: another number of processes wrote it)."""
+{% if cookiecutter.with_streams == "yes" %}
         kind = state.get("kind", "indexed")  # older checkpoints of an indexed data set have none
         if kind != self.kind:
             said = {"indexed": "an indexed data set", "stream": "a stream", "shard_stream": "a shard stream"}
@@ -492,6 +511,7 @@ class EpochLoader:
                 f"resume: the checkpoint's train data was {said[kind]} and this run's is {said[self.kind]}: resume "
                 "with the data the run started with"
             )
+{% endif %}
         self.load_own(state, strict, reseed)
 
     def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
@@ -685,6 +705,7 @@ class TrainLoader(EpochLoader):
             self.generation = Generation(self.settings.num_workers, restored)
 
 
+{% if cookiecutter.with_streams == "yes" %}
 class EvalStream(IterableDataset):
     """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
     readers in their own order, whole; a plain stream splits itself."""
@@ -703,6 +724,7 @@ class EvalStream(IterableDataset):
             yield from self.dataset.read(descriptor)
 
 
+{% endif %}
 def eval_loader(
     dataset,
     settings: LoaderSettings,
@@ -713,9 +735,13 @@ def eval_loader(
     start_guard=contextlib.nullcontext,
 ) -> DataLoader:
     """The validation loader, also built once (train.py's and eval.py's). Its own generator keeps the main RNG
+{% if cookiecutter.with_streams == "yes" %}
     untouched. An indexed data set is read in order, each rank taking its share of the batches; a stream
     (shard_plan.is_stream) through `EvalStream`, each worker batching its own records, so a rank's last batch of
     each worker may be short and the batches depend on the readers (processes x workers).
+{% else %}
+    untouched. The data set is read in order, each rank taking its share of the batches.
+{% endif %}
 
     `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers), and
     `start_guard` is around its workers' start (GuardedDataLoader); `collate_fn` (`data.collate`, None: torch's
@@ -726,10 +752,12 @@ def eval_loader(
         "collate_fn": collate_fn,
         "start_guard": start_guard,
     }
+{% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
         return GuardedDataLoader.following(
             settings, EvalStream(dataset, rank, world_size), batch_size=settings.batch_size, **common
         )
+{% endif %}
     sampler = EpochBatchSampler(
         len(dataset),
         settings.batch_size,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import default_collate
 
-from . import rng, shard_plan
+from . import rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .errors import UserError
 
 MiB = 2**20
@@ -79,7 +79,7 @@ def layout(batch) -> str:
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
-    """Bytes of one batch, before any worker exists: sample 0 (a stream's first record) collated once, times
+    """Bytes of one batch, before any worker exists: sample 0{% if cookiecutter.with_streams == "yes" %} (a stream's first record){% endif %} collated once, times
     `batch_size`.
 
     Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is
@@ -90,8 +90,12 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     """
     saved = rng.capture()
     try:
+{% if cookiecutter.with_streams == "yes" %}
         streamed = shard_plan.is_stream(dataset)
         one = collate_fn(shard_plan.first_records(dataset, 1) if streamed else [copy.copy(dataset)[0]])
+{% else %}
+        one = collate_fn([copy.copy(dataset)[0]])
+{% endif %}
     finally:
         rng.apply(saved)
     return batch_bytes(one) * batch_size

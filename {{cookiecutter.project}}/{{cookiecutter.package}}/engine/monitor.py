@@ -277,8 +277,12 @@ class Monitor:
         """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
         if self.plan is None or self._measured_logged or not self.runlog.enabled:
             return False
+{% if cookiecutter.with_streams == "yes" %}
         known = self.loader.batches_per_epoch  # None: a stream without sizes
         left = self.plan.in_flight if known is None else known - self.loader.position
+{% else %}
+        left = self.loader.batches_per_epoch - self.loader.position
+{% endif %}
         return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:

@@ -45,8 +45,20 @@ def task(cfg):
 
 
 def data_set(cfg, split: str):
+{% if cookiecutter.with_streams == "yes" %}
     """The data set of `data.<split>` (train, val, or another node of the data config)."""
     return build(cfg.data[split], f"data.{split}")
+{% else %}
+    """The data set of `data.<split>` (train, val, or another node of the data config): an indexed one, since a
+    data set read in order (torch's IterableDataset) is not one this project trains or evaluates on."""
+    built = build(cfg.data[split], f"data.{split}")
+    if isinstance(built, torch.utils.data.IterableDataset):
+        raise UserError(
+            f"data.{split}: {type(built).__name__} is an IterableDataset, read in order: streams are not part of this "
+            "project (generated with with_streams=no): give a map-style data set (__len__ and __getitem__)"
+        )
+    return built
+{% endif %}
 
 
 def data_sets(cfg) -> tuple:
@@ -94,6 +106,11 @@ def optimizer(cfg, net: torch.nn.Module) -> torch.optim.Optimizer:
         raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
 
 
+{% if cookiecutter.with_streams == "yes" %}
 def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int | None):
     """`schedule` over `total_steps` optimizer steps (None: a stream whose length shows as it ends)."""
+{% else %}
+def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int):
+    """`schedule` over `total_steps` optimizer steps."""
+{% endif %}
     return build_schedule(cfg.schedule, optim, total_steps=total_steps)

@@ -20,7 +20,9 @@ from . import checkpoint, rng, sharded_checkpoint, weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
+{% if cookiecutter.with_streams == "yes" %}
 from .stream_loader import RESTART_EPOCH, plain_stream_refusal
+{% endif %}
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ SAME_RUN = {
     "process.keep_freed_memory": "the allocator's thresholds: speed only",
     # error -> skip is how a run stopped on a bad sample goes on: up to the stop, no sample was skipped
     "data.on_bad_sample": "what a bad sample does, from here on",
+{% if cookiecutter.with_streams == "yes" %}
     "data.stream_resume": "how a stream without a state goes on from a mid-epoch checkpoint",
+{% endif %}
     "parallel.reshard_after_forward": "when FSDP frees gathered weights: memory and communication, not the math",
     "callbacks.*": "what runs beside training; a stateful one's state is checked on its own (engine/callbacks.py)",
 }
@@ -241,12 +245,14 @@ def precheck(cfg, run_dir: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         model = instantiate(cfg.model)
     check_fits(ckpt, cfg, model, world_size)
+{% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
         readers = world_size * max(cfg.loader.num_workers, 1)
         why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
         if why:
             raise UserError(f"resume: data.train {why}")
+{% endif %}
 
 
 def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
@@ -359,17 +365,25 @@ def where(
     overrides: list[str],
     world_size: int,
     note: str | None = None,
+{% if cookiecutter.with_streams == "yes" %}
     restart_epoch: bool = False,
+{% endif %}
 ) -> str:
     """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
     to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
+{% if cookiecutter.with_streams == "yes" %}
     which keeps the command about one terminal line. `restart_epoch`: a stream without state stopped mid-epoch, which
     goes on only by starting that epoch over."""
+{% else %}
+    which keeps the command about one terminal line."""
+{% endif %}
     folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
+{% if cookiecutter.with_streams == "yes" %}
     if restart_epoch:
         kept = [o for o in kept if "data.stream_resume=" not in o] + [RESTART_EPOCH]
         folder += "; the stream has no state to go on from mid-epoch: the command starts its epoch over"
+{% endif %}
     launch = (
         ["python", "train.py"]
         if world_size == 1

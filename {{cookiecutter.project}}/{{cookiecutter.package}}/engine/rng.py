@@ -52,6 +52,7 @@ def sample_seeds(seed: int, epoch: int, indices) -> list[int]:
 
 
 def epoch_base(seed: int, epoch: int) -> int:
+{% if cookiecutter.with_streams == "yes" %}
     """What `sample_seeds` mixes each index with, for one (seed, epoch): worked out once, e.g. per epoch of a stream."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
 
@@ -66,6 +67,10 @@ def index_seed(base: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * int(_MIX1)) & _MASK
     x = ((x ^ (x >> 27)) * int(_MIX2)) & _MASK
     return x ^ (x >> 31)
+{% else %}
+    """What `sample_seeds` mixes each index with, for one (seed, epoch)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
+{% endif %}
 
 
 def seed_sample(seed: int) -> None:

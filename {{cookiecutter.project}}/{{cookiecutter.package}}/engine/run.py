@@ -29,8 +29,10 @@ from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
 from .runlog import EpochMeter, RunLog
+{% if cookiecutter.with_streams == "yes" %}
 from .shard_plan import is_stream
 from .stream_loader import StreamLoader
+{% endif %}
 from .task_results import split_loss
 
 log = logging.getLogger("train")
@@ -45,7 +47,7 @@ class Run:
     device: torch.device
     stop: StopRequest
     task: object  # conf/task: loss(model, batch) and metrics(model, batch)
-    train_loader: TrainLoader | StreamLoader
+    train_loader: TrainLoader{% if cookiecutter.with_streams == "yes" %} | StreamLoader{% endif +%}
     val_loader: object
     prepare: object  # data.normalize on the device, for whole batches
     model: torch.nn.Module  # the plain model: checkpoints, validation
@@ -149,10 +151,16 @@ class Run:
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
         note = "; ".join(notes) or None
+{% if cookiecutter.with_streams == "yes" %}
         restart = not done and not self.train_loader.resumes_mid_epoch
         return resume.where(
             self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note, restart
         )
+{% else %}
+        return resume.where(
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note
+        )
+{% endif %}
 
 
 def build(
@@ -194,8 +202,12 @@ def build(
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
         log.warning("loader: %s", change)
+{% if cookiecutter.with_streams == "yes" %}
     streamed = {"stream_resume": cfg.data.get("stream_resume", "exact")} if is_stream(train_set) else {}
     train_loader = (StreamLoader if streamed else TrainLoader)(
+{% else %}
+    train_loader = TrainLoader(
+{% endif %}
         train_set,
         settings,
         seed=cfg.seed,
@@ -207,9 +219,14 @@ def build(
         on_bad_sample=cfg.data.get("on_bad_sample", "error"),
         bad_samples=failures.BadSampleLog(run_dir / failures.BAD_SAMPLES, world.rank),
         start_guard=StopRequest.starting_workers,
+{% if cookiecutter.with_streams == "yes" %}
         **streamed,
     )  # built once: a stream's (engine/stream_loader.py) or an indexed data set's
     val_loader = eval_loader(  # an indexed data set's or a stream's, as eval.py's
+{% else %}
+    )  # built once
+    val_loader = eval_loader(  # as eval.py's
+{% endif %}
         val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
         start_guard=StopRequest.starting_workers,
     )  # fmt: skip
@@ -234,8 +251,12 @@ def build(
     if sharded:  # before the optimizer, which must hold the sharded parameters
         model = fsdp.shard(model, cfg.parallel, amp)
     optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
+{% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
     total_steps = None if per_epoch is None else cfg.epochs * -(-per_epoch // cfg.accumulate_steps)
+{% else %}
+    total_steps = cfg.epochs * -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
+{% endif %}
     scheduler = parts.schedule(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
@@ -300,7 +321,7 @@ def build(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
         optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
         step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
-        ckpt.get("meter") if ckpt and train_loader.position else None,  # restart_epoch: the epoch starts over
+        ckpt.get("meter") if ckpt and train_loader.position else None,{% if cookiecutter.with_streams == "yes" %}  # restart_epoch: the epoch starts over{% endif +%}
         callbacks=callbacks, train_set=train_set, collate=collate,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}

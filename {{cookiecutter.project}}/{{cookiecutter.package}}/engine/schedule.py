@@ -18,8 +18,10 @@ import warnings
 
 from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
+{% if cookiecutter.with_streams == "yes" %}
 
 from .errors import UserError
+{% endif %}
 
 
 class WarmupCosine:
@@ -55,7 +57,7 @@ def constant(optimizer, warmup_steps: int = 0) -> LambdaLR:
     return LambdaLR(optimizer, Warmup(warmup_steps))
 
 
-def build_schedule(schedule_cfg, optimizer, total_steps: int | None):
+def build_schedule(schedule_cfg, optimizer, total_steps: int{% if cookiecutter.with_streams == "yes" %} | None{% endif %}):
     """The configured scheduler on `optimizer`; `total_steps` (the planned epochs' optimizer steps) goes to targets
     that take it, unless the config sets `schedule.total_steps` itself: a schedule of its own length."""
     factory = instantiate(schedule_cfg)
@@ -65,11 +67,13 @@ def build_schedule(schedule_cfg, optimizer, total_steps: int | None):
         takes_total = "total_steps" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes_total = False
+{% if cookiecutter.with_streams == "yes" %}
     if takes_total and total_steps is None:
         raise UserError(
             f"schedule {schedule_cfg._target_} spans the run's steps, and a stream without sizes has no known "
             "epoch length: set schedule.total_steps, give the data set `sizes`, or use schedule=constant"
         )
+{% endif %}
     return factory(optimizer, total_steps=total_steps) if takes_total else factory(optimizer)
 
 

@@ -311,7 +311,9 @@ LOOP_OPEN_KEYS = {
     "optim.param_groups": param_groups,
     "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
     "data.on_bad_sample": one_of("error", "skip"),
+{% if cookiecutter.with_streams == "yes" %}
     "data.stream_resume": one_of("exact", "restart_epoch"),  # streams without state (engine/stream_loader.py)
+{% endif %}
     "data.input": batch_part,
 }
 SHIPPED = {
