@@ -19,7 +19,7 @@ NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "a
 # change code: the tests of the modules with a part's {% if %} blocks (checkpoint, checks, schema, preflight,
 # distributed, failures, resume, run, runlog, data, train.py), of the README's layout and of its links into docs/;
 # the other modules are the same text in every bake (tests/test_parts.py checks each bake is ruff-clean and trains).
-MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_slurm": "no", "with_benchmarks": "no"}
+MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_slurm": "no", "with_benchmarks": "no", "with_fsdp": "no"}
 WHERE_PARTS_CHANGE_CODE = [
     f"tests/test_{name}.py"
     for name in ("checkpoint", "config", "distributed", "bad_sample", "stall", "shm", "resume", "train", "runlog",
