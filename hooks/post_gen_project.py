@@ -14,6 +14,8 @@ LEFT_OUT = {
                      "tests/test_stream_train.py", "tests/test_shard_plan.py", "docs/streams.md"],
     "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
     "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
+    "with_fsdp": [f"{PACKAGE}/engine/fsdp.py", f"{PACKAGE}/engine/sharded_checkpoint.py", "conf/parallel/fsdp.yaml",
+                  "tests/test_fsdp.py", "tests/blocks.py"],
 }
 ANSWERS = {
     "with_tracking": {{ cookiecutter.with_tracking | tojson }},
@@ -21,6 +23,7 @@ ANSWERS = {
     "with_streams": {{ cookiecutter.with_streams | tojson }},
     "with_slurm": {{ cookiecutter.with_slurm | tojson }},
     "with_benchmarks": {{ cookiecutter.with_benchmarks | tojson }},
+    "with_fsdp": {{ cookiecutter.with_fsdp | tojson }},
 }
 for part, paths in LEFT_OUT.items():
     if part == "license" or ANSWERS[part] == "no":

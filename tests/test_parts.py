@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli there
     import tomli as tomllib
 
-PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks")
+PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp")
 MINIMAL = {part: "no" for part in PARTS}
 
 # What each part brings: paths, and words that name it (in any text file of the bake: code, YAML, README, tests)
@@ -32,6 +32,10 @@ LEFT_OUT = {
     "with_slurm": (["my_trainer/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
                    [r"submitit", r"hydra/launcher", r"slurm\.py", r"\[slurm\]", r"SLURM with submitit", r"slurm\.md"]),
     "with_benchmarks": (["benchmarks", "docs/benchmarks.md"], [r"benchmarks[/.]", r"gpu_check", r"# Benchmarks"]),
+    "with_fsdp": (["my_trainer/engine/fsdp.py", "my_trainer/engine/sharded_checkpoint.py", "conf/parallel/fsdp.yaml",
+                   "tests/test_fsdp.py", "tests/blocks.py"],
+                  [r"FSDP", r"fully_shard", r"parallel=fsdp", r"sharded_checkpoint", r"shard_modules",
+                   r"reshard_after_forward", r"group_of_one", r"share_buffers", r"is_sharded", r"tests\.blocks"]),
 }
 EXTRAS = {"with_tracking": {"mlflow", "wandb"}, "with_slurm": {"slurm"}, "with_benchmarks": {"bench"}}
 
@@ -99,3 +103,11 @@ def test_every_part_answered_yes_is_the_default(bake, tmp_path):
     """The default bake holds every part: the check above can fail."""
     project = bake(tmp_path / "bake")
     assert all(left_out(project, part) for part in PARTS)
+
+
+def test_without_fsdp_parallel_fsdp_is_an_unknown_group_option(bake, tmp_path):
+    project = bake(tmp_path / "bake", with_fsdp="no")
+    proc = subprocess.run([sys.executable, "train.py", "parallel=fsdp"], cwd=project, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: parallel=fsdp: there is no conf/parallel/fsdp.yaml; choose one of ddp"]

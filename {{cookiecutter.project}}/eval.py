@@ -66,7 +66,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
     try:
-        ckpt = checkpoint.full(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
+        ckpt = checkpoint.{% if cookiecutter.with_fsdp == "yes" %}full{% else %}load{% endif %}(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
     except UserError as e:  # the same refusal train.py's resume= gives, named for this command
         raise UserError(str(e).replace("resume: ", "eval: ", 1).replace("resume=latest", "ckpt=latest")) from None
     saved = ckpt["config"]

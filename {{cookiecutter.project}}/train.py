@@ -99,7 +99,9 @@ def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Ten
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+{% if cookiecutter.with_fsdp == "yes" %}
     run.share_buffers()  # FSDP: rank 0's BatchNorm statistics on every rank, as DDP has them
+{% endif %}
     if run.ema is not None:
         run.ema.update()
     run.step += 1

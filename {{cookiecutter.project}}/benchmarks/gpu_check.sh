@@ -7,9 +7,11 @@
 # 2. A short training under torch.cuda.set_sync_debug_mode("warn"), listing every place the host waits for the GPU.
 # 3. Exact resume on the GPU with deterministic=true: ResNet-18 stopped mid-epoch and resumed, compared with
 #    torch.equal to the run that never stopped (and the dry step refuses any op without a deterministic kernel).
+{% if cookiecutter.with_fsdp == "yes" %}
 # 4. Exact resume under parallel=fsdp: model=vit sharded over the visible GPUs (2 at most; one GPU: a group of one),
 #    stopped mid-epoch and resumed from its sharded checkpoint, compared through the export command.
-# 5. JPEG decoding on the device: nvJPEG (torchvision.io.decode_jpeg, device="cuda", 64 files a call) against
+{% endif %}
+# {{ 5 if cookiecutter.with_fsdp == "yes" else 4 }}. JPEG decoding on the device: nvJPEG (torchvision.io.decode_jpeg, device="cuda", 64 files a call) against
 #    libjpeg-turbo on one CPU thread, on the photos of benchmarks/p7_photos.py (the bench extra brings scikit-learn's);
 #    then train.py's whole loader path on those photos, data.decode=gpu (workers read bytes, nvJPEG decodes each
 #    batch after the copy) against data.decode=auto, images/s with the same 4 workers (WORKERS=8 to change them).
@@ -95,6 +97,7 @@ exact+=(loader.batch_size=64 progress=false)
 straight_stop_resume exact 30 $PY train.py "${exact[@]}"
 same_model "exact resume" "$out/exact-straight/checkpoints/last.pth" "$out/exact-resumed/checkpoints/last.pth"
 
+{% if cookiecutter.with_fsdp == "yes" %}
 echo
 # 4. exact under FSDP: the same comparison with sharded checkpoints, through python -m <package>.export
 gpus=$($PY -c "import torch; print(min(torch.cuda.device_count(), 2))")
@@ -105,7 +108,8 @@ for run in straight resumed; do
   $PY -m {{ cookiecutter.package }}.export "$out/fsdp-$run/checkpoints/last.pth" "$out/fsdp-$run.pth" > /dev/null
 done
 same_model "fsdp exact resume on $gpus GPUs" "$out/fsdp-straight.pth" "$out/fsdp-resumed.pth"
+{% endif %}
 echo
-# 5. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536; then the loader path, decode=gpu vs auto
+# {{ 5 if cookiecutter.with_fsdp == "yes" else 4 }}. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536; then the loader path, decode=gpu vs auto
 $PY -m benchmarks.p7_photos --gpu
 $PY -m benchmarks.p7_photos --loader --workers "$WORKERS"

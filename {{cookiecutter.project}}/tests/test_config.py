@@ -120,9 +120,11 @@ BAD = [
     ("loader.prefetch_factor=0", "loader.prefetch_factor must be"),
     ("loader.pin_memory=yes", "loader.pin_memory must be true, false or 'auto'"),
     ("deterministic=sometimes", "deterministic must be true, false or 'warn'"),
+{% if cookiecutter.with_fsdp == "yes" %}
     ("parallel.shard_modules=3", "parallel.shard_modules must be null or a list of module class import paths"),
     ("parallel=fsdp parallel.shard_modules=[no_such.Block]", "'no_such.Block' is not an importable torch.nn.Module"),
     ("parallel=fsdp parallel.shard_modules=[torch.nn.functional.relu]", "is not an importable torch.nn.Module class"),
+{% endif %}
     ("loader.timeout=-2", "loader.timeout must be"),
     ("loader.max_prefetch_mib=0", "loader.max_prefetch_mib must be a number > 0"),
     ("loader.max_prefetch_mib=-5", "loader.max_prefetch_mib must be"),
@@ -208,7 +210,7 @@ def test_check_passes_every_shipped_choice(tmp_path):
         ["loader=throughput"],
         ["optim=adamw"],
         ["model=resnet18"],
-        ["model=vit", "parallel=fsdp"],
+        ["model=vit"{% if cookiecutter.with_fsdp == "yes" %}, "parallel=fsdp"{% endif %}],
         ["data=imagefolder", f"data.root={tmp_path / 'folder'}", "data.num_classes=4"],
     ):
         check(compose_cfg(*overrides), {}, overrides)
@@ -276,7 +278,7 @@ COMPOSITION = [
     ("hydra.run.dri=x", "unknown config key hydra.run.dri (did you mean hydra.run.dir?): Hydra's own config"),
     ("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted to Integer"),
     ("device=gpu", "device=gpu: Invalid value 'gpu', expected one of [auto, cpu, cuda]"),
-    ("parallel=zero3", "parallel=zero3: there is no conf/parallel/zero3.yaml; choose one of ddp, fsdp"),
+    ("parallel=zero3", "parallel=zero3: there is no conf/parallel/zero3.yaml; choose one of ddp{% if cookiecutter.with_fsdp == "yes" %}, fsdp{% endif %}"),
     ("loader=fast", "loader=fast: there is no conf/loader/fast.yaml; choose one of balanced, memory-tight, throughput"),
     ("epochs=[1", "cannot read the command line: no viable alternative at input '[1'"),
     ("epochs=1,2", "Ambiguous value for argument 'epochs=1,2'"),

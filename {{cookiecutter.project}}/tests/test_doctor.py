@@ -62,7 +62,7 @@ def test_doctor_measures_a_stream(tmp_path):
 {% endif %}
 
 
-def test_model_memory_per_rank_whole_under_ddp_and_split_under_fsdp():
+def test_model_memory_per_rank_whole_under_ddp{% if cookiecutter.with_fsdp == "yes" %}_and_split_under_fsdp{% endif %}():
     layer = {"_target_": "torch.nn.Linear", "in_features": 256, "out_features": 256}
     adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1}
     plain_sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
@@ -70,7 +70,11 @@ def test_model_memory_per_rank_whole_under_ddp_and_split_under_fsdp():
     found = model_memory(OmegaConf.create({"model": layer, "optim": adamw}))
     assert found["parameters"] == found["gradients"] == pytest.approx(params)
     assert found["optimizer_state"] == pytest.approx(2 * params)  # Adam's two moments
+{% if cookiecutter.with_fsdp == "yes" %}
     assert found["ddp_per_rank"] == pytest.approx(4 * params) and found["fsdp_per_rank"]["4"] == pytest.approx(params)
+{% else %}
+    assert found["ddp_per_rank"] == pytest.approx(4 * params)
+{% endif %}
     assert model_memory(OmegaConf.create({"model": layer, "optim": plain_sgd}))["optimizer_state"] == 0  # no momentum
 
 

@@ -62,6 +62,20 @@ def test_best_checkpoint_holds_the_best_epoch(tmp_path, trained):
     assert best["metrics"] == expected and best["step"] == expected["step"]
     assert best["best"] == {"monitor": "val_acc", "mode": "max", "value": expected["val_acc"]}
     assert load_ckpt(trained / "checkpoints/last.pth")["best"]["value"] == expected["val_acc"]
+{% if cookiecutter.with_fsdp == "no" %}
+
+
+def test_export_writes_the_models_weights_to_a_new_file_only(tmp_path, trained):
+    """python -m <package>.export CKPT OUT: the model's weights alone, plain tensors; an OUT that exists stays."""
+    out = tmp_path / "model.pth"
+    cmd = [sys.executable, "-m", "{{ cookiecutter.package }}.export", f"{trained}/checkpoints/last.pth", str(out)]
+    assert subprocess.run(cmd, cwd=PROJECT, capture_output=True, timeout=120).returncode == 0
+    weights, last = load_ckpt(out), load_ckpt(trained / "checkpoints/last.pth")["model"]  # weights_only=True
+    assert weights.keys() == {"model"} and weights["model"].keys() == last.keys()
+    assert all(weights["model"][k].equal(last[k]) for k in last)
+    again = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr.startswith(f"error: export: {out} exists")
+{% endif %}
 
 
 @pytest.mark.slow

@@ -21,8 +21,12 @@ TrainLoader) and run for two epochs over an evenly spaced part of the training s
 - the prefetch plan, and what was measured in shared memory once the queue had filled.
 - model batches/s: forward + backward of the configured model on one batch, on the run's device;
   the rate the loader has to keep up with.
+{% if cookiecutter.with_fsdp == "yes" %}
 - model memory per rank: its parameters, gradients and optimizer state, whole under DDP and about 1/W of them
   under parallel=fsdp on W ranks.
+{% else %}
+- model memory per rank: its parameters, gradients and optimizer state, whole on every rank under DDP.
+{% endif %}
 
 The recommendation follows the decision table in docs/loader.md ("Loader doctor"): memory tight -> fewer
 workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
@@ -53,7 +57,7 @@ from hydra.core.hydra_config import HydraConfig
 {% if cookiecutter.with_streams == "yes" %}
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate, get_worker_info
 
-from .engine import fsdp, memory, monitor, parts, rng, schema, shard_plan
+from .engine import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, monitor, parts, rng, schema, shard_plan
 from .engine.device import to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
@@ -62,7 +66,7 @@ from .engine.stream_loader import StreamLoader
 {% else %}
 from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
 
-from .engine import fsdp, memory, monitor, parts, rng, schema
+from .engine import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, monitor, parts, rng, schema
 from .engine.device import to_device
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
@@ -311,6 +315,7 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     return steps / (time.perf_counter() - began)
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def model_memory(cfg) -> dict:
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of
     them under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
@@ -321,6 +326,26 @@ def model_memory(cfg) -> dict:
     whole = params * (2 + slots)
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
             "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
+{% else %}
+def model_memory(cfg) -> dict:
+    """MiB of the model's parameters, gradients and optimizer state on each rank, whole under DDP (the loader's
+    batches in flight come on top)."""
+    with torch.random.fork_rng(devices=[]):  # the model's initialisation draws: leave the RNG as it was
+        model = parts.model(cfg)
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
+    slots = state_slots(parts.optimizer(cfg, model))
+    whole = params * (2 + slots)
+    return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole}
+
+
+# Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
+# momentum buffer when momentum is on.
+def state_slots(optimizer: torch.optim.Optimizer) -> int:
+    defaults = optimizer.defaults
+    if "betas" in defaults:
+        return 2
+    return 1 if defaults.get("momentum") else 0
+{% endif %}
 
 
 def recommend(
@@ -473,12 +498,19 @@ def diagnose(cfg) -> dict:
         f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
         f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s"
     )
+{% if cookiecutter.with_fsdp == "yes" %}
     fsdp_line = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights["fsdp_per_rank"].items())
     print(
         f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
         f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP; "
         f"parallel=fsdp: {fsdp_line} ranks"
     )
+{% else %}
+    print(
+        f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
+        f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP"
+    )
+{% endif %}
     if shm_free is not None:
         print(f"{memory.SHM_DIR}: {shm_free / MiB:.1f} MiB free of {shm_size / MiB:.1f} MiB (batches in flight)")
     for r in results:

@@ -1,4 +1,4 @@
-"""One plain weights file from any checkpoint of this project, whole or sharded (parallel=fsdp):
+"""One plain weights file from any checkpoint of this project{% if cookiecutter.with_fsdp == "yes" %}, whole or sharded (parallel=fsdp){% endif %}:
 
     python -m {{ cookiecutter.package }}.export outputs/.../checkpoints/last.pth model.pth
 
@@ -26,7 +26,7 @@ def export(source: Path, out: Path) -> dict:
     if not out.parent.is_dir():
         raise UserError(f"export: no folder {out.parent}: create it first")
     try:
-        ckpt = checkpoint.full(source)
+        ckpt = checkpoint.{% if cookiecutter.with_fsdp == "yes" %}full{% else %}load{% endif %}(source)
     except UserError as e:
         raise UserError(str(e).replace("resume: ", "export: ", 1)) from None
     weights = {"model": ckpt["model"]}
@@ -43,7 +43,7 @@ def export(source: Path, out: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoints/*.pth file or sharded checkpoint folder")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoints/*.pth file{% if cookiecutter.with_fsdp == "yes" %} or sharded checkpoint folder{% endif %}")
     parser.add_argument("out", type=Path, help="the weights file to write")
     args = parser.parse_args(argv)
     try:

@@ -56,15 +56,21 @@ def vit(
     num_classes: int, image_size: int, patch_size: int = 4, num_layers: int = 4, num_heads: int = 4,
     hidden_dim: int = 64, mlp_dim: int = 128,
 ) -> nn.Module:  # fmt: skip
+{% if cookiecutter.with_fsdp == "yes" %}
     """torchvision's VisionTransformer, randomly initialised, sized by the arguments. Its `shard_modules` names its
     encoder block: under parallel=fsdp with shard_modules=null, each block is its own FSDP unit."""
+{% else %}
+    """torchvision's VisionTransformer, randomly initialised, sized by the arguments."""
+{% endif %}
     from torchvision.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(
         image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
         hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
     )  # fmt: skip
+{% if cookiecutter.with_fsdp == "yes" %}
     model.shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
+{% endif %}
     return model
 
 

@@ -20,12 +20,15 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from . import distributed, rng, sharded_checkpoint
+from . import distributed, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
 from .errors import UserError
 from .weights_only import read
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
+{% if cookiecutter.with_fsdp == "no" %}
+LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints
+{% endif %}
 
 
 def rank_state(train_loader) -> dict:
@@ -34,7 +37,7 @@ def rank_state(train_loader) -> dict:
 
 
 def snapshot(cfg, step: int, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
-    """The checkpoint but for the tensors of the model, optimizer and EMA (written whole, or sharded);
+    """The checkpoint but for the tensors of the model, optimizer and EMA{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %};
     `ranks` holds `rank_state()` of every process, indexed by rank."""
     return {
         "format": FORMAT,
@@ -70,7 +73,11 @@ class Checkpointer:
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
+{% if cookiecutter.with_fsdp == "yes" %}
         self.last, self.best = folder / sharded_checkpoint.LAST, folder / sharded_checkpoint.BEST
+{% else %}
+        self.last, self.best = folder / LAST, folder / BEST
+{% endif %}
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
@@ -101,7 +108,22 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
+{% if cookiecutter.with_fsdp == "yes" %}
         sharded_checkpoint.sync(self.folder)  # make the rename itself durable
+{% else %}
+        sync(self.folder)  # make the rename itself durable
+{% endif %}
+{% if cookiecutter.with_fsdp == "no" %}
+
+
+def sync(folder: Path) -> None:
+    """fsync a folder: the files and renames in it are durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+{% endif %}
 
 
 class Best:
@@ -148,6 +170,7 @@ class CheckpointPolicy:
     """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
     optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far.
 
+{% if cookiecutter.with_fsdp == "yes" %}
     Every rank hands its RNG and loader state to rank 0. Whole checkpoints: rank 0 alone writes. Sharded ones
     (parallel=fsdp, sharded_checkpoint.py): every rank writes its shards, rank 0 the rest. All ranks wait for the write.
     """
@@ -160,6 +183,14 @@ class CheckpointPolicy:
             self.writer = Checkpointer(folder, keep) if world.is_main else None
         self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
         self.sharded = sharded
+{% else %}
+    Every rank hands its RNG and loader state to rank 0, which alone writes. All ranks wait for the write.
+    """
+
+    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
+        self.writer = Checkpointer(folder, keep) if world.is_main else None
+        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
+{% endif %}
         self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
@@ -183,6 +214,7 @@ class CheckpointPolicy:
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
 {% endif %}
             better = record is not None and self.best.judge(record, state)  # an epoch end: best.pth too when best
+{% if cookiecutter.with_fsdp == "yes" %}
         if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
             if state is not None and record is not None:
                 state["metrics"] = record
@@ -190,6 +222,9 @@ class CheckpointPolicy:
             tensors = sharded_checkpoint.live_state(run.model, run.optimizer, ema)
             self.writer.save(tensors, state, run.step, better)
         elif self.world.is_main:
+{% else %}
+        if self.world.is_main:
+{% endif %}
             state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
             state["ema"] = run.ema.state_dict() if run.ema is not None else None
             if better:
@@ -218,10 +253,14 @@ class CheckpointPolicy:
 
 def load(path: Path, mmap: bool = False) -> dict:
     """The checkpoint at `path`, or a UserError saying why not. `mmap=True` maps the file instead of reading it: for a
+{% if cookiecutter.with_fsdp == "yes" %}
     look at its config and shapes before the run (tensors are read only when touched). A sharded checkpoint (a
     folder) comes without its tensors' values: `model` and `ema` as shapes; resume loads its shards into the run."""
     if path.is_dir():
         return checked(sharded_checkpoint.read_run(path), path)
+{% else %}
+    look at its config and shapes before the run (tensors are read only when touched)."""
+{% endif %}
     if not path.is_file():
         raise UserError(
             f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
@@ -241,6 +280,7 @@ def load(path: Path, mmap: bool = False) -> dict:
     return checked(ckpt, path)
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def full(path: Path) -> dict:
     """The checkpoint at `path` with its model (and EMA) weights whole, sharded or not: what eval.py, init_from and
     export read."""
@@ -252,10 +292,15 @@ def is_sharded(ckpt: dict) -> bool:
     return bool(ckpt.get("sharded"))
 
 
+{% endif %}
 def checked(ckpt, path: Path) -> dict:
     """`ckpt` when it has this project's keys and format, else a UserError."""
+{% if cookiecutter.with_fsdp == "yes" %}
     required = [k for k in REQUIRED if k != "optimizer"] if path.is_dir() else REQUIRED
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+{% else %}
+    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+{% endif %}
     if missing:
         raise UserError(f"resume: {str(path)!r} is not a checkpoint of this project (missing {', '.join(missing)})")
     if ckpt["format"] != FORMAT:

@@ -45,17 +45,25 @@ def join_early(device: torch.device) -> World:
     return join(device)
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def join(device: torch.device, group_of_one: bool = False) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
     `group_of_one`: a plain run joins a process group of its own too (FSDP shards over a group, even of one). The
     group joined before the run's checks (`join_early`) is the run's."""
+{% else %}
+def join(device: torch.device) -> World:
+    """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
+    The group joined before the run's checks (`join_early`) is the run's."""
+{% endif %}
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:
+{% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+{% endif %}
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
@@ -135,6 +143,7 @@ def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
         return tensor.tolist()
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def most(count: int, world: World | None, device: torch.device) -> int:
     """The largest `count` over ranks (read to the host)."""
     if world is None or not world.distributed:
@@ -145,6 +154,7 @@ def most(count: int, world: World | None, device: torch.device) -> int:
         return int(value.item())
 
 
+{% endif %}
 def main_buffers(model: torch.nn.Module, world: World | None) -> None:
     """Rank 0's buffers (BatchNorm's running statistics) on every rank. Each rank's last training forward updated
     them from its own batch; DDP hands rank 0's out again only at the next forward. A validation before that would

@@ -23,10 +23,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
-from . import fsdp, parts{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .callbacks import Callbacks
 from .checks import reason
-from .device import amp_dtype, pick_device, to_device
+from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
 from .errors import UserError
 from .init_from import init_weights
 from .optim import clip_gradients
@@ -43,9 +43,11 @@ def dry_step(cfg) -> list[str]:
     unexact: list[str] = []
     with kept_rng():
         model = parts.model(cfg)  # model, optimizer and task first: they cost less than the data
+{% if cookiecutter.with_fsdp == "yes" %}
         if cfg.parallel.strategy == "fsdp":  # a shard class naming nothing in the model, amp=fp16: refused here
             fsdp.units(model, fsdp.unit_names(cfg.parallel, model))
             fsdp.policy(amp_dtype(cfg.amp, device))
+{% endif %}
         if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
         optimizer = parts.optimizer(cfg, model)

@@ -14,23 +14,35 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
 class EMA:
+{% if cookiecutter.with_fsdp == "yes" %}
     """`average`: the model the average is kept in, a copy of `model`'s weights (parallel=fsdp builds one sharded
     like it); by default a deep copy."""
 
     def __init__(self, model: torch.nn.Module, decay: float, average: torch.nn.Module | None = None):
         self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
         self.model = (average if average is not None else copy.deepcopy(model)).eval().requires_grad_(False)
+{% else %}
+    """The average, kept in a deep copy of `model`."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+{% endif %}
         self._pair(model)
 
     def _pair(self, model: torch.nn.Module) -> None:
         """The tensors to average, matched by name once: state_dict() hands out the live tensors."""
         ours, theirs = self.model.state_dict(), model.state_dict()
         floats = [k for k, v in ours.items() if v.is_floating_point()]
+{% if cookiecutter.with_fsdp == "yes" %}
         kinds = {type(ours[k]) for k in floats}  # FSDP: DTensor weights and plain buffers, averaged apart
         self.floats = [
             ([ours[k] for k in floats if type(ours[k]) is kind], [theirs[k] for k in floats if type(ours[k]) is kind])
             for kind in sorted(kinds, key=lambda kind: kind.__name__)
         ]
+{% else %}
+        self.floats = [([ours[k] for k in floats], [theirs[k] for k in floats])]
+{% endif %}
         others = [k for k, v in ours.items() if not v.is_floating_point()]
         self.others = ([ours[k] for k in others], [theirs[k] for k in others])
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import distributed, failures, fsdp
+from . import distributed, failures{% if cookiecutter.with_fsdp == "yes" %}, fsdp{% endif +%}
 from .device import device_batches, sum_and_read
 from .errors import UserError
 from .task_results import check_metrics, report
@@ -24,9 +24,14 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     model.eval()
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
+{% if cookiecutter.with_fsdp == "yes" %}
     names, sums, batches = None, None, 0
     for batch in failures.named(device_batches(loader, device), "validation"):
         batches += 1
+{% else %}
+    names, sums = None, None
+    for batch in failures.named(device_batches(loader, device), "validation"):
+{% endif %}
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if names is None:
             names = check_metrics(metrics, target, hasattr(task, "compute"))
@@ -42,9 +47,11 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
             sums[k] += value.double()
     if names is None:
         raise UserError("validation: the split holds no samples for this process: give it more data")
+{% if cookiecutter.with_fsdp == "yes" %}
     if fsdp.is_sharded(model):  # every rank's forward gathers the weights with the others': as many on each
         for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
+{% endif %}
     flat = sum_and_read([sums[k] for k in names], device, world)
     if not hasattr(task, "compute"):  # 0-dim sums only (check_metrics): the floats read are the totals
         return report(task, dict(zip(names, flat)), target)

@@ -2,7 +2,7 @@
 
 Fine-tuning, not resuming: the optimizer, the LR schedule, the step count, the loader position and the RNG
 start fresh from this run's config. PATH is a local file: a checkpoint this project wrote (its `model`
-weights; `ema` weights are not used), a sharded checkpoint's folder (parallel=fsdp), or a plain `state_dict` file
+weights; `ema` weights are not used), {% if cookiecutter.with_fsdp == "yes" %}a sharded checkpoint's folder (parallel=fsdp), {% endif %}or a plain `state_dict` file
 (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`). It is read with
 `weights_only=True`. `init_strict=false` loads what fits (a new head of another size, say) and lists in one line
 what it left out.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, weights_only
+from . import {% if cookiecutter.with_fsdp == "yes" %}checkpoint, {% endif %}weights_only
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,13 @@ def weights_of(path: str) -> dict:
     if "://" in path:
         raise UserError(f"init_from={path}: only local files are read; download it first and give its path")
     file = Path(path).expanduser()
+{% if cookiecutter.with_fsdp == "yes" %}
     if file.is_dir():  # a sharded checkpoint (parallel=fsdp): its shards gathered into whole tensors
         try:
             return checkpoint.full(file)["model"]
         except UserError as e:
             raise UserError(f"init_from={path}: {str(e).removeprefix('resume: ')}") from None
+{% endif %}
     if not file.is_file():
         raise UserError(f"init_from={path}: no such file; give the path of a checkpoint or a state_dict file")
     try:

@@ -21,7 +21,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from .errors import UserError
+{% if cookiecutter.with_fsdp == "yes" %}
 from .fsdp import full
+{% endif %}
 
 LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
 
@@ -85,4 +87,8 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, sc
         return None
     if scaler.is_enabled():
         scaler.unscale_(optimizer)
+{% if cookiecutter.with_fsdp == "yes" %}
     return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))  # FSDP: the norm over every shard
+{% else %}
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+{% endif %}

@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate, to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, rng, sharded_checkpoint, weights_only
+from . import checkpoint, rng, {% if cookiecutter.with_fsdp == "yes" %}sharded_checkpoint, {% endif %}weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -48,7 +48,9 @@ SAME_RUN = {
 {% if cookiecutter.with_streams == "yes" %}
     "data.stream_resume": "how a stream without a state goes on from a mid-epoch checkpoint",
 {% endif %}
+{% if cookiecutter.with_fsdp == "yes" %}
     "parallel.reshard_after_forward": "when FSDP frees gathered weights: memory and communication, not the math",
+{% endif %}
     "callbacks.*": "what runs beside training; a stateful one's state is checked on its own (engine/callbacks.py)",
 }
 RUN_KEYS_UNDER_SAME = {
@@ -117,7 +119,7 @@ def locate(
     """
     if value != "latest":
         return Path(to_absolute_path(value))
-    own = run_dir / "checkpoints" / "last.pth"  # a file, or a sharded save's folder (a link to it)
+    own = run_dir / "checkpoints" / "last.pth"{% if cookiecutter.with_fsdp == "yes" %}  # a file, or a sharded save's folder (a link to it){% endif +%}
     if own.exists():
         return own
     root = Path(to_absolute_path(cfg.checkpoint.search_dir))
@@ -288,6 +290,7 @@ def group_settings(optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def restore(
     ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0, fresh: list | None = None
 ) -> int:
@@ -303,6 +306,18 @@ def restore(
     if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
+{% else %}
+def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
+    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
+
+    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
+    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes."""
+    world_size = train_loader.world_size
+    check_fits(ckpt, cfg, model, world_size)
+    fresh = group_settings(optimizer)
+    model.load_state_dict(ckpt["model"])
+    load_optimizer(ckpt, model, optimizer)
+{% endif %}
     if run_changes(ckpt, cfg):
         # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
         # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
@@ -391,8 +406,12 @@ def where(
     )
     resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
+{% if cookiecutter.with_fsdp == "yes" %}
         run_file = last / sharded_checkpoint.RUN_FILE if last.is_dir() else last  # a sharded save keeps it apart
         epochs = weights_only.read(run_file, mmap=True)["config"]["epochs"]
+{% else %}
+        epochs = weights_only.read(last, mmap=True)["config"]["epochs"]
+{% endif %}
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"

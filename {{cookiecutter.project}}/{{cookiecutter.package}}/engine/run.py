@@ -17,13 +17,15 @@ import torch
 from torch.utils.data import default_collate
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, fsdp, memory, parts, resume, rng, sharded_checkpoint{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .device import amp_dtype, device_batches, pick_device, to_device
 from .dry_step import first_samples, quiet
 from .ema import EMA
+{% if cookiecutter.with_fsdp == "yes" %}
 from .errors import UserError
+{% endif %}
 from .init_from import init_weights
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
@@ -76,6 +78,7 @@ class Run:
         return self.ema.model if self.ema is not None else self.model
 
     def no_sync(self, skip: bool):
+{% if cookiecutter.with_fsdp == "yes" %}
         """On all but a window's last micro-batch, DDP's no_sync (FSDP's the same): their gradients add up locally,
         unreduced."""
         if skip and self.ddp is not None:
@@ -90,6 +93,12 @@ class Run:
         equal on every rank, it is each rank's, and a resume continues all of them exactly."""
         if fsdp.is_sharded(self.model):
             distributed.main_buffers(self.model, self.world)
+{% else %}
+        """On all but a window's last micro-batch, DDP's no_sync: their gradients add up locally, unreduced."""
+        if skip and self.ddp is not None:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+{% endif %}
 
     def at_epoch_end(self) -> bool:
         """The batch just taken is the epoch's last."""
@@ -170,7 +179,7 @@ def build(
     logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
     ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
     device = pick_device(cfg.device)
-    world = distributed.join(device, cfg.parallel.strategy == "fsdp")  # one process per rank under torchrun
+    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %})  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
@@ -234,12 +243,14 @@ def build(
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
+{% if cookiecutter.with_fsdp == "yes" %}
     sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
     if sharded and ckpt and not checkpoint.is_sharded(ckpt):
         raise UserError(
             f"resume: {found} is a whole checkpoint (parallel=ddp) and parallel=fsdp resumes sharded ones: resume it "
             f"with parallel=ddp, or start from its weights with init_from={found}"
         )
+{% endif %}
     model = parts.model(cfg)
     if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict)
@@ -248,8 +259,10 @@ def build(
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+{% if cookiecutter.with_fsdp == "yes" %}
     if sharded:  # before the optimizer, which must hold the sharded parameters
         model = fsdp.shard(model, cfg.parallel, amp)
+{% endif %}
     optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
 {% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
@@ -262,6 +275,7 @@ def build(
     spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     callbacks = Callbacks(cfg)  # likewise
+{% if cookiecutter.with_fsdp == "yes" %}
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         ema = sharded_ema(cfg, model, amp, device)
@@ -279,6 +293,12 @@ def build(
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
     net = model if sharded else distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
+{% else %}
+    ema, step = None, 0
+    if ckpt:
+        step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank)
+    net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
+{% endif %}
 
     def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
@@ -286,7 +306,7 @@ def build(
         return split_loss(spare.loss(net, prepare(to_device(batch, device))))[0]
 
     distributed.settle_buckets(net, throwaway)
-    if not sharded and cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
+    if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
         ema = EMA(model, cfg.ema.decay)
         if ckpt and ckpt.get("ema") is not None:
             ema.load_state_dict(ckpt["ema"])
@@ -305,7 +325,7 @@ def build(
         log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
     policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step, sharded
+        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
     )
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
@@ -319,7 +339,11 @@ def build(
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
+{% if cookiecutter.with_fsdp == "yes" %}
         optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
+{% else %}
+        optimizer, scheduler, scaler, amp,
+{% endif %}
         step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
         ckpt.get("meter") if ckpt and train_loader.position else None,{% if cookiecutter.with_streams == "yes" %}  # restart_epoch: the epoch starts over{% endif +%}
         callbacks=callbacks, train_set=train_set, collate=collate,
@@ -330,6 +354,7 @@ def build(
     return run
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
 def sharded_ema(cfg, model: torch.nn.Module, amp, device) -> EMA | None:
     """`ema.decay` under FSDP: the average kept in a second model sharded like the first (fsdp.twin)."""
     if cfg.ema.decay is None:
@@ -337,6 +362,7 @@ def sharded_ema(cfg, model: torch.nn.Module, amp, device) -> EMA | None:
     return EMA(model, cfg.ema.decay, fsdp.twin(cfg.model, model, cfg.parallel, amp, device))
 
 
+{% endif %}
 def spare_task(cfg, world: distributed.World):
     """Under DDP, a task of its own for settle_buckets' throwaway step, as the dry step has one: built before the run's
     and without drawing from the run's generators, so whatever a task keeps (counters, metric states) sees only the

@@ -200,6 +200,7 @@ class ProcessConfig:
 
 class Strategy(str, Enum):
     ddp = "ddp"  # a whole copy of the model per rank, gradients all-reduced
+{% if cookiecutter.with_fsdp == "yes" %}
     fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the ranks (engine/fsdp.py)
 
 
@@ -207,6 +208,7 @@ def class_paths(v):
     names = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
     if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)):
         return "null or a list of module class import paths, e.g. [torchvision.models.vision_transformer.EncoderBlock]"
+{% endif %}
 
 
 def callback_nodes(v):
@@ -217,8 +219,10 @@ def callback_nodes(v):
 @dataclass
 class ParallelConfig:
     strategy: Strategy = key(typed())
+{% if cookiecutter.with_fsdp == "yes" %}
     shard_modules: Any = key(class_paths)  # fsdp: the classes whose instances each become an FSDP unit
     reshard_after_forward: bool = key(typed())  # fsdp: free the gathered weights after each unit's forward
+{% endif %}
 
 
 @dataclass
