@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 
-from omegaconf import OmegaConf
-
 from . import parts
 from .errors import UserError
 
@@ -74,9 +72,3 @@ class Callbacks:
             log.warning("resume: callbacks with state changed (%s); resume_strict=false: a new one starts fresh", what)
         for name in sorted(mine & saved.keys()):
             self.named[name].load_state_dict(saved[name])
-
-
-def nodes(cfg) -> dict:
-    """The `callbacks` config as plain dicts by name (for the config checks)."""
-    raw = cfg.get("callbacks") or {}
-    return {name: OmegaConf.to_container(node, resolve=False) for name, node in raw.items() if node is not None}
