@@ -61,7 +61,8 @@ def test_host_reads_per_log_interval_not_per_step(tmp_path):
         tmp_path, ["log_every_steps=10"], ["log_every_steps=1"], knobs
     )
     intervals = math.ceil(STEPS / 10) + EPOCHS  # log points, plus each epoch's end closing an interval early
-    # one read per log point, one for validation and one for the epoch's figures, and one start-up read
+    # one read per log point, one for validation and one for the epoch's figures, and one start-up read (the
+    # shipped callbacks on: the sample grid, converted once for every logger)
     assert default_loop <= intervals + 2 * EPOCHS + 1, default_loop
     # clipping's norm, the EMA, the loss parts and the non-finite check stay on the device, a tracker gets the floats
     # already read;

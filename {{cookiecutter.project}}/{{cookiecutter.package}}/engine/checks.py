@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from enum import Enum
 
+from hydra.errors import InstantiationException
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 {% if cookiecutter.with_tracking == "yes" %}
@@ -196,8 +197,9 @@ def locate(path: str):
 
 
 def reason(e: BaseException) -> str:
-    """The error a `_target_` raised, without Hydra's wrapping: one line."""
-    inner = e.__cause__ or e
+    """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
+    error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
+    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
 

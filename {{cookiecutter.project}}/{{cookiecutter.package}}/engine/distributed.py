@@ -4,8 +4,8 @@ we join the process group (gloo on CPU, nccl on CUDA). Without it every helper h
 
 from __future__ import annotations
 
-import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +14,6 @@ import torch.distributed as dist
 from . import rng
 from .errors import UserError
 from .preempt import StopRequest
-
-log = logging.getLogger(__name__)
 
 # Seconds a rank asked to stop (SIGTERM) still waits in a collective for its peers before it exits:
 # live peers come within a step, a dead one never does (preempt.py).
@@ -78,7 +76,9 @@ def join(device: torch.device) -> World:
     # reads keys the failed attempt left there: gloo's connectFullMesh then dials a killed rank's old port and the
     # restart fails (pytorch/pytorch#167288 reports the NCCL form). Each attempt gets its own namespace.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    log.info("rank %d of %d: joining the process group (attempt %s)", rank, world_size, attempt)
+    # on stderr: the ranks join before the run's log file exists (preflight.py), and a rank left waiting on a peer
+    # that never comes shows here which one it is
+    print(f"rank {rank} of {world_size}: joining the process group (attempt {attempt})", file=sys.stderr, flush=True)
     with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = attempt_store(store, attempt)

@@ -34,6 +34,7 @@ from .task_results import check_loss, check_metrics, report
 
 NO_KERNEL = " does not have a deterministic implementation"  # the words of torch's error and warning
 NONDETERMINISTIC = re.compile(r"(\S+)" + NO_KERNEL)
+SPARE = 8  # samples first_samples may pass over when they fail to read
 
 
 def dry_step(cfg) -> list[str]:
@@ -161,20 +162,35 @@ def _named(cfg, target: str, method: str, split: str):
 
 def first_samples(dataset, name: str, count: int = 2) -> list:
     """The first `count` samples of `dataset` (`name`: its key), for a batch through the configured collate (also the
-    throwaway step's in run.py, and callbacks.SampleGrid's)."""
-    try:
+    throwaway step's in run.py, and callbacks.SampleGrid's). A sample that fails to read is passed over while others
+    read: one bad file is the training loader's to name or skip (data.on_bad_sample) at its turn, not a refusal here.
+    Only when the first `count` + SPARE all fail does this stop, in one line naming the first sample's error."""
 {% if cookiecutter.with_streams == "yes" %}
-        if shard_plan.is_stream(dataset):
+    if shard_plan.is_stream(dataset):
+        try:
             samples = shard_plan.first_records(dataset, count)
-        else:
-            samples = [dataset[i] for i in range(min(count, len(dataset)))]
-{% else %}
-        samples = [dataset[i] for i in range(min(count, len(dataset)))]
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{name}: reading its first samples fails: {reason(e)}") from None
+        if not samples:
+            raise UserError(f"{name} holds no samples: point it at data")
+        return samples
 {% endif %}
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{name}: reading its first samples fails: {reason(e)}") from None
+    samples, first_error = [], None
+    for index in range(min(count + SPARE, len(dataset))):
+        try:
+            samples.append(dataset[index])
+        except UserError:
+            raise
+        except Exception as e:
+            first_error = first_error or e
+        if len(samples) == count:
+            break
+    if not samples and first_error is not None:
+        source = getattr(dataset, "sample_source", None)
+        where = f" (index 0, {source(0)})" if source else ""
+        raise UserError(f"{name}: reading its first samples fails{where}: {reason(first_error)}") from None
     if not samples:
         raise UserError(f"{name} holds no samples: point it at data")
     return samples

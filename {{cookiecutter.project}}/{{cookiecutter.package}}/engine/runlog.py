@@ -98,12 +98,13 @@ class RunLog:
         pictures (MLflow, W&B){% endif %}."""
         if not self.enabled:
             return
+        picture = image.numpy()  # one conversion for every logger (TensorBoard would make its own)
         if self.tb is not None:
-            self.tb.add_image(tag, image, step)
+            self.tb.add_image(tag, picture, step)
             self.tb.flush()
 {% if cookiecutter.with_tracking == "yes" %}
         if self.tracking is not None:
-            self.tracking.image(step, tag, (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+            self.tracking.image(step, tag, (picture.transpose(1, 2, 0) * 255).round().astype("uint8"))
 {% endif %}
 
     def hparams(self, params: dict, figures: dict) -> None:
