@@ -72,6 +72,22 @@ def test_exit_status_names_signal_and_code():
     ), line
 
 
+def test_a_worker_killed_while_handing_over_a_batch_is_named():
+    """A worker killed as the main process takes its batch's memory: the read fails with a bare ConnectionResetError
+    (or EOFError) when PyTorch has not reaped the worker yet. The line names the worker and its signal all the
+    same; once nothing has died (the negative control), the error is not taken for a worker's death."""
+    sleeper = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+    sleeper.start()
+    os.kill(sleeper.pid, signal.SIGKILL)
+    for error in (ConnectionResetError(104, "Connection reset by peer"), EOFError()):
+        line = monitor.worker_death(error)
+        assert line is not None and line.startswith(
+            f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL). A SIGKILL"
+        ), line
+    sleeper.join()
+    assert monitor.worker_death(ConnectionResetError(104, "Connection reset by peer")) is None
+
+
 @pytest.mark.slow
 def test_killed_worker_stops_train_py_with_one_line(tmp_path):
     data = [

@@ -119,6 +119,25 @@ def _ended(pid: int) -> str | None:
     return None
 
 
+def _ended_child(wait_s: float = 2.0) -> str | None:
+    """The line for a child process of this one that has ended and is not reaped yet ("DataLoader worker (pid N)
+    killed by signal 9 (SIGKILL)"), waiting up to `wait_s` for one still on its way out; None if none has.
+
+    A worker killed while the main process takes the shared memory of its batch (the file descriptor is passed over
+    a socket, multiprocessing.resource_sharer) makes that read fail with ConnectionResetError or EOFError. PyTorch
+    then asks each worker whether it is alive, a worker still on its way out says yes, and the bare connection error
+    comes out instead of PyTorch's own line (the tracebacks of pytorch/pytorch#1551 and #28950)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for child in psutil.Process().children():
+            status = exit_status(child.pid)
+            if status is not None:
+                return f"DataLoader worker (pid {child.pid}) {status}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
 def worker_death(exc: BaseException) -> str | None:
     """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
 
@@ -128,7 +147,11 @@ def worker_death(exc: BaseException) -> str | None:
     for link in causes(exc):
         text = str(link).strip().splitlines()[0] if str(link).strip() else ""
         found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
-        if isinstance(link, WorkerDied) or found:
+        if isinstance(link, (ConnectionError, EOFError)):  # the worker died while handing over a batch's memory
+            text = _ended_child()
+            if text is None:
+                continue
+        if isinstance(link, (WorkerDied, ConnectionError, EOFError)) or found:
             if found:
                 pids = [int(p) for p in found.group(1).split(",")]
                 ends = [(pid, _ended(pid)) for pid in pids]
