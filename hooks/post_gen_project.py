@@ -16,6 +16,8 @@ LEFT_OUT = {
     "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
     "with_fsdp": [f"{PACKAGE}/engine/fsdp.py", f"{PACKAGE}/engine/sharded_checkpoint.py", "conf/parallel/fsdp.yaml",
                   "tests/test_fsdp.py", "tests/blocks.py"],
+    "with_photos": [f"{PACKAGE}/engine/decode.py", f"{PACKAGE}/engine/gpu_decode.py", "tests/test_gpu_decode.py",
+                    "benchmarks/p7_photos.py", "docs/photos.md"],
 }
 ANSWERS = {
     "with_tracking": {{ cookiecutter.with_tracking | tojson }},
@@ -24,6 +26,7 @@ ANSWERS = {
     "with_slurm": {{ cookiecutter.with_slurm | tojson }},
     "with_benchmarks": {{ cookiecutter.with_benchmarks | tojson }},
     "with_fsdp": {{ cookiecutter.with_fsdp | tojson }},
+    "with_photos": {{ cookiecutter.with_photos | tojson }},
 }
 for part, paths in LEFT_OUT.items():
     if part == "license" or ANSWERS[part] == "no":

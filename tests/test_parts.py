@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli there
     import tomli as tomllib
 
-PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp")
+PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp", "with_photos")
 MINIMAL = {part: "no" for part in PARTS}
 
 # What each part brings: paths, and words that name it (in any text file of the bake: code, YAML, README, tests)
@@ -36,6 +36,10 @@ LEFT_OUT = {
                    "tests/test_fsdp.py", "tests/blocks.py"],
                   [r"FSDP", r"fully_shard", r"parallel=fsdp", r"sharded_checkpoint", r"shard_modules",
                    r"reshard_after_forward", r"group_of_one", r"share_buffers", r"is_sharded", r"tests\.blocks"]),
+    "with_photos": (["my_trainer/engine/decode.py", "my_trainer/engine/gpu_decode.py", "tests/test_gpu_decode.py",
+                     "benchmarks/p7_photos.py", "docs/photos.md"],
+                    [r"CropDecoder", r"crop_plan", r"gpu_decode", r"data\.decode", r"decode=gpu",
+                     r"nvJPEG", r"EncodedBatch", r"to_images", r"p7_photos", r"\[Photos\]", r"photos\.md"]),
 }
 EXTRAS = {"with_tracking": {"mlflow", "wandb"}, "with_slurm": {"slurm"}, "with_benchmarks": {"bench"}}
 

@@ -11,17 +11,21 @@
 # 4. Exact resume under parallel=fsdp: model=vit sharded over the visible GPUs (2 at most; one GPU: a group of one),
 #    stopped mid-epoch and resumed from its sharded checkpoint, compared through the export command.
 {% endif %}
+{% if cookiecutter.with_photos == "yes" %}
 # {{ 5 if cookiecutter.with_fsdp == "yes" else 4 }}. JPEG decoding on the device: nvJPEG (torchvision.io.decode_jpeg, device="cuda", 64 files a call) against
 #    libjpeg-turbo on one CPU thread, on the photos of benchmarks/p7_photos.py (the bench extra brings scikit-learn's);
 #    then train.py's whole loader path on those photos, data.decode=gpu (workers read bytes, nvJPEG decodes each
 #    batch after the copy) against data.decode=auto, images/s with the same 4 workers (WORKERS=8 to change them).
+{% endif %}
 # About 10 minutes on one GPU; the runs land in outputs/gpu_check/. EPOCHS=1 or PROFILES=balanced make it shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 EPOCHS=${EPOCHS:-2}
 PROFILES=${PROFILES:-"memory-tight balanced throughput"}
+{% if cookiecutter.with_photos == "yes" %}
 WORKERS=${WORKERS:-4}
+{% endif %}
 python_has_cuda=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 [ "$python_has_cuda" = 1 ] || { echo "no CUDA device visible: this check needs a GPU" >&2; exit 1; }
 out=outputs/gpu_check
@@ -109,7 +113,9 @@ for run in straight resumed; do
 done
 same_model "fsdp exact resume on $gpus GPUs" "$out/fsdp-straight.pth" "$out/fsdp-resumed.pth"
 {% endif %}
+{% if cookiecutter.with_photos == "yes" %}
 echo
 # {{ 5 if cookiecutter.with_fsdp == "yes" else 4 }}. gpu-decode vs cpu-decode, images/s, at 500 x 375 and 2048 x 1536; then the loader path, decode=gpu vs auto
 $PY -m benchmarks.p7_photos --gpu
 $PY -m benchmarks.p7_photos --loader --workers "$WORKERS"
+{% endif %}

@@ -28,7 +28,9 @@ RNG_DATA = [
     "~data.train.per_class",
     "~data.train.image_size",
     "~data.train.transform",
+{% if cookiecutter.with_photos == "yes" %}
     "~data.train.decode",
+{% endif %}
     "+data.train.size=200",
     "data.val._target_=tests.datasets.RngDrawingDataset",
     "~data.val.root",
@@ -36,7 +38,9 @@ RNG_DATA = [
     "~data.val.per_class",
     "~data.val.image_size",
     "~data.val.transform",
+{% if cookiecutter.with_photos == "yes" %}
     "~data.val.decode",
+{% endif %}
     "+data.val.size=64",
     "data.num_classes=4",
     "loader.batch_size=16",

@@ -103,8 +103,13 @@ def test_a_detection_batch_counts_its_images():
 def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
     run = [
         "data.train._target_=tests.datasets.Detections", "data.val._target_=tests.datasets.Detections",
+{% if cookiecutter.with_photos == "yes" %}
         *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform",
                                                                           "decode", "image_size")],
+{% else %}
+        *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform",
+                                                                          "image_size")],
+{% endif %}
         "+data.collate._target_=tests.datasets.detection_collate", "+data.collate._partial_=true",
         "model._target_=tests.datasets.PooledLinear", "~model.width", "task._target_=tests.datasets.DetectionTask",
         "~task.label_smoothing", "data.num_classes=4", "epochs=1", "loader.batch_size=8", "progress=false",

@@ -151,7 +151,9 @@ BAD = [
     ("data.image_size=0", "data.image_size must be"),
     ("data.per_class=0", "data.per_class must be"),
     ("data.root=''", "data.root must be"),
+{% if cookiecutter.with_photos == "yes" %}
     ("data.decode=fast", "data.decode must be auto, pil, torchvision or gpu, got 'fast'"),
+{% endif %}
     ("data.train._target_=no.such.Data", "data.train._target_=no.such.Data cannot be imported"),
     ("+loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
     ("+schedule.warmup=5", "schedule.warmup is not an argument of {{ cookiecutter.package }}.engine.schedule.warmup_cosine"),

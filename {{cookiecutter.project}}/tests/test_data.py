@@ -1,7 +1,12 @@
+{% if cookiecutter.with_photos == "yes" %}
 """The shapes data set (data.py): the same files for a given recipe, and a folder it did not draw is refused.
 data.decode: a JPEG decoded only as far as the transform's first crop needs (CropDecoder), with the box the
 transform would draw, the same for any worker count and on resume; grayscale, CMYK, EXIF and 16-bit PNG files as
 PIL's convert("RGB") gives them; a broken file raising PIL's own error; digits trained as well either way."""
+{% else %}
+"""The shapes data set (data.py): the same files for a given recipe, and a folder it did not draw is refused; an
+image folder's files come out as torchvision's ImageFolder gives them."""
+{% endif %}
 
 import json
 
@@ -11,14 +16,23 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
+{% if cookiecutter.with_photos == "no" %}
+from torchvision import datasets
+{% endif %}
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
+{% if cookiecutter.with_photos == "yes" %}
 from {{ cookiecutter.package }}.engine import checks, failures, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}rng, schema
 from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from tests.helpers import PROJECT, loader_settings, read_jsonl, run_train
+{% else %}
+from {{ cookiecutter.package }}.engine import checks, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}schema
+from {{ cookiecutter.package }}.engine.errors import UserError
+from tests.helpers import PROJECT{% if cookiecutter.with_streams == "no" %}, run_train{% endif +%}
+{% endif %}
 
 
 def files(root):
@@ -88,6 +102,7 @@ def test_each_recipe_draws_its_own_folder(tmp_path):
         checks.precheck_data(shapes_config(tmp_path / "one", per_class=3))
 
 
+{% if cookiecutter.with_photos == "yes" %}
 # ---------------------------------------------------------------------------------------------- data.decode
 
 
@@ -294,6 +309,24 @@ def test_digits_as_jpeg_train_as_well_with_auto_as_with_pil(tmp_path):
         acc[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["val_acc"]
     print(f"val_acc after 4 epochs: {acc}")
     assert abs(acc["auto"] - acc["pil"]) <= 0.03 and acc["pil"] - acc["scrambled"] >= 0.5, acc
+{% else %}
+def test_image_files_give_what_image_folder_gives(tmp_path):
+    """A JPEG in colour, one in grayscale and a PNG come out of ImageFiles as out of torchvision's ImageFolder with
+    the same transform: PIL's decode and convert("RGB"), then the transform. Negative control: the grayscale file,
+    as PIL opens it, has one channel, not three."""
+    (tmp_path / "a").mkdir()
+    gen = np.random.default_rng(0)
+    pixels = gen.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    Image.fromarray(pixels, "RGB").save(tmp_path / "a" / "0.jpg", quality=90)
+    Image.fromarray(pixels, "RGB").convert("L").save(tmp_path / "a" / "1.jpg", quality=90)
+    Image.fromarray(pixels, "RGB").save(tmp_path / "a" / "2.png")
+    transform = v2.Compose([v2.ToImage(), v2.Resize(24, antialias=True), v2.CenterCrop(24)])
+    ours, theirs = ImageFiles(tmp_path, transform), datasets.ImageFolder(str(tmp_path), transform=transform)
+    for i in range(3):
+        assert torch.equal(ours[i][0], theirs[i][0]) and ours[i][1] == theirs[i][1] == 0
+        assert ours[i][0].shape == (3, 24, 24)
+    assert np.asarray(Image.open(tmp_path / "a" / "1.jpg")).ndim == 2
+{% endif %}
 {% if cookiecutter.with_streams == "no" %}
 
 

@@ -105,9 +105,11 @@ def test_the_link_check_can_fail(tmp_path):
         "README.md:4: (../elsewhere.md) is no file of the project",
     ]
     assert broken_links(tmp_path / "docs/a.md", tmp_path) == [] and unlinked(tmp_path) == ["c.md"]
+{% if cookiecutter.with_photos == "yes" %}
     assert slug("Photos: decoding only what the crop keeps (`data.decode`)") == (
         "photos-decoding-only-what-the-crop-keeps-datadecode"
     )
+{% endif %}
     assert slug("Same seed, same weights, whatever the loader profile (`rng_mode`)") == (
         "same-seed-same-weights-whatever-the-loader-profile-rng_mode"
     )

@@ -13,7 +13,7 @@ from tests.helpers import load_ckpt, read_jsonl, run_torchrun, same_weights
 
 
 def node(split: str, size: int, draws: bool) -> list[str]:
-    drop = [f"~data.{split}.{key}" for key in ("root", "split", "per_class", "image_size", "transform", "decode")]
+    drop = [f"~data.{split}.{key}" for key in ("root", "split", "per_class", "image_size", "transform"{% if cookiecutter.with_photos == "yes" %}, "decode"{% endif %})]
     return [f"data.{split}._target_=tests.datasets.SideTensorSamples", *drop, f"+data.{split}.size={size}",
             f"+data.{split}.draws={str(draws).lower()}"]  # fmt: skip
 

@@ -24,7 +24,9 @@ from {{ cookiecutter.package }}.engine.loader import EpochBatchSampler, TrainLoa
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack
 from {{ cookiecutter.package }}.shards import main as shards_main
 from tests.helpers import PROJECT, load_ckpt, loader_settings, read_jsonl, run_torchrun, run_train
+{% if cookiecutter.with_photos == "yes" %}
 from tests.test_data import crop_list, made, mean_gap, photo
+{% endif %}
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
 
@@ -42,6 +44,7 @@ def export_digits(root: Path, val_every: int = 5) -> Path:
     return root
 
 
+{% if cookiecutter.with_photos == "yes" %}
 def test_shards_decode_a_jpeg_as_the_image_folder_does(tmp_path):
     """The shard reader decodes through the image folder's CropDecoder: with data.decode=auto a sample of the shards
     is, to the bit, the same file's sample of the folder (same seed, the crop's box drawn before a 1/4-scale
@@ -56,6 +59,24 @@ def test_shards_decode_a_jpeg_as_the_image_folder_does(tmp_path):
     assert all(torch.equal(made(shards["auto"], i, 5), made(folder, i, 5)) for i in range(2))
     assert not torch.equal(made(shards["pil"], 0, 5), made(shards["auto"], 0, 5))
     assert mean_gap(made(shards["pil"], 0, 5), made(shards["auto"], 0, 5)) < 3  # the same box, decoded otherwise
+{% else %}
+def test_shards_decode_a_file_as_the_image_folder_does(tmp_path):
+    """A sample of the shards is, to the bit, the same file's sample of the folder: PIL's decode and convert("RGB"),
+    then the transform, for a colour JPEG, a grayscale one and a PNG. Negative control: two files differ."""
+    gen = np.random.default_rng(8)
+    for split in ("train", "val"):
+        (tmp_path / "photos" / split / "a").mkdir(parents=True)
+        pixels = gen.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        Image.fromarray(pixels, "RGB").save(tmp_path / "photos" / split / "a" / "0.jpg", quality=90)
+        Image.fromarray(pixels, "RGB").convert("L").save(tmp_path / "photos" / split / "a" / "1.jpg", quality=90)
+        Image.fromarray(pixels, "RGB").save(tmp_path / "photos" / split / "a" / "2.png")
+    pack(tmp_path / "photos", tmp_path / "shards", 2, report=lambda line: None, seed=None)  # the folder's order
+    transform = v2.Compose([v2.ToImage(), v2.Resize(24, antialias=True), v2.CenterCrop(24)])
+    folder = ImageFiles(tmp_path / "photos" / "train", transform)
+    shards = ShardDataset(tmp_path / "shards" / "train", transform)
+    assert all(torch.equal(shards[i][0], folder[i][0]) and shards[i][0].shape == (3, 24, 24) for i in range(3))
+    assert not torch.equal(shards[0][0], shards[1][0])
+{% endif %}
 
 
 def pack_cli(

@@ -35,8 +35,10 @@ INDEXED = [
     "data.train._target_=tests.datasets.IndexedSamples",
     "data.val._target_=tests.datasets.IndexedSamples",
     *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform")],
+{% if cookiecutter.with_photos == "yes" %}
     "~data.train.decode",
     "~data.val.decode",
+{% endif %}
     "~data.train.image_size",
     "~data.val.image_size",
     f"+data.train.size={SAMPLES}",

@@ -9,6 +9,9 @@ it forked from the parent (copy-on-read, pytorch/pytorch#13246); a numpy array i
 
 from __future__ import annotations
 
+{% if cookiecutter.with_photos == "no" %}
+import io
+{% endif %}
 import json
 import math
 import os
@@ -25,7 +28,9 @@ from torchvision.transforms import v2
 {% endif %}
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+{% if cookiecutter.with_photos == "yes" %}
 from .engine.decode import CropDecoder, check_decode
+{% endif %}
 from .engine.errors import UserError
 
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -50,6 +55,7 @@ def train_transform(image_size: int) -> v2.Compose:
 
 {% endif %}
 class ImageFiles(datasets.ImageFolder):
+{% if cookiecutter.with_photos == "yes" %}
     """`torchvision.datasets.ImageFolder` (one subfolder per class, decoding in the worker) with its file list held
     in numpy arrays instead of a list of (path, class) tuples; a JPEG decoded only as far as the transform's first
     crop needs (`decode`, data.decode: `CropDecoder`)."""
@@ -57,6 +63,14 @@ class ImageFiles(datasets.ImageFolder):
     def __init__(self, root, transform=None, decode: str = "auto"):
         root = Path(root)
         self.precheck(root, decode)
+{% else %}
+    """`torchvision.datasets.ImageFolder` (one subfolder per class, PIL decoding in the worker) with its file list held
+    in numpy arrays instead of a list of (path, class) tuples."""
+
+    def __init__(self, root, transform=None):
+        root = Path(root)
+        self.precheck(root)
+{% endif %}
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as e:
@@ -66,6 +80,7 @@ class ImageFiles(datasets.ImageFolder):
         self.paths = np.array([path for path, _ in self.samples])
         self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
+{% if cookiecutter.with_photos == "yes" %}
         self.reader = CropDecoder(transform, decode)
         self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (parts.collate)
 
@@ -74,6 +89,13 @@ class ImageFiles(datasets.ImageFolder):
         """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
         without listing the images (one directory read, however many files there are)."""
         check_decode(decode)
+{% else %}
+
+    @staticmethod
+    def precheck(root, **_) -> list[str]:
+        """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
+        without listing the images (one directory read, however many files there are)."""
+{% endif %}
         root = Path(root)
         if not root.is_dir():
             raise UserError(
@@ -95,11 +117,21 @@ class ImageFiles(datasets.ImageFolder):
         return f"file {self.paths[index]}"
 
     def read(self, index: int) -> bytes:
+{% if cookiecutter.with_photos == "yes" %}
         """The file's bytes, read whole: PIL and torchvision.io decode from memory (one open and one read)."""
+{% else %}
+        """The file's bytes, read whole: PIL decodes from memory (one open and one read)."""
+{% endif %}
         return Path(self.paths[index]).read_bytes()
 
     def __getitem__(self, index: int):
+{% if cookiecutter.with_photos == "yes" %}
         return self.reader(self.read(index)), int(self.labels[index])
+{% else %}
+        with Image.open(io.BytesIO(self.read(index))) as file:
+            image = file.convert("RGB")  # as torchvision's ImageFolder loads a file
+        return image if self.transform is None else self.transform(image), int(self.labels[index])
+{% endif %}
 
 
 def shapes(
@@ -109,6 +141,7 @@ def shapes(
     per_class: int = 600,
     image_size: int = 32,
     data_seed: int = 2026,
+{% if cookiecutter.with_photos == "yes" %}
     decode: str = "auto",
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
@@ -122,6 +155,16 @@ def precheck_shapes(
 ) -> list[str]:
     """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
     check_decode(decode)
+{% else %}
+):
+    """One split of the shapes data set, drawn into `root` on first use."""
+    make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
+    return ImageFiles(Path(root) / split, transform=transform)
+
+
+def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, **_) -> list[str]:
+    """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
+{% endif %}
     drawn(Path(root), recipe(per_class, image_size, data_seed))
     return sorted(SHAPES)  # the class folders, in ImageFolder's order
 

@@ -147,7 +147,7 @@ class StreamProbe(ItemTimes, IterableDataset):
 
 
 class ProbeCollate:
-    """The run's collate (default_collate, data.collate, data.decode=gpu's: parts.collate), plus the worker's
+    """The run's collate (default_collate, data.collate{% if cookiecutter.with_photos == "yes" %}, data.decode=gpu's{% endif %}: parts.collate), plus the worker's
     first-item figures riding along with the batch."""
 
     def __init__(self, probe: Probe, collate=None):

@@ -45,10 +45,15 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+{% if cookiecutter.with_photos == "no" %}
+from PIL import Image
+{% endif %}
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
+{% if cookiecutter.with_photos == "yes" %}
 from .engine.decode import CropDecoder, check_decode
+{% endif %}
 from .engine.errors import UserError
 
 INDEX = "index.json"
@@ -195,8 +200,12 @@ class ShardDataset(Dataset):
     `num_classes`, when given, must match the index's class list. `shuffle_window`: how many shards
     (in the epoch's random shard order) have their samples shuffled together; 0 shuffles everything
     together like an image folder. `max_open`: files one process keeps open (default: enough for two
+{% if cookiecutter.with_photos == "yes" %}
     windows, so a batch straddling two windows reads without re-opening). `decode` (data.decode): how
     a JPEG is decoded, only as far as the transform's first crop needs by default (engine/decode.py's `CropDecoder`).
+{% else %}
+    windows, so a batch straddling two windows reads without re-opening).
+{% endif %}
     """
 
     def __init__(
@@ -206,11 +215,16 @@ class ShardDataset(Dataset):
         num_classes: int | None = None,
         shuffle_window: int = 4,
         max_open: int | None = None,
+{% if cookiecutter.with_photos == "yes" %}
         decode: str = "auto",
     ):
         self.root, self.transform = Path(root), transform
         self.reader = CropDecoder(transform, decode)
         self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (parts.collate)
+{% else %}
+    ):
+        self.root, self.transform = Path(root), transform
+{% endif %}
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
         self.classes = list(index["classes"])
         shards = index["shards"]
@@ -234,11 +248,18 @@ class ShardDataset(Dataset):
         self._pid: int | None = None
 
     @staticmethod
+{% if cookiecutter.with_photos == "yes" %}
     def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, decode: str = "auto", **_) -> list[str]:
         """The classes of the split, or the UserError the constructor would raise (no index, a wrong
         data.num_classes, shuffle_window or decode, a missing or truncated shard): train.py checks this before Hydra
         writes a run folder. It reads the index and stats every shard, as the constructor does."""
         check_decode(decode)
+{% else %}
+    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
+        """The classes of the split, or the UserError the constructor would raise (no index, a wrong
+        data.num_classes or shuffle_window, a missing or truncated shard): train.py checks this before Hydra writes
+        a run folder. It reads the index and stats every shard, as the constructor does."""
+{% endif %}
         return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
 
     def __len__(self) -> int:
@@ -293,7 +314,13 @@ class ShardDataset(Dataset):
         return np.concatenate(parts)
 
     def _sample(self, data: bytes, label: int):
+{% if cookiecutter.with_photos == "yes" %}
         return self.reader(data), label  # decoded as an image folder's file is (engine/decode.py's CropDecoder)
+{% else %}
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
+        return image if self.transform is None else self.transform(image), label
+{% endif %}
 
     def _file(self, shard: int):
         pid = os.getpid()

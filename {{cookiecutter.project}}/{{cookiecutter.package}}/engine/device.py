@@ -5,8 +5,12 @@
   waits for the device between steps. On the CPU it hands the batches through unchanged.
 - `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
   workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
+{% if cookiecutter.with_photos == "yes" %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids. With
   data.decode=gpu the input arrives as JPEG files, which it first decodes there (gpu_decode.py's `EncodedBatch`).
+{% else %}
+  `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
+{% endif %}
 - `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
   to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
   calls it once per `log_every_steps` steps, once per validation and once per epoch.
@@ -186,9 +190,13 @@ class PrepareBatch:
     `data.input` names the input: a position in a tuple or list batch (`0` for `(image, label)`), or a key of a
     dict batch (`image`); a batch that is one tensor is the input. There uint8 images become normalized floats and
     float ones are only laid out for `channels_last`. Every other part of the batch (labels, masks, token ids,
+{% if cookiecutter.with_photos == "yes" %}
     attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
     that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
     on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
+{% else %}
+    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
+{% endif %}
 
     `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch. `stage(key)`
     is around each stage: the dry step's (dry_step.stage) turns an error there into a line naming that key.
@@ -201,14 +209,20 @@ class PrepareBatch:
         self.needed_by = tuple(needed_by)
 
     def prepared(self, part, stage):
+{% if cookiecutter.with_photos == "yes" %}
         with stage("data.decode"):
             if hasattr(part, "to_images"):
                 part = part.to_images(self.device)
+{% endif %}
         with stage("data.normalize"):
             return map_tensors(self.normalize, part)
 
     def __call__(self, batch, stage=contextlib.nullcontext):
+{% if cookiecutter.with_photos == "yes" %}
         if isinstance(batch, torch.Tensor) or hasattr(batch, "to_images"):
+{% else %}
+        if isinstance(batch, torch.Tensor):
+{% endif %}
             return self.prepared(batch, stage)
         key = self.input
         if isinstance(batch, Mapping) and key in batch:
@@ -233,6 +247,7 @@ class PrepareBatch:
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
     """`data.normalize` (a Hydra `_target_`) built on `device`, for the input `data.input` names (0 when absent);
+{% if cookiecutter.with_photos == "yes" %}
     without a normalize, uint8 images are only scaled to [0, 1]. data.decode=gpu decodes there too: refused when
     `device` is not a CUDA device (device=cpu on a machine with one). `data.input` must name a part of the batch only
     where something set works on the input: data.normalize, channels_last, data.batch_transform (MixUp needs float
@@ -243,11 +258,19 @@ def input_transform(data_cfg, device: torch.device, channels_last: bool = False)
             f"data.decode=gpu decodes each batch with nvJPEG on the training device, and this run trains on "
             f"{device.type}: use data.decode=auto, or device=cuda"
         )
+{% else %}
+    without a normalize, uint8 images are only scaled to [0, 1]. `data.input` must name a part of the batch only
+    where something set works on the input: data.normalize, channels_last, data.batch_transform (MixUp needs float
+    images)."""
+    node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
+{% endif %}
     users = {
         "data.normalize": node is not None,
         "channels_last": channels_last,
         "data.batch_transform": data_cfg.get("batch_transform") is not None,
+{% if cookiecutter.with_photos == "yes" %}
         "data.decode=gpu": data_cfg.get("decode") == "gpu",
+{% endif %}
     }
     needed_by = [name for name, used in users.items() if used]
     if node is None:

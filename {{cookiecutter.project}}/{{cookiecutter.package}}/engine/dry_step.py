@@ -198,7 +198,7 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
 
 def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):
     """A batch of two samples of `split` prepared as the run prepares its batches, each stage in `stage`: its collate
-    (data.collate, or the data set's own collate_fn), then on the device data.input, data.decode, data.normalize."""
+    (data.collate, or the data set's own collate_fn), then on the device data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize."""
     name, where = "data.train" if split == "training" else "data.val", f"on 2 {split} samples"
     samples = first_samples(dataset, name)
     with stage(cfg, name if getattr(dataset, "collate_fn", None) is not None else "data.collate", where):
@@ -219,8 +219,14 @@ def stage(cfg, key: str, where: str):
 
 
 def setting(cfg, key: str) -> str:
+{% if cookiecutter.with_photos == "yes" %}
     """`key` as this run sets it: with its `_target_` (`data.collate (text.pad_batch)`), its value (`data.decode=gpu`),
     or as not set (the stage then runs its default: torch's default_collate, the plain Normalize)."""
+{% else %}
+    """`key` as this run sets it: with its `_target_` (`data.collate (text.pad_batch)`), its value
+    (`channels_last=true`), or as not set (the stage then runs its default: torch's default_collate, the plain
+    Normalize)."""
+{% endif %}
     node = OmegaConf.select(cfg, key, default=None)
     if OmegaConf.is_dict(node):
         return f"{key} ({node.get('_target_')})"

@@ -60,7 +60,11 @@ def batch_bytes(batch) -> int:
         return sum(batch_bytes(v) for v in batch.values())
     if isinstance(batch, (list, tuple)):
         return sum(batch_bytes(v) for v in batch)
+{% if cookiecutter.with_photos == "yes" %}
     nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (gpu_decode.EncodedBatch)
+{% else %}
+    nbytes = getattr(batch, "nbytes", None)  # a numpy array
+{% endif %}
     # strings, ints and other Python objects: small next to the tensors, and not in shared memory
     return nbytes if isinstance(nbytes, int) else 0
 
@@ -69,8 +73,10 @@ def layout(batch) -> str:
     """`64x3x32x32 float32, 64 int64`: the tensors of a batch, for the log line."""
     if isinstance(batch, torch.Tensor):
         return "x".join(map(str, batch.shape)) + " " + str(batch.dtype).removeprefix("torch.")
+{% if cookiecutter.with_photos == "yes" %}
     if hasattr(batch, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
         return batch.describe()
+{% endif %}
     if isinstance(batch, Mapping):
         return ", ".join(f"{k}: {layout(v)}" for k, v in batch.items() if batch_bytes(v))
     if isinstance(batch, (list, tuple)):

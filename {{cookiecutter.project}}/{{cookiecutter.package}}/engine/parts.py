@@ -1,5 +1,5 @@
 """The parts of a run, built from its config in one place: the model, the data sets, their collate, the batches'
-preparation (data.input, data.decode, data.normalize), the task, the optimizer and the LR schedule.
+preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the task, the optimizer and the LR schedule.
 
 train.py's run (run.py), the dry step, eval.py and the doctor all build through these functions, so a class of
 yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
@@ -70,22 +70,32 @@ def data_sets(cfg) -> tuple:
 
 def collate(cfg, dataset):
     """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`;
+{% if cookiecutter.with_photos == "yes" %}
     else None, torch's default_collate. The data sets reading through decode.py's CropDecoder name gpu_decode.collate
     under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not stack, and it keeps them
     as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours beside it is
     refused: it would be handed undecoded files."""
+{% else %}
+    else None, torch's default_collate. A data.collate of yours beside a data set's own is refused: which of the two
+    the data set's samples are made for, only you can say."""
+{% endif %}
     node, own = cfg.data.get("collate"), getattr(dataset, "collate_fn", None)
     if node is not None and own is not None:
         raise UserError(
+{% if cookiecutter.with_photos == "yes" %}
             f"data.collate is set, and {type(dataset).__name__} collates its batches itself (data.decode=gpu: a "
             "batch's JPEG files kept as a list, decoded on the device): drop data.collate, or keep it with "
             "data.decode=auto"
+{% else %}
+            f"data.collate is set, and {type(dataset).__name__} collates its batches itself (its collate_fn): "
+            "drop one of the two"
+{% endif %}
         )
     return own if own is not None or node is None else build(node, "data.collate")
 
 
 def prepare(cfg, device: torch.device, channels_last: bool | None = None) -> PrepareBatch:
-    """What turns a batch on `device` into the model's input: data.input, data.decode, data.normalize (uint8 images
+    """What turns a batch on `device` into the model's input: data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize (uint8 images
     to normalized floats). `channels_last`: the run's, unless given."""
     return input_transform(cfg.data, device, cfg.channels_last if channels_last is None else channels_last)
 

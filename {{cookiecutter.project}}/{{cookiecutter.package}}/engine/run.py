@@ -196,7 +196,11 @@ def build(
         resume.compare(ckpt, cfg, found)  # a change of the run is refused unless resume_strict=false
 
     train_set, val_set = parts.data_sets(cfg)
+{% if cookiecutter.with_photos == "yes" %}
     collate = parts.collate(cfg, train_set)  # data.decode=gpu's data sets name their own
+{% else %}
+    collate = parts.collate(cfg, train_set)
+{% endif %}
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))

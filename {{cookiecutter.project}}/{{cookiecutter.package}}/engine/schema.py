@@ -269,7 +269,9 @@ OPEN_KEYS = {
     "data.image_size": integer(1),
     "data.per_class": integer(1),
     "data.root": text(),
+{% if cookiecutter.with_photos == "yes" %}
     "data.decode": one_of("auto", "pil", "torchvision", "gpu"),  # engine/decode.py's DECODERS
+{% endif %}
     "model.width": integer(1),
     "optim.lr": number(0, above=True),
     "optim.weight_decay": number(0),
