@@ -93,3 +93,15 @@ def test_a_refusal_under_torchrun_is_one_line_from_one_rank_and_writes_nothing(t
     assert errors == ["error: optim.lr must be a number > 0, got -1"]
     assert (proc.stdout + proc.stderr).count("exitcode  : 2") == 2  # torchrun's report: both ranks exited with 2
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_under_torchrun_is_refused_in_one_line_and_writes_nothing(tmp_path):
+    """Each rank would sweep by itself, in a folder of its own: one line from one rank instead, nothing written.
+    (A sweep's processes come from a launcher: test_slurm.py's two-task job shares the one folder it resolved.)"""
+    command = torchrun_cmd(tmp_path / "unused", "-m", "seed=0,1", f"hydra.sweep.dir={tmp_path}/sweep-" + "${now:%S%f}")
+    proc = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: a sweep (-m) cannot run under torchrun: "), errors
+    assert (proc.stdout + proc.stderr).count("exitcode  : 2") == 2  # torchrun's report: both ranks exited with 2
+    assert not list(tmp_path.iterdir())

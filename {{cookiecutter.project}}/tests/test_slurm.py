@@ -121,6 +121,10 @@ def test_multirun_launches_jobs_and_a_preempted_job_is_requeued_and_resumes_exac
     ]  # each job resumes from its own folder only
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        deadline = time.time() + 300
+        while not list(tmp_path.glob("multirun-*/0")) and time.time() < deadline:
+            time.sleep(0.2)
+        (sweep,) = tmp_path.glob("multirun-*")  # the tasks and the requeued job share the one folder
         wait_for_steps(sweep / "0", 1, timeout=300)  # training: whichever step the signal lands on
         preempt(sweep / "0")
         out, _ = proc.communicate(timeout=600)
@@ -168,14 +172,14 @@ def straight_run(tmp_path_factory, processes: int, overrides: list[str]):
 
 @pytest.mark.slow
 def test_a_two_task_job_is_one_two_rank_run_and_a_preempted_one_resumes_exactly(tmp_path, tmp_path_factory, shapes):
-    sweep, overrides = tmp_path / "multirun", [*shapes, "loader.batch_size=16", "log_every_steps=1"]
+    overrides = [*shapes, "loader.batch_size=16", "log_every_steps=1"]
     cmd = [
         sys.executable,
         "train.py",
         "-m",
         "hydra/launcher=submitit_local",
         "hydra.launcher.tasks_per_node=2",
-        f"hydra.sweep.dir={sweep}",
+        f"hydra.sweep.dir={tmp_path}/multirun-" + "${now:%S%f}",  # to the microsecond: resolved once, in the launcher
         "hydra.sweep.subdir=${hydra.job.num}",
         *overrides,
         "resume=latest",
@@ -185,12 +189,17 @@ def test_a_two_task_job_is_one_two_rank_run_and_a_preempted_one_resumes_exactly(
         cmd, cwd=PROJECT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
+        deadline = time.time() + 300
+        while not list(tmp_path.glob("multirun-*/0")) and time.time() < deadline:
+            time.sleep(0.2)
+        (sweep,) = tmp_path.glob("multirun-*")  # the tasks and the requeued job share the one folder
         wait_for_steps(sweep / "0", 1, timeout=300)
         preempt(sweep / "0")  # both tasks, as SLURM signals every task of the job
         out, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-3000:]
+    assert list(tmp_path.glob("multirun-*")) == [sweep]
     job_id = OmegaConf.load(sweep / "0/.hydra/hydra.yaml").hydra.job.id
     logs = [(sweep / ".submitit" / job_id / f"{job_id}_{task}_log.out").read_text() for task in (0, 1)]
     assert "Requeued job" in logs[0] and all(log.count("Starting with JobEnvironment") == 2 for log in logs), logs

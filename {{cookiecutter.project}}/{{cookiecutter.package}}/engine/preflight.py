@@ -118,6 +118,18 @@ class CheckBeforeRun(Callback):
                     os.rmdir(folder)
             refuse(first, quiet=not world.is_main)
 
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # Under torchrun every rank would run the whole sweep by itself: each resolves its own sweep folder (`${now:...}`
+        # straddling a second splits it), and the second job's process group cannot form where the first one's was.
+        # A multi-process sweep goes through a launcher that starts each job's processes (submitit: the folder is
+        # resolved once, in the launcher, and Hydra hands its resolved values to every job, load_sweep_config).
+        if config.hydra.job.name == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            advice = "run one torchrun command per job, without -m"
+{% if cookiecutter.with_slurm == "yes" %}
+            advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
+{% endif %}
+            refuse(f"a sweep (-m) cannot run under torchrun: {advice}", quiet=int(os.environ.get("RANK", "0")) != 0)
+
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
             task = config.copy()
