@@ -119,10 +119,9 @@ class CheckBeforeRun(Callback):
             refuse(first, quiet=not world.is_main)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        # Under torchrun every rank would run the whole sweep by itself: each resolves its own sweep folder (`${now:...}`
-        # straddling a second splits it), and the second job's process group cannot form where the first one's was.
-        # A multi-process sweep goes through a launcher that starts each job's processes (submitit: the folder is
-        # resolved once, in the launcher, and Hydra hands its resolved values to every job, load_sweep_config).
+        # Under torchrun every rank would run the whole sweep by itself: each resolves a sweep folder of its own (the
+        # time straddling a second splits it), and the second job's process group cannot form where the first one's
+        # was. A sweep of several processes each needs a launcher that starts each job's processes.
         if config.hydra.job.name == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             advice = "run one torchrun command per job, without -m"
 {% if cookiecutter.with_slurm == "yes" %}

@@ -13,10 +13,10 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate, to_absolute_path
+from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, rng, {% if cookiecutter.with_fsdp == "yes" %}sharded_checkpoint, {% endif %}weights_only
+from . import checkpoint, parts, rng, {% if cookiecutter.with_fsdp == "yes" %}sharded_checkpoint, {% endif %}weights_only
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -245,7 +245,7 @@ def precheck(cfg, run_dir: Path) -> None:
     ckpt = checkpoint.load(found, mmap=True)
     compare(ckpt, cfg, found)
     with torch.random.fork_rng(devices=[]):
-        model = instantiate(cfg.model)
+        model = parts.model(cfg)  # built as the run builds it, to compare its parameter shapes
     check_fits(ckpt, cfg, model, world_size)
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
