@@ -98,7 +98,7 @@ def test_a_refusal_under_torchrun_is_one_line_from_one_rank_and_writes_nothing(t
 @pytest.mark.slow
 def test_a_sweep_under_torchrun_is_refused_in_one_line_and_writes_nothing(tmp_path):
     """Each rank would sweep by itself, in a folder of its own: one line from one rank instead, nothing written.
-    (A sweep's processes come from a launcher: test_slurm.py's two-task job shares the one folder it resolved.)"""
+    (A sweep's processes come from a launcher{% if cookiecutter.with_slurm == "yes" %}: test_slurm.py's two-task job shares the one folder it resolved{% endif %}.)"""
     command = torchrun_cmd(tmp_path / "unused", "-m", "seed=0,1", f"hydra.sweep.dir={tmp_path}/sweep-" + "${now:%S%f}")
     proc = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
