@@ -56,7 +56,8 @@ def refusal(project: str, package: str) -> str | None:
 
 
 # The optional parts (cookiecutter.json), each `yes` or `no`: a `no` leaves that part's files, keys and docs out.
-PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp", "with_photos")
+PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp", "with_photos",
+         "with_doctor")
 
 
 def part_refusal(answers) -> str | None:

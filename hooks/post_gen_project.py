@@ -18,6 +18,7 @@ LEFT_OUT = {
                   "tests/test_fsdp.py", "tests/blocks.py"],
     "with_photos": [f"{PACKAGE}/engine/decode.py", f"{PACKAGE}/engine/gpu_decode.py", "tests/test_gpu_decode.py",
                     "benchmarks/p7_photos.py", "docs/photos.md"],
+    "with_doctor": [f"{PACKAGE}/doctor.py", "tests/test_doctor.py"],
 }
 ANSWERS = {
     "with_tracking": {{ cookiecutter.with_tracking | tojson }},
@@ -27,6 +28,7 @@ ANSWERS = {
     "with_benchmarks": {{ cookiecutter.with_benchmarks | tojson }},
     "with_fsdp": {{ cookiecutter.with_fsdp | tojson }},
     "with_photos": {{ cookiecutter.with_photos | tojson }},
+    "with_doctor": {{ cookiecutter.with_doctor | tojson }},
 }
 for part, paths in LEFT_OUT.items():
     if part == "license" or ANSWERS[part] == "no":

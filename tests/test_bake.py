@@ -18,7 +18,7 @@ except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli th
 
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
 MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_streams": "no", "with_slurm": "no",
-           "with_benchmarks": "no", "with_fsdp": "no", "with_photos": "no"}  # fmt: skip
+           "with_benchmarks": "no", "with_fsdp": "no", "with_photos": "no", "with_doctor": "no"}  # fmt: skip
 NEWEST_PYTHON = "3.14"  # the newest CPython release; raise it when a new one comes out
 
 

@@ -17,17 +17,18 @@ import pytest
 NON_DEFAULT = {"project": "vision-lab", "package": "vlab", "license": "none", "author": "Ada"}
 # Every optional part left out (cookiecutter.json's with_*): the smallest project. Its fast tier where the answers
 # change code: the tests of the modules with a part's {% if %} blocks (checkpoint, checks, schema, preflight,
-# distributed, failures, resume, run, runlog, data, train.py; loader, eval.py, doctor, rng, schedule: with_streams;
-# eval.py, export and the doctor: with_fsdp; data, device, memory: with_photos), of the README's layout and of its
+# distributed, failures, resume, run, runlog, data, train.py; loader, eval.py, rng, schedule: with_streams;
+# eval.py and export: with_fsdp; data, device, memory: with_photos), of the README's layout and of its
 # links into docs/; the other modules
 # are the same text in every bake, or lose only a part's own branch (tests/test_parts.py checks each bake is
-# ruff-clean and trains).
+# ruff-clean and trains). The doctor is left out here too (with_doctor), so its own with_streams and with_fsdp
+# branches are not run in this bake: tests/test_parts.py's single-`no` bakes check they are ruff-clean.
 MINIMAL = {"with_tracking": "no", "with_shards": "no", "with_streams": "no", "with_slurm": "no",
-           "with_benchmarks": "no", "with_fsdp": "no", "with_photos": "no"}  # fmt: skip
+           "with_benchmarks": "no", "with_fsdp": "no", "with_photos": "no", "with_doctor": "no"}  # fmt: skip
 WHERE_PARTS_CHANGE_CODE = [
     f"tests/test_{name}.py"
     for name in ("checkpoint", "config", "distributed", "bad_sample", "stall", "shm", "resume", "train", "runlog",
-                 "data", "host_reads", "task_results", "layout", "docs", "loader", "eval", "doctor", "rng", "schedule",
+                 "data", "host_reads", "task_results", "layout", "docs", "loader", "eval", "rng", "schedule",
                  "device", "memory")
 ]  # fmt: skip
 

@@ -12,7 +12,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10: requirements-dev.txt brings tomli there
     import tomli as tomllib
 
-PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp", "with_photos")
+PARTS = ("with_tracking", "with_shards", "with_streams", "with_slurm", "with_benchmarks", "with_fsdp", "with_photos",
+         "with_doctor")
 MINIMAL = {part: "no" for part in PARTS}
 
 # What each part brings: paths, and words that name it (in any text file of the bake: code, YAML, README, tests)
@@ -40,6 +41,8 @@ LEFT_OUT = {
                      "benchmarks/p7_photos.py", "docs/photos.md"],
                     [r"CropDecoder", r"crop_plan", r"gpu_decode", r"data\.decode", r"decode=gpu",
                      r"nvJPEG", r"EncodedBatch", r"to_images", r"p7_photos", r"\[Photos\]", r"photos\.md"]),
+    "with_doctor": (["my_trainer/doctor.py", "tests/test_doctor.py"],
+                    [r"(?i)doctor", r"\.doctor", r"doctor\.py", r"test_doctor", r"doctor\.json", r"pss_mib\(\)"]),
 }
 EXTRAS = {"with_tracking": {"mlflow", "wandb"}, "with_slurm": {"slurm"}, "with_benchmarks": {"bench"}}
 

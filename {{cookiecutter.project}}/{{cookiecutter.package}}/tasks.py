@@ -1,5 +1,5 @@
 """Tasks: what the model is trained to do. `conf/task/*.yaml` names one of these (or a class of your own) as its
-`_target_`; train.py, eval.py, the config checks and the doctor know the problem only through it.
+`_target_`; train.py, eval.py{% if cookiecutter.with_doctor == "yes" %}, the config checks and the doctor{% else %} and the config checks{% endif %} know the problem only through it.
 
 A task has two methods, both given the model and one batch exactly as the data set and `data.collate` made it
 (a tensor, or tuples / lists / dicts of tensors), already on the device and through `data.normalize`:

@@ -306,7 +306,7 @@ def fit_shm(
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
     """The loader settings a run uses, fitted before any worker starts: to `loader.max_prefetch_mib`, then to the
-    free space of /dev/shm. Returns them and a sentence per change (what train.py and the doctor log)."""
+    free space of /dev/shm. Returns them and a sentence per change (what train.py{% if cookiecutter.with_doctor == "yes" %} and the doctor log{% else %} logs{% endif %})."""
     space = shm_space() if settings.num_workers else None
     if loader_cfg.max_prefetch_mib is None and space is None:
         return settings, []

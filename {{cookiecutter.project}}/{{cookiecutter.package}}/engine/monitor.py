@@ -85,6 +85,7 @@ def _read_children(main: psutil.Process, read):
             continue
 
 
+{% if cookiecutter.with_doctor == "yes" %}
 def pss_mib() -> float:
     """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
     main = psutil.Process()
@@ -92,6 +93,7 @@ def pss_mib() -> float:
     return (_memory(main)[1] + children) / MiB
 
 
+{% endif %}
 class WorkerDied(RuntimeError):
     """A train loader worker is gone while the run still needs it."""
 

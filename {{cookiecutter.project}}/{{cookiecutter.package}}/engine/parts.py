@@ -1,7 +1,7 @@
 """The parts of a run, built from its config in one place: the model, the data sets, their collate, the batches'
 preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the task, the optimizer and the LR schedule.
 
-train.py's run (run.py), the dry step, eval.py and the doctor all build through these functions, so a class of
+train.py's run (run.py), the dry step{% if cookiecutter.with_doctor == "yes" %}, eval.py and the doctor{% else %} and eval.py{% endif %} all build through these functions, so a class of
 yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
 """
 
