@@ -103,5 +103,6 @@ def test_a_sweep_under_torchrun_is_refused_in_one_line_and_writes_nothing(tmp_pa
     proc = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: a sweep (-m) cannot run under torchrun: "), errors
-    assert (proc.stdout + proc.stderr).count("exitcode  : 2") == 2  # torchrun's report: both ranks exited with 2
+    # torchrun's report: the first rank to exit exited with 2 (the other, refusing alone, may be stopped by then)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stdout + proc.stderr
     assert not list(tmp_path.iterdir())

@@ -127,7 +127,12 @@ class CheckBeforeRun(Callback):
 {% if cookiecutter.with_slurm == "yes" %}
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
-            refuse(f"a sweep (-m) cannot run under torchrun: {advice}", quiet=int(os.environ.get("RANK", "0")) != 0)
+            world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
+            if world.is_main:
+                print(f"error: a sweep (-m) cannot run under torchrun: {advice}", file=sys.stderr, flush=True)
+            distributed.gather_all(None, world)  # no rank exits before rank 0 has said why: torchrun would stop it
+            distributed.leave(world)  # a rank leaving a live gloo group as its peer exits can abort (SIGABRT)
+            sys.exit(2)
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
