@@ -91,7 +91,8 @@ def test_a_refusal_under_torchrun_is_one_line_from_one_rank_and_writes_nothing(t
                           timeout=300)  # fmt: skip
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert errors == ["error: optim.lr must be a number > 0, got -1"]
-    assert (proc.stdout + proc.stderr).count("exitcode  : 2") == 2  # torchrun's report: both ranks exited with 2
+    # torchrun's report: the first rank to exit exited with 2 (the other may be stopped by torchrun by then)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()
 
 
