@@ -24,7 +24,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-demo.txt
 	$(VPY) -m pip install -r requirements-dev.txt
 	touch $@ $(VENV)/.installed-demo
 
-# Bakes, refusals, ruff on the baked project, and the generated project's fast tier (about 5 minutes on 2 cores).
+# Bakes, refusals, ruff on the baked project, and the generated project's fast tier (about 10 minutes on 2 cores).
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -rA tests -m "not slow"
 
