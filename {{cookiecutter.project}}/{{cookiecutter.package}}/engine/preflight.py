@@ -116,7 +116,7 @@ class CheckBeforeRun(Callback):
             for folder in made:  # claimed a moment ago: empty, unless another run made a folder inside
                 with contextlib.suppress(OSError):
                     os.rmdir(folder)
-            refuse(first, quiet=not world.is_main)
+            refuse_together(first, world)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # Under torchrun every rank would run the whole sweep by itself: each resolves a sweep folder of its own (the
@@ -128,11 +128,7 @@ class CheckBeforeRun(Callback):
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
             world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
-            if world.is_main:
-                print(f"error: a sweep (-m) cannot run under torchrun: {advice}", file=sys.stderr, flush=True)
-            distributed.gather_all(None, world)  # no rank exits before rank 0 has said why: torchrun would stop it
-            distributed.leave(world)  # a rank leaving a live gloo group as its peer exits can abort (SIGABRT)
-            sys.exit(2)
+            refuse_together(f"a sweep (-m) cannot run under torchrun: {advice}", world)
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -160,6 +156,17 @@ def refuse(error: str, quiet: bool = False) -> None:
     """Exit with code 2, saying `error` in one line unless `quiet` (another rank says it)."""
     if not quiet:
         print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def refuse_together(error: str, world: distributed.World) -> None:
+    """`refuse` on every rank of `world` at once: rank 0 says `error`, and no rank exits before it has, since torchrun
+    stops the other ranks as soon as one exits. The ranks then leave their group (a rank leaving a live gloo group as
+    its peer exits can abort, SIGABRT)."""
+    if world.is_main:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    distributed.gather_all(None, world)
+    distributed.leave(world)
     sys.exit(2)
 
 
