@@ -63,13 +63,20 @@ def test_exit_status_names_signal_and_code():
     assert monitor.exit_status(quitter.pid) == "exited with code 3"
     sleeper.join(), quitter.join()
     assert monitor.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
-    # PyTorch's "exited unexpectedly" comes after it reaped the worker; its Process object still knows how
-    torch_says = f"DataLoader worker (pid(s) {sleeper.pid}, {quitter.pid}) exited unexpectedly"
-    line = monitor.worker_death(RuntimeError(torch_says))
-    assert line.startswith(
-        f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL); "
-        f"DataLoader worker (pid {quitter.pid}) exited with code 3. A SIGKILL"
-    ), line
+    # PyTorch reaps a dead worker before its "exited unexpectedly", raised from its SIGCHLD handler's line
+    try:
+        try:
+            raise RuntimeError(f"DataLoader worker (pid {sleeper.pid}) is killed by signal: Killed. ")
+        except RuntimeError as e:
+            raise RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}) exited unexpectedly") from e
+    except RuntimeError as e:
+        torch_raised = e
+    assert monitor.worker_death(torch_raised).startswith(
+        f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL). A SIGKILL"
+    )
+    # the negative control: without the handler's line the signal is lost, and PyTorch's own words are all there is
+    alone = RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}) exited unexpectedly")
+    assert monitor.worker_death(alone).startswith(f"{alone}. Rerun with loader.num_workers=0")
 
 
 def test_a_worker_killed_while_handing_over_a_batch_is_named():
@@ -129,7 +136,7 @@ def test_worker_death_finds_the_message_in_a_chain():
             raise KeyError("cleanup failed on the way out")  # noqa: B904 (the implicit __context__ is the point)
     except KeyError as e:
         line = monitor.worker_death(e)
-    assert line.startswith("DataLoader worker (pid 4242) is killed by signal: Killed. A SIGKILL")
+    assert line.startswith("DataLoader worker (pid 4242) killed by signal 9 (SIGKILL). A SIGKILL")
     ours = monitor.worker_death(monitor.WorkerDied("DataLoader worker (pid 7) exited with code 1"))
     assert ours.endswith("num_workers=0 to see the error in the main process")
     assert monitor.worker_death(RuntimeError("something else")) is None

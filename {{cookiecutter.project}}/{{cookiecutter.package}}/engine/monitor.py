@@ -14,9 +14,7 @@ on data.
 
 from __future__ import annotations
 
-import gc
 import logging
-import multiprocessing.process
 import os
 import re
 import signal
@@ -106,19 +104,19 @@ TORCH_WORKER_DEATH = re.compile(
 )
 
 
-def _ended(pid: int) -> str | None:
-    """How a worker ended: from the kernel if it is not reaped yet, else from its multiprocessing.Process,
-    which PyTorch keeps in the iterator that the exception's traceback still references."""
+def _ended(pid: int, chain: str) -> str | None:
+    """How a worker ended: from the kernel if it is not reaped yet, else from PyTorch's SIGCHLD line in `chain` (the
+    text of the error's chain): its handler raises "DataLoader worker (pid 12) is killed by signal: Killed." inside
+    the queue read, which then reaps the worker and raises "exited unexpectedly" from it."""
     status = exit_status(pid)
-    if status is not None:
+    said = re.search(rf"DataLoader worker \(pid {pid}\) (?:is killed by signal: ([^.]+)|exited unexpectedly with exit "
+                     r"code (\d+))", chain)  # fmt: skip
+    if status is not None or said is None:
         return status
-    for obj in gc.get_objects():  # type(), not isinstance(): some objects answer __class__ with a deprecation warning
-        if issubclass(type(obj), multiprocessing.process.BaseProcess) and obj.pid == pid and obj.exitcode is not None:
-            code = obj.exitcode
-            if code < 0:
-                return f"killed by signal {-code} ({signal.Signals(-code).name})"
-            return f"exited with code {code}"
-    return None
+    if said[2] is not None:
+        return f"exited with code {said[2]}"
+    named = [s for s in signal.Signals if signal.strsignal(s) == said[1]]  # "Killed" is SIGKILL's strsignal
+    return f"killed by signal {named[0].value} ({named[0].name})" if named else None
 
 
 def _ended_child(wait_s: float = 2.0) -> str | None:
@@ -146,6 +144,7 @@ def worker_death(exc: BaseException) -> str | None:
     The traceback of such an error shows only where the main process noticed, never why the worker
     died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
     """
+    chain = "\n".join(str(link) for link in causes(exc))
     for link in causes(exc):
         text = str(link).strip().splitlines()[0] if str(link).strip() else ""
         found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
@@ -156,7 +155,7 @@ def worker_death(exc: BaseException) -> str | None:
         if isinstance(link, (WorkerDied, ConnectionError, EOFError)) or found:
             if found:
                 pids = [int(p) for p in found.group(1).split(",")]
-                ends = [(pid, _ended(pid)) for pid in pids]
+                ends = [(pid, _ended(pid, chain)) for pid in pids]
                 if all(how for _, how in ends):
                     text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
             if "Bus error" in text or "SIGBUS" in text:  # a shared-memory page that could not be had
