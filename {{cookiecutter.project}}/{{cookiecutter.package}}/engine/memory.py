@@ -182,26 +182,30 @@ def fit_budget(
             f"over loader.max_prefetch_mib={max_mib:g}: lower loader.prefetch_factor, loader.num_workers or "
             "loader.batch_size, raise the budget, or set loader.on_budget=adjust"
         )
-    per_batch = one_batch_bytes * (2 if settings.pin_memory else 1) / MiB
-    fits = int(max_mib // per_batch)  # batches in flight the budget holds
-    workers = settings.num_workers
-    if fits >= workers:
-        after = replace(settings, prefetch_factor=fits // workers)
-    elif fits >= 1:
-        after = replace(settings, num_workers=fits, prefetch_factor=1)
-    else:
-        after = replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
-    changes = [
-        f"{name} {getattr(settings, name)} -> {getattr(after, name)}"
-        for name in ("prefetch_factor", "num_workers")
-        if getattr(settings, name) != getattr(after, name)
-    ]
+    after = step_down(settings, lambda s: plan_for(s, one_batch_bytes).mib <= max_mib, lowest_workers=0)
     where = "; the main process loads each batch" if not after.num_workers else ""
     sentence = (
         f"the prefetch plan ({before.mib:.1f} MiB) is over loader.max_prefetch_mib={max_mib:g}: "
-        f"{', '.join(changes)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
+        f"{changes(settings, after)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
     )
     return after, sentence
+
+
+def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> LoaderSettings | None:
+    """The first settings that `fits`: prefetch_factor lowered first (fewer batches ahead, the same parallelism),
+    then num_workers with one batch ahead each, down to `lowest_workers` (0: the main process loads); None: none."""
+    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor, 0, -1)]
+    workers = range(settings.num_workers - 1, max(lowest_workers, 1) - 1, -1)
+    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in workers]
+    if lowest_workers == 0:
+        candidates.append(replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
+    return next((c for c in candidates if fits(c)), None)
+
+
+def changes(before: LoaderSettings, after: LoaderSettings) -> str:
+    """What `step_down` changed: `prefetch_factor 4 -> 2, num_workers 4 -> 3`."""
+    names = [n for n in ("prefetch_factor", "num_workers") if getattr(before, n) != getattr(after, n)]
+    return ", ".join(f"{n} {getattr(before, n)} -> {getattr(after, n)}" for n in names)
 
 
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
@@ -287,21 +291,12 @@ def fit_shm(
         "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
         "loader.num_workers=0 (no shared memory)"
     )
-    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor - 1, 0, -1)]
-    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in range(settings.num_workers - 1, 0, -1)]
-    smallest = replace(settings, num_workers=1, prefetch_factor=1)
-    if shm_need(smallest, one_batch_bytes, ranks) > free:
+    after = step_down(settings, lambda s: shm_need(s, one_batch_bytes, ranks) <= free, lowest_workers=1)
+    if after is None:
         raise UserError(f"loader: {where}; even one worker with one batch ahead does not fit: {todo}")
     if on_budget == "error":
         raise UserError(f"loader: {where}: {todo}, or set loader.on_budget=adjust")
-    after = next(c for c in candidates if shm_need(c, one_batch_bytes, ranks) <= free)
-    changes = [
-        f"{name} {getattr(settings, name)} -> {getattr(after, name)}"
-        for name in ("prefetch_factor", "num_workers")
-        if getattr(settings, name) != getattr(after, name)
-    ]
-    fitted = shm_need(after, one_batch_bytes, ranks)
-    return after, f"{where}: {', '.join(changes)} ({fitted / MiB:.1f} MiB)"
+    return after, f"{where}: {changes(settings, after)} ({shm_need(after, one_batch_bytes, ranks) / MiB:.1f} MiB)"
 
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
