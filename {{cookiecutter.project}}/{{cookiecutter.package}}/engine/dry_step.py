@@ -165,20 +165,20 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
     throwaway step's in run.py, and callbacks.SampleGrid's). A sample that fails to read is passed over while others
     read: one bad file is the training loader's to name or skip (data.on_bad_sample) at its turn, not a refusal here.
     Only when the first `count` + SPARE all fail does this stop, in one line naming the first sample's error."""
+    samples, first_error = [], None
 {% if cookiecutter.with_streams == "yes" %}
-    if shard_plan.is_stream(dataset):
+    stream = shard_plan.is_stream(dataset)
+    if stream:  # a stream's first records, in its own order
         try:
             samples = shard_plan.first_records(dataset, count)
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"{name}: reading its first samples fails: {reason(e)}") from None
-        if not samples:
-            raise UserError(f"{name} holds no samples: point it at data")
-        return samples
-{% endif %}
-    samples, first_error = [], None
+            first_error = e
+    for index in range(0 if stream else min(count + SPARE, len(dataset))):
+{% else %}
     for index in range(min(count + SPARE, len(dataset))):
+{% endif %}
         try:
             samples.append(dataset[index])
         except UserError:
@@ -189,7 +189,7 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
             break
     if not samples and first_error is not None:
         source = getattr(dataset, "sample_source", None)
-        where = f" (index 0, {source(0)})" if source else ""
+        where = f" (index 0, {source(0)})" if source{% if cookiecutter.with_streams == "yes" %} and not stream{% endif %} else ""
         raise UserError(f"{name}: reading its first samples fails{where}: {reason(first_error)}") from None
     if not samples:
         raise UserError(f"{name} holds no samples: point it at data")
