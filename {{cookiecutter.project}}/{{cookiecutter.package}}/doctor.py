@@ -4,33 +4,12 @@
     python -m {{ cookiecutter.package }}.doctor data=imagefolder data.root=/images data.num_classes=10
     python -m {{ cookiecutter.package }}.doctor loader.batch_size=128    # loader.* overrides apply to every profile
 
-Run it from the project root, as train.py: it reads the Hydra config in `./conf` (or, from a source
-checkout, the conf/ beside this package), so it works from an installed package too.
-
-Each profile in conf/loader/ is built as train.py builds it (resolve_settings, the memory budget,
-TrainLoader) and run for two epochs over an evenly spaced part of the training set
-(`batches_per_epoch()` batches), because epoch 2 is where persistent workers pay off. Measured:
-
-- worker start: from asking for the epoch's first batch until a worker begins its first item
-  (process start and worker_init_fn); the slowest worker counts, since the epoch waits for it.
-- dataset init in a worker: how much longer a worker's first item takes than its later ones
-  (files opened lazily, caches, decoders warming up).
-- first batch, epochs 1 and 2: how long the loop waits at each epoch start.
-- steady batches/s: epoch 2 after its first batch.
-- peak PSS: main process + workers, polled every 0.2 s or more (at most a tenth of a core).
-- the prefetch plan, and what was measured in shared memory once the queue had filled.
-- model batches/s: forward + backward of the configured model on one batch, on the run's device;
-  the rate the loader has to keep up with.
-{% if cookiecutter.with_fsdp == "yes" %}
-- model memory per rank: its parameters, gradients and optimizer state, whole under DDP and about 1/W of them
-  under parallel=fsdp on W ranks.
-{% else %}
-- model memory per rank: its parameters, gradients and optimizer state, whole on every rank under DDP.
-{% endif %}
-
-The recommendation follows the decision table in docs/loader.md ("Loader doctor"): memory tight -> fewer
-workers and prefetch_factor 1; model waiting on data and memory free -> more workers; costly epoch
-starts -> persistent workers. A table is printed and everything goes to doctor.json in the run folder.
+Run it from the project root, as train.py: it reads the Hydra config in `./conf` (or, from a source checkout, the
+conf/ beside this package), so it works from an installed package too. Each profile in conf/loader/ is built as
+train.py builds it and timed over two epochs of a part of the training set (epoch 2 is where persistent workers pay
+off); the model's forward + backward is timed and its memory per rank added up. docs/loader.md ("Loader doctor")
+explains the table's columns and the decision table the recommendation follows. The table and the recommendation
+are printed, and everything goes to doctor.json in the run folder.
 """
 
 from __future__ import annotations
@@ -54,22 +33,19 @@ import psutil
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-{% if cookiecutter.with_streams == "yes" %}
-from torch.utils.data import Dataset, IterableDataset, Subset, default_collate, get_worker_info
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from .engine import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, monitor, parts, rng, schema, shard_plan
-from .engine.device import to_device
+from .engine import memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from .engine.device import pick_device, to_device
+from .engine.dry_step import first_samples, kept_rng
 from .engine.errors import UserError, find_user_error
+{% if cookiecutter.with_fsdp == "yes" %}
+from .engine.fsdp import state_slots
+{% endif %}
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+{% if cookiecutter.with_streams == "yes" %}
 from .engine.shard_plan import is_stream
 from .engine.stream_loader import StreamLoader
-{% else %}
-from torch.utils.data import Dataset, Subset, default_collate, get_worker_info
-
-from .engine import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, monitor, parts, rng, schema
-from .engine.device import to_device
-from .engine.errors import UserError, find_user_error
-from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 {% endif %}
 from .engine.task_results import split_loss
 
@@ -78,19 +54,28 @@ log = logging.getLogger("doctor")
 MiB = 2**20
 MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
 START_SHARE = 0.05  # an epoch start costing more than this share of an epoch is worth persistent workers
+SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")  # into doctor.json
 
 
-def batches_per_epoch(settings) -> int:
-    """Enough batches that the queue turns over several times, few enough to stay quick."""
-    return max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)
+class Probe(Dataset):
+    """The part of the data set a profile reads, each item timed in the process that makes it: `count` evenly spaced
+{% if cookiecutter.with_streams == "yes" %}
+    items, or a stream's first `count` records (a shard stream's shards split over the workers, any other stream
+    splitting itself). `collate`: the run's (parts.collate), plus the worker's first-item figures riding along."""
+{% else %}
+    items. `collate`: the run's (parts.collate), plus the worker's first-item figures riding along."""
+{% endif %}
 
-
-class ItemTimes:
-    """How long items take in the process that makes them: its first item, and the ones after."""
-
-    def __init__(self):
+    def __init__(self, dataset, count: int, collate=None):
+        self.dataset, self.count, self.collate_fn = dataset, count, collate or default_collate
         self.first: tuple[float, float] | None = None  # (wall-clock start, seconds) of this process's first item
         self.later: list[float] = []
+{% if cookiecutter.with_streams == "yes" %}
+        size = 0 if is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
+{% else %}
+        size = len(dataset)
+{% endif %}
+        self.picks = np.linspace(0, size - 1, min(size, count)).round().astype(np.int64).tolist()
 
     def note(self, began: float) -> None:
         """An item that began at `began` (time.time(): wall clock, comparable between processes) is made."""
@@ -100,32 +85,15 @@ class ItemTimes:
         else:
             self.later = self.later[-200:] + [took]
 
-
-class Probe(ItemTimes, Dataset):
-    """Times each item of an indexed data set."""
-
-    def __init__(self, dataset):
-        super().__init__()
-        self.dataset = dataset
-
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.picks)
 
     def __getitem__(self, index):
         began = time.time()
-        item = self.dataset[index]
+        item = self.dataset[self.picks[index]]
         self.note(began)
         return item
 {% if cookiecutter.with_streams == "yes" %}
-
-
-class StreamProbe(ItemTimes, IterableDataset):
-    """Probe's twin for a stream: each reader's records timed as they are read, `count` of them in all. A shard
-    stream's shards are split over the workers; any other stream splits itself."""
-
-    def __init__(self, dataset, count: int):
-        super().__init__()
-        self.dataset, self.count = dataset, count
 
     def __iter__(self):
         info = get_worker_info()
@@ -145,53 +113,37 @@ class StreamProbe(ItemTimes, IterableDataset):
             yield item
 {% endif %}
 
-
-class ProbeCollate:
-    """The run's collate (default_collate, data.collate{% if cookiecutter.with_photos == "yes" %}, data.decode=gpu's{% endif %}: parts.collate), plus the worker's
-    first-item figures riding along with the batch."""
-
-    def __init__(self, probe: Probe, collate=None):
-        self.probe = probe  # the same object as the worker's dataset copy: fork and pickling both keep the identity
-        self.collate = collate or default_collate
-
-    def __call__(self, samples):
-        info = get_worker_info()
-        first = self.probe.first or (time.time(), 0.0)
-        steady = statistics.median(self.probe.later) if self.probe.later else 0.0
-        return self.collate(samples), {
-            "pid": os.getpid(),
-            "worker": info is not None,
-            "began": first[0],
-            "first_s": first[1],
-            "steady_s": steady,
-        }
+    def collate(self, samples):
+        """The batch, and (worker pid, when its first item began, how much longer that item took than the later
+        ones) from a worker; None from the main process."""
+        if get_worker_info() is None or self.first is None:
+            return self.collate_fn(samples), None
+        slower = self.first[1] - (statistics.median(self.later) if self.later else 0.0)
+        return self.collate_fn(samples), (os.getpid(), self.first[0], max(slower, 0.0))
 
 
-class PeakPss:
-    """Polls monitor.pss_mib() in a thread until stopped; keeps the highest reading.
-
-    A reading costs ~10 ms of kernel time per process (smaps_rollup walks the page tables), so the
-    poll waits at least ten times what the last reading took: at most a tenth of a core."""
+class PeakPss(threading.Thread):
+    """Polls monitor.pss_mib() until `result()`; keeps the highest reading. A reading costs ~10 ms of kernel time per
+    process (smaps_rollup walks the page tables), so each poll waits at least ten times what the last reading took:
+    at most a tenth of a core."""
 
     def __init__(self, every_s: float = 0.2):
-        self.every_s, self.peak, self._stop = every_s, 0.0, threading.Event()
-        self._wait = every_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(daemon=True)
+        self.every_s, self.peak, self.stop = every_s, 0.0, threading.Event()
+        self.start()
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, monitor.pss_mib())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._wait):
+    def run(self) -> None:
+        wait = self.every_s
+        while not self.stop.wait(wait):
             began = time.perf_counter()
             self.peak = max(self.peak, monitor.pss_mib())
-            self._wait = max(self.every_s, 10 * (time.perf_counter() - began))
+            wait = max(self.every_s, 10 * (time.perf_counter() - began))
+
+    def result(self) -> float:
+        """Stops polling: the peak, a last reading included."""
+        self.stop.set()
+        self.join()
+        return max(self.peak, monitor.pss_mib())
 
 
 def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
@@ -208,100 +160,58 @@ def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
     return best
 
 
-def wait_for_workers_to_exit(timeout_s: float = 10.0) -> None:
-    gc.collect()  # the DataLoader iterator shuts its workers down when collected
-    deadline = time.time() + timeout_s
-    while psutil.Process().children() and time.time() < deadline:
-        time.sleep(0.05)
-
-
 def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate=None) -> dict:
+    """One profile, fitted and built as train.py builds it, timed over two epochs of a part of the data: enough
+    batches that the queue turns over several times, few enough to stay quick."""
     settings = resolve_settings(loader_cfg, device.type)
     try:  # as train.py fits it: to loader.max_prefetch_mib, then to the free space of /dev/shm
         settings, changes = memory.fit_loader(dataset, settings, loader_cfg, collate)
-        change = "; ".join(changes) or None
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
+    batches = max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)  # the queue turns over, quickly
+    probe = Probe(dataset, batches * settings.batch_size, collate)
 {% if cookiecutter.with_streams == "yes" %}
-    if is_stream(dataset):  # the stream's first records, read as train.py reads them (StreamLoader)
-        probe = StreamProbe(dataset, batches_per_epoch(settings) * settings.batch_size)
-        loader = StreamLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
-    else:
-        count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
-        part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
-        probe = Probe(part)
-        loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
+    kind = StreamLoader if is_stream(dataset) else TrainLoader  # the data read as train.py reads it
 {% else %}
-    count = min(len(dataset), batches_per_epoch(settings) * settings.batch_size)
-    part = Subset(dataset, np.linspace(0, len(dataset) - 1, count).round().astype(np.int64).tolist())
-    probe = Probe(part)
-    loader = TrainLoader(probe, settings, seed=seed, collate_fn=ProbeCollate(probe, collate))
+    kind = TrainLoader
 {% endif %}
-    result = {
-        "profile": name,
-        "num_workers": settings.num_workers,
-        "prefetch_factor": settings.prefetch_factor,
-        "persistent_workers": settings.persistent_workers,
-        "pin_memory": settings.pin_memory,
-        "batch_size": settings.batch_size,
-        "budget_change": change,
-        "batches_per_epoch": loader.batches_per_epoch,
-    }
-    with PeakPss() as peak:
-        for epoch in (1, 2):
-            asked, arrivals, reports = time.time(), [], {}
-            for batch, report in loader:
-                arrivals.append(time.time())
-                if report["worker"]:
-                    reports.setdefault(report["pid"], report)  # a worker's first batch carries its first item
-                if epoch == 1 and len(arrivals) == 1:
-                    plan = memory.plan(batch, settings)
-                    result["plan"], result["plan_mib"] = plan.line(), plan.mib
-                    del batch  # the loader's generator still holds it: the one batch in hand, taken off below
-                    held = wait_for_queue(plan.bytes + plan.batch_bytes)
-                    result["in_flight_mib"] = max(held - plan.batch_bytes, 0) / MiB
-            result[f"first_batch_e{epoch}_s"] = arrivals[0] - asked
-            if epoch == 1:  # fresh workers: when each began its first item, and how much longer that item took
-                result["worker_start_s"] = max((r["began"] - asked for r in reports.values()), default=None)
-                result["dataset_init_s"] = max(
-                    (max(r["first_s"] - r["steady_s"], 0.0) for r in reports.values()), default=None
-                )
-            else:
-                span = arrivals[-1] - arrivals[0]
-                result["batches_per_s"] = (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
-    result["peak_pss_mib"] = peak.peak
+    loader = kind(probe, settings, seed=seed, collate_fn=probe.collate)
+    result = {"profile": name, **{k: getattr(settings, k) for k in SETTINGS}}
+    result.update(budget_change="; ".join(changes) or None, batches_per_epoch=loader.batches_per_epoch)
+    peak = PeakPss()
+    for epoch in (1, 2):
+        asked, arrivals, workers = time.time(), [], {}
+        for batch, report in loader:
+            arrivals.append(time.time())
+            if report is not None:  # a worker's first batch carries its first item's figures
+                workers.setdefault(report[0], report)
+            if epoch == 1 and len(arrivals) == 1:
+                plan = memory.plan(batch, settings)
+                result["plan"], result["plan_mib"] = plan.line(), plan.mib
+                del batch  # the loader's generator still holds it: the one batch in hand, taken off below
+                held = wait_for_queue(plan.bytes + plan.batch_bytes)
+                result["in_flight_mib"] = max(held - plan.batch_bytes, 0) / MiB
+        result[f"first_batch_e{epoch}_s"] = arrivals[0] - asked
+        if epoch == 1:  # fresh workers: when the slowest began its first item, and how much longer that item took
+            result["worker_start_s"] = max((began - asked for _, began, _ in workers.values()), default=None)
+            result["dataset_init_s"] = max((slower for *_, slower in workers.values()), default=None)
+    span = arrivals[-1] - arrivals[0]  # epoch 2 after its first batch
+    result["batches_per_s"] = (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
+    result["peak_pss_mib"] = peak.result()
     del loader, probe
-    wait_for_workers_to_exit()
+    gc.collect()  # the DataLoader iterator shuts its workers down when collected: wait for them to be gone
+    deadline = time.time() + 10
+    while psutil.Process().children() and time.time() < deadline:
+        time.sleep(0.05)
     return result
-{% if cookiecutter.with_streams == "yes" %}
 
 
-def stream_records(dataset) -> int | None:
-    """A stream's records per epoch: its shards' sizes added, or None where it does not say."""
-    sizes = shard_plan.shard_sizes(dataset) if shard_plan.is_shard_stream(dataset) else None
-    return None if sizes is None else sum(sizes)
-{% endif %}
-
-
-def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int = 5) -> float:
+def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> float:
     """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
-    saved = rng.capture()  # the model's initialisation draws from the main RNG; leave it as it was
-    try:
-        model = parts.model(cfg).to(device)
-        task = parts.task(cfg)
-        collate = parts.collate(cfg, dataset) or default_collate
-{% if cookiecutter.with_streams == "yes" %}
-        if is_stream(dataset):
-            samples = shard_plan.first_records(dataset, batch_size)
-            samples = [samples[i % len(samples)] for i in range(batch_size)]
-        else:
-            samples = [dataset[i % len(dataset)] for i in range(batch_size)]
-{% else %}
-        samples = [dataset[i % len(dataset)] for i in range(batch_size)]
-{% endif %}
-        batch = collate(samples)
-    finally:
-        rng.apply(saved)
+    with kept_rng():  # the model's initialisation draws from the main RNG; leave it as it was
+        model, task = parts.model(cfg).to(device), parts.task(cfg)
+        samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
+        batch = (collate or default_collate)([samples[i % len(samples)] for i in range(batch_size)])
     batch = parts.prepare(cfg, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
@@ -315,31 +225,28 @@ def model_rate(cfg, dataset, batch_size: int, device: torch.device, steps: int =
     return steps / (time.perf_counter() - began)
 
 
+def model_memory(cfg) -> dict:
 {% if cookiecutter.with_fsdp == "yes" %}
-def model_memory(cfg) -> dict:
-    """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of
-    them under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
-    with torch.random.fork_rng(devices=[]):  # the model's initialisation draws: leave the RNG as it was
-        model = parts.model(cfg)
-    params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
-    slots = fsdp.state_slots(parts.optimizer(cfg, model))
-    whole = params * (2 + slots)
-    return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
-            "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
+    """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of them
+    under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
 {% else %}
-def model_memory(cfg) -> dict:
-    """MiB of the model's parameters, gradients and optimizer state on each rank, whole under DDP (the loader's
+    """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP (the loader's
     batches in flight come on top)."""
-    with torch.random.fork_rng(devices=[]):  # the model's initialisation draws: leave the RNG as it was
+{% endif %}
+    with kept_rng():  # the model's initialisation draws: leave the RNG as it was
         model = parts.model(cfg)
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
     slots = state_slots(parts.optimizer(cfg, model))
     whole = params * (2 + slots)
+{% if cookiecutter.with_fsdp == "yes" %}
+    return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
+            "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
+{% else %}
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole}
 
 
 # Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on.
+# momentum buffer when momentum is on (engine/fsdp.py's, which a bake without FSDP leaves out).
 def state_slots(optimizer: torch.optim.Optimizer) -> int:
     defaults = optimizer.defaults
     if "betas" in defaults:
@@ -352,34 +259,33 @@ def recommend(
     results: list[dict], current: str, model_bps: float, available_mib: float, cores: int, full_batches: int
 ) -> dict:
     """The decision table of docs/loader.md, in its order: memory first, then a waiting model, then epoch starts."""
-    ran = [r for r in results if "refused" not in r and r.get("batches_per_s")]
+    ran = [r for r in results if r.get("batches_per_s")]
     if not ran:
         why = "no profile produced two batches in epoch 2: nothing to compare"
         return {"profile": current, "overrides": [], "reasons": [why]}
-    by_name = {r["profile"]: r for r in ran}
-    now = by_name.get(current, ran[0])
-    # batches in flight are in no process's PSS: add them
-    footprint = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}
-    fits = [r for r in ran if footprint[r["profile"]] <= MEMORY_SHARE * available_mib]
-    reasons, overrides = [], []
-    if footprint[now["profile"]] > MEMORY_SHARE * available_mib:
-        leanest = min(ran, key=lambda r: footprint[r["profile"]])
-        pick = leanest
-        reasons.append(
-            f"memory is tight: {current} peaks at {footprint[current]:.0f} MiB, over {MEMORY_SHARE:.0%} "
-            "of the "
-            f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({leanest['profile']}) "
-            f"peak at {footprint[leanest['profile']]:.0f} MiB"
-        )
-        if leanest["num_workers"] > 1 or (leanest["prefetch_factor"] or 0) > 1:
+    now = next((r for r in ran if r["profile"] == current), ran[0])
+
+    def footprint(r: dict) -> float:  # batches in flight are in no process's PSS: add them
+        return r["peak_pss_mib"] + r.get("in_flight_mib", 0.0)
+
+    limit, rate, overrides = MEMORY_SHARE * available_mib, now["batches_per_s"], []
+    fits = [r for r in ran if footprint(r) <= limit]
+    if footprint(now) > limit:
+        pick = min(ran, key=footprint)
+        reasons = [
+            f"memory is tight: {current} peaks at {footprint(now):.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+            f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({pick['profile']}) "
+            f"peak at {footprint(pick):.0f} MiB"
+        ]
+        if pick["num_workers"] > 1 or (pick["prefetch_factor"] or 0) > 1:
             overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]
-    elif now["batches_per_s"] < 1.1 * model_bps and fits:
+    elif rate < 1.1 * model_bps and fits:
         fastest = max(fits, key=lambda r: r["batches_per_s"])
-        pick = fastest if fastest["batches_per_s"] > 1.1 * now["batches_per_s"] else now
-        reasons.append(
-            f"the model waits on data: it takes {model_bps:.1f} batches/s, {current} delivers "
-            f"{now['batches_per_s']:.1f}, and memory is free"
-        )
+        pick = fastest if fastest["batches_per_s"] > 1.1 * rate else now
+        reasons = [
+            f"the model waits on data: it takes {model_bps:.1f} batches/s, {current} delivers {rate:.1f}, and "
+            "memory is free"
+        ]
         if pick is not now:
             reasons.append(f"more workers: {pick['profile']} delivers {pick['batches_per_s']:.1f} batches/s")
         elif now["num_workers"] < cores:
@@ -387,22 +293,19 @@ def recommend(
             reasons.append(f"more workers: {cores} CPUs are usable, {current} uses {now['num_workers']}")
         else:
             reasons.append(
-                f"the workers already use all {cores} CPUs: cheaper transforms, smaller images or more "
-                "CPUs are what is left"
+                f"the workers already use all {cores} CPUs: cheaper transforms, smaller images or more CPUs are "
+                "what is left"
             )
     else:
         pick = now
-        reasons.append(
-            f"{current} keeps up: {now['batches_per_s']:.1f} batches/s from the loader, "
-            f"{model_bps:.1f} batches/s taken by the model"
-        )
-    epoch_s = full_batches / pick["batches_per_s"]
-    restart = pick["first_batch_e2_s"]
+        reasons = [
+            f"{current} keeps up: {rate:.1f} batches/s from the loader, {model_bps:.1f} batches/s taken by the model"
+        ]
+    epoch_s, restart = full_batches / pick["batches_per_s"], pick["first_batch_e2_s"]
     if not pick["persistent_workers"] and pick["num_workers"] and restart > START_SHARE * epoch_s:
         overrides.append("loader.persistent_workers=true")
         reasons.append(
-            f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} "
-            "of an "
+            f"slow epoch start: {restart:.2f} s each epoch to restart workers ({restart / epoch_s:.0%} of an "
             "epoch); persistent workers skip it, at the price of keeping their memory"
         )
     return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
@@ -425,66 +328,51 @@ COLUMNS = [  # (key, header, format)
 
 
 def table(results: list[dict]) -> str:
+    """One row a profile, the columns of COLUMNS aligned; a refused profile's row says why instead."""
     rows = [[h for _, h, _ in COLUMNS]]
-    for r in results:
-        if "refused" in r:
-            rows.append([r["profile"], "refused: " + r["refused"]])
-            continue
-        rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in COLUMNS])
-    full = [row for row in rows if len(row) == len(COLUMNS)]
-    widths = [max(len(row[i]) for row in full) for i in range(len(COLUMNS))]
+    rows += [["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in results]
+    refused = [None] + [r.get("refused") for r in results]
+    measured = [row for row, no in zip(rows, refused, strict=True) if no is None]
+    widths = [max(len(row[i]) for row in measured) for i in range(len(COLUMNS))]
     lines = []
-    for row in rows:
-        if len(row) == len(COLUMNS):
-            cells = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
-        else:  # a refused profile: why
-            cells = row[1]
-        lines.append(row[0].ljust(widths[0]) + "  " + cells)
+    for row, no in zip(rows, refused, strict=True):
+        cells = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        lines.append(row[0].ljust(widths[0]) + "  " + (cells if no is None else f"refused: {no}"))
     return "\n".join(lines)
 
 
 def diagnose(cfg) -> dict:
+    """Every profile of conf/loader/ measured, the model timed and sized, doctor.json written, the table printed."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    device = torch.device("cuda" if cfg.device.value != "cpu" and torch.cuda.is_available() else "cpu")
-    if cfg.device.value == "cuda" and device.type != "cuda":
-        raise UserError("device=cuda but no CUDA device is visible: use device=cpu or device=auto")
+    device = pick_device(cfg.device)
     rng.seed_everything(cfg.seed)
     current = HydraConfig.get().runtime.choices.get("loader", "balanced")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("loader=")]
-    profiles = GlobalHydra.instance().config_loader().get_group_options("loader")
     available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
-    shm_free, shm_size = memory.shm_space() or (None, None)  # where the batches in flight live (memory.py)
+    space = memory.shm_space()  # (free, size) of where the batches in flight live, or None (memory.py)
+    shm_free, shm_size = (None, None) if space is None else (space[0] / MiB, space[1] / MiB)
     began = time.perf_counter()
     train_set = parts.data_set(cfg, "train")
     build_s = time.perf_counter() - began
     results, collate = [], parts.collate(cfg, train_set)  # the batches as train.py collates them
-    for name in profiles:
+    for name in GlobalHydra.instance().config_loader().get_group_options("loader"):
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
-    model_bps = model_rate(cfg, train_set, cfg.loader.batch_size, device)
-    weights = model_memory(cfg)
+    model_bps = model_rate(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
-    samples = stream_records(train_set) if is_stream(train_set) else len(train_set)  # None: a stream without sizes
+    sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # a shard stream's
+    samples = len(train_set) if not is_stream(train_set) else None if sizes is None else sum(sizes)  # None: unknown
 {% else %}
     samples = len(train_set)
 {% endif %}
-{% if cookiecutter.with_streams == "yes" %}
+    weights = model_memory(cfg)
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
-{% else %}
-    full_batches = max(samples // cfg.loader.batch_size, 1)
-{% endif %}
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
+    machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size}
+    machine.update(device=str(device), torch=torch.__version__, python=sys.version.split()[0])
     report = {
-        "machine": {
-            "cpus": cores,
-            "available_mib": available_mib,
-            "shm_free_mib": shm_free / MiB if shm_free is not None else None,
-            "shm_size_mib": shm_size / MiB if shm_size is not None else None,
-            "device": str(device),
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        },
+        "machine": machine,
         "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
         "model_batches_per_s": model_bps,
         "model_memory_mib": weights,
@@ -493,48 +381,26 @@ def diagnose(cfg) -> dict:
         "recommendation": advice,
     }
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
-    print(table(results))
-    print(
+    ranks = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights.get("fsdp_per_rank", {}).items())
+    lines = [
+        table(results),
         f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
-        f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s"
-    )
-{% if cookiecutter.with_fsdp == "yes" %}
-    fsdp_line = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights["fsdp_per_rank"].items())
-    print(
-        f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
-        f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP; "
-        f"parallel=fsdp: {fsdp_line} ranks"
-    )
-{% else %}
-    print(
+        f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s",
         f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
         f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP"
-    )
-{% endif %}
+        + (f"; parallel=fsdp: {ranks} ranks" if ranks else ""),
+    ]
     if shm_free is not None:
-        print(f"{memory.SHM_DIR}: {shm_free / MiB:.1f} MiB free of {shm_size / MiB:.1f} MiB (batches in flight)")
-    for r in results:
-        if r.get("budget_change"):
-            print(f"{r['profile']}: {r['budget_change']}")
+        lines.append(f"{memory.SHM_DIR}: {shm_free:.1f} MiB free of {shm_size:.1f} MiB (batches in flight)")
+    lines += [f"{r['profile']}: {r['budget_change']}" for r in results if r.get("budget_change")]
     line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
-    print(f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]))
-    print(f"written: {run_dir / 'doctor.json'}")
+    lines += [f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]), f"written: {run_dir / 'doctor.json'}"]
+    print("\n".join(lines))
     return report
 
 
-def conf_dir() -> Path:
-    """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside
-    this package in a source checkout. An installed package holds no conf/ of its own."""
-    for folder in (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf"):
-        if (folder / "config.yaml").is_file():
-            return folder
-    raise UserError(
-        f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
-        "the folder holding train.py and conf/"
-    )
-
-
 def run(cfg) -> None:
+    """diagnose(), a known failure (bad input, a dead worker) said in one `error:` line, exit 2."""
     try:
         diagnose(cfg)
     except Exception as e:
@@ -546,10 +412,16 @@ def run(cfg) -> None:
 
 
 def main() -> None:
-    try:
-        folder = conf_dir()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside this
+    package in a source checkout. An installed package holds no conf/ of its own."""
+    folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
+    folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
+    if folder is None:
+        print(
+            f"error: no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
+            "the folder holding train.py and conf/",
+            file=sys.stderr,
+        )
         sys.exit(2)
     schema.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
