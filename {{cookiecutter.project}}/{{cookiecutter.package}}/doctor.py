@@ -44,7 +44,6 @@ from .engine.fsdp import state_slots
 {% endif %}
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 {% if cookiecutter.with_streams == "yes" %}
-from .engine.shard_plan import is_stream
 from .engine.stream_loader import StreamLoader
 {% endif %}
 from .engine.task_results import split_loss
@@ -68,22 +67,14 @@ class Probe(Dataset):
 
     def __init__(self, dataset, count: int, collate=None):
         self.dataset, self.count, self.collate_fn = dataset, count, collate or default_collate
-        self.first: tuple[float, float] | None = None  # (wall-clock start, seconds) of this process's first item
-        self.later: list[float] = []
+        self.times: list[tuple[float, float]] = []  # (began, seconds) of each item made in this process; began:
+        # time.time(), the wall clock, comparable between processes
 {% if cookiecutter.with_streams == "yes" %}
-        size = 0 if is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
+        size = 0 if shard_plan.is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
 {% else %}
         size = len(dataset)
 {% endif %}
         self.picks = np.linspace(0, size - 1, min(size, count)).round().astype(np.int64).tolist()
-
-    def note(self, began: float) -> None:
-        """An item that began at `began` (time.time(): wall clock, comparable between processes) is made."""
-        took = time.time() - began
-        if self.first is None:
-            self.first = (began, took)
-        else:
-            self.later = self.later[-200:] + [took]
 
     def __len__(self) -> int:
         return len(self.picks)
@@ -91,35 +82,26 @@ class Probe(Dataset):
     def __getitem__(self, index):
         began = time.time()
         item = self.dataset[self.picks[index]]
-        self.note(began)
+        self.times.append((began, time.time() - began))
         return item
 {% if cookiecutter.with_streams == "yes" %}
 
     def __iter__(self):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        if shard_plan.is_shard_stream(self.dataset):
-            shards = list(self.dataset.shards)[worker::workers]
-            records = (record for shard in shards for record in self.dataset.read(shard))
-        else:
-            records = iter(self.dataset)
-        records = itertools.islice(records, max(self.count // workers, 1))
-        while True:
-            began = time.time()
-            item = next(records, None)
-            if item is None:
-                return
-            self.note(began)
+        records = itertools.islice(shard_plan.records(self.dataset, worker, workers), max(self.count // workers, 1))
+        while (began := time.time()) and (item := next(records, None)) is not None:
+            self.times.append((began, time.time() - began))
             yield item
 {% endif %}
 
     def collate(self, samples):
         """The batch, and (worker pid, when its first item began, how much longer that item took than the later
         ones) from a worker; None from the main process."""
-        if get_worker_info() is None or self.first is None:
+        if get_worker_info() is None or not self.times:
             return self.collate_fn(samples), None
-        slower = self.first[1] - (statistics.median(self.later) if self.later else 0.0)
-        return self.collate_fn(samples), (os.getpid(), self.first[0], max(slower, 0.0))
+        (began, first), later = self.times[0], [took for _, took in self.times[1:]]
+        return self.collate_fn(samples), (os.getpid(), began, max(first - statistics.median(later or [0.0]), 0.0))
 
 
 class PeakPss(threading.Thread):
@@ -171,7 +153,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     batches = max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)  # the queue turns over, quickly
     probe = Probe(dataset, batches * settings.batch_size, collate)
 {% if cookiecutter.with_streams == "yes" %}
-    kind = StreamLoader if is_stream(dataset) else TrainLoader  # the data read as train.py reads it
+    kind = StreamLoader if shard_plan.is_stream(dataset) else TrainLoader  # the data read as train.py reads it
 {% else %}
     kind = TrainLoader
 {% endif %}
@@ -213,15 +195,14 @@ def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, ste
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
         batch = (collate or default_collate)([samples[i % len(samples)] for i in range(batch_size)])
     batch = parts.prepare(cfg, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # the device done with what was asked
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             began = time.perf_counter()
         model.zero_grad(set_to_none=True)
         split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     return steps / (time.perf_counter() - began)
 
 
@@ -264,20 +245,17 @@ def recommend(
         why = "no profile produced two batches in epoch 2: nothing to compare"
         return {"profile": current, "overrides": [], "reasons": [why]}
     now = next((r for r in ran if r["profile"] == current), ran[0])
-
-    def footprint(r: dict) -> float:  # batches in flight are in no process's PSS: add them
-        return r["peak_pss_mib"] + r.get("in_flight_mib", 0.0)
-
+    mib = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in flight: in no PSS
     limit, rate, overrides = MEMORY_SHARE * available_mib, now["batches_per_s"], []
-    fits = [r for r in ran if footprint(r) <= limit]
-    if footprint(now) > limit:
-        pick = min(ran, key=footprint)
+    fits = [r for r in ran if mib[r["profile"]] <= limit]
+    if mib[now["profile"]] > limit:
+        pick = min(ran, key=lambda r: mib[r["profile"]])
         reasons = [
-            f"memory is tight: {current} peaks at {footprint(now):.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+            f"memory is tight: {current} peaks at {mib[now['profile']]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
             f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({pick['profile']}) "
-            f"peak at {footprint(pick):.0f} MiB"
+            f"peak at {mib[pick['profile']]:.0f} MiB"
         ]
-        if pick["num_workers"] > 1 or (pick["prefetch_factor"] or 0) > 1:
+        if pick["num_workers"] > 1 or (pick["prefetch_factor"] or 0) > 1:  # the leanest profile, leaner still
             overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]
     elif rate < 1.1 * model_bps and fits:
         fastest = max(fits, key=lambda r: r["batches_per_s"])
@@ -311,20 +289,14 @@ def recommend(
     return {"profile": pick["profile"], "overrides": overrides, "reasons": reasons}
 
 
-COLUMNS = [  # (key, header, format)
-    ("profile", "profile", "{}"),
-    ("num_workers", "workers", "{}"),
-    ("prefetch_factor", "prefetch", "{}"),
-    ("persistent_workers", "persistent", "{}"),
-    ("plan_mib", "plan MiB", "{:.1f}"),
-    ("in_flight_mib", "in flight MiB", "{:.1f}"),
-    ("worker_start_s", "worker start s", "{:.2f}"),
-    ("dataset_init_s", "dataset init s", "{:.2f}"),
-    ("first_batch_e1_s", "1st batch e1 s", "{:.2f}"),
-    ("first_batch_e2_s", "1st batch e2 s", "{:.2f}"),
-    ("batches_per_s", "batches/s", "{:.1f}"),
+COLUMNS = [  # (key in doctor.json, header, format)
+    ("profile", "profile", "{}"), ("num_workers", "workers", "{}"), ("prefetch_factor", "prefetch", "{}"),
+    ("persistent_workers", "persistent", "{}"), ("plan_mib", "plan MiB", "{:.1f}"),
+    ("in_flight_mib", "in flight MiB", "{:.1f}"), ("worker_start_s", "worker start s", "{:.2f}"),
+    ("dataset_init_s", "dataset init s", "{:.2f}"), ("first_batch_e1_s", "1st batch e1 s", "{:.2f}"),
+    ("first_batch_e2_s", "1st batch e2 s", "{:.2f}"), ("batches_per_s", "batches/s", "{:.1f}"),
     ("peak_pss_mib", "peak PSS MiB", "{:.0f}"),
-]
+]  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -361,25 +333,19 @@ def diagnose(cfg) -> dict:
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
     model_bps = model_rate(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
-    sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # a shard stream's
-    samples = len(train_set) if not is_stream(train_set) else None if sizes is None else sum(sizes)  # None: unknown
+    sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
+    samples = sum(sizes) if sizes is not None else None if shard_plan.is_stream(train_set) else len(train_set)
 {% else %}
     samples = len(train_set)
 {% endif %}
     weights = model_memory(cfg)
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
-    machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size}
-    machine.update(device=str(device), torch=torch.__version__, python=sys.version.split()[0])
-    report = {
-        "machine": machine,
-        "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
-        "model_batches_per_s": model_bps,
-        "model_memory_mib": weights,
-        "current": current,
-        "profiles": results,
-        "recommendation": advice,
-    }
+    machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
+               "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]}  # fmt: skip
+    data = {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches}
+    report = {"machine": machine, "data": data, "model_batches_per_s": model_bps, "model_memory_mib": weights,
+              "current": current, "profiles": results, "recommendation": advice}  # fmt: skip
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
     ranks = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights.get("fsdp_per_rank", {}).items())
     lines = [

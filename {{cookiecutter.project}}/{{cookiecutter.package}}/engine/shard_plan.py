@@ -117,12 +117,15 @@ def dropped(plan: list[list[int]], sizes: list[int], batch_size: int, workers: i
     return out
 
 
+def records(dataset, part: int = 0, parts: int = 1):
+    """A stream's records in order: a shard stream's from its shards `part::parts` (a doctor's worker reads its share),
+    any other stream's from its own iterator (it splits itself)."""
+    if is_shard_stream(dataset):
+        return (record for shard in list(dataset.shards)[part::parts] for record in dataset.read(shard))
+    return iter(dataset)
+
+
 def first_records(dataset, count: int) -> list:
     """The stream's first `count` records, read in this process from a shallow copy (a data set that opens files on
     first use does so on the copy): a shard stream's from its first shards, any other stream's from its iterator."""
-    dataset = copy.copy(dataset)
-    if is_shard_stream(dataset):
-        records = (record for shard in dataset.shards for record in dataset.read(shard))
-    else:
-        records = iter(dataset)
-    return list(itertools.islice(records, count))
+    return list(itertools.islice(records(copy.copy(dataset)), count))
