@@ -227,7 +227,7 @@ def model_memory(cfg) -> dict:
 
 
 # Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on (engine/fsdp.py's, which a bake without FSDP leaves out).
+# momentum buffer when momentum is on.
 def state_slots(optimizer: torch.optim.Optimizer) -> int:
     defaults = optimizer.defaults
     if "betas" in defaults:
@@ -347,15 +347,17 @@ def diagnose(cfg) -> dict:
     report = {"machine": machine, "data": data, "model_batches_per_s": model_bps, "model_memory_mib": weights,
               "current": current, "profiles": results, "recommendation": advice}  # fmt: skip
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
-    ranks = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights.get("fsdp_per_rank", {}).items())
     lines = [
         table(results),
         f"\nmodel ({cfg.model._target_.rsplit('.', 1)[-1]} on {device}): {model_bps:.1f} batches/s; "
         f"{available_mib:.0f} MiB available, {cores} CPUs; dataset built in {build_s:.2f} s",
         f"model memory per rank: parameters {weights['parameters']:.1f} MiB + gradients {weights['gradients']:.1f} + "
-        f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP"
-        + (f"; parallel=fsdp: {ranks} ranks" if ranks else ""),
+        f"optimizer state {weights['optimizer_state']:.1f} = {weights['ddp_per_rank']:.1f} MiB under DDP",
     ]
+{% if cookiecutter.with_fsdp == "yes" %}
+    ranks = ", ".join(f"{mib:.1f} on {w}" for w, mib in weights["fsdp_per_rank"].items())
+    lines[-1] += f"; parallel=fsdp: {ranks} ranks"
+{% endif %}
     if shm_free is not None:
         lines.append(f"{memory.SHM_DIR}: {shm_free:.1f} MiB free of {shm_size:.1f} MiB (batches in flight)")
     lines += [f"{r['profile']}: {r['budget_change']}" for r in results if r.get("budget_change")]

@@ -118,8 +118,8 @@ def dropped(plan: list[list[int]], sizes: list[int], batch_size: int, workers: i
 
 
 def records(dataset, part: int = 0, parts: int = 1):
-    """A stream's records in order: a shard stream's from its shards `part::parts` (a doctor's worker reads its share),
-    any other stream's from its own iterator (it splits itself)."""
+    """A stream's records in order: a shard stream's from its shards `part::parts` (a worker reading its share of
+    them), any other stream's from its own iterator (it splits itself)."""
     if is_shard_stream(dataset):
         return (record for shard in list(dataset.shards)[part::parts] for record in dataset.read(shard))
     return iter(dataset)
