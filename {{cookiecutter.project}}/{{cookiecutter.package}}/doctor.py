@@ -67,8 +67,7 @@ class Probe(Dataset):
 
     def __init__(self, dataset, count: int, collate=None):
         self.dataset, self.count, self.collate_fn = dataset, count, collate or default_collate
-        self.times: list[tuple[float, float]] = []  # (began, seconds) of each item made in this process; began:
-        # time.time(), the wall clock, comparable between processes
+        self.times: list[tuple[float, float]] = []  # each item made in this process: (time.time() it began, seconds)
 {% if cookiecutter.with_streams == "yes" %}
         size = 0 if shard_plan.is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
 {% else %}
@@ -90,14 +89,14 @@ class Probe(Dataset):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         records = itertools.islice(shard_plan.records(self.dataset, worker, workers), max(self.count // workers, 1))
-        while (began := time.time()) and (item := next(records, None)) is not None:
+        while (began := time.time()) and (item := next(records, None)) is not None:  # began: before each read
             self.times.append((began, time.time() - began))
             yield item
 {% endif %}
 
     def collate(self, samples):
-        """The batch, and (worker pid, when its first item began, how much longer that item took than the later
-        ones) from a worker; None from the main process."""
+        """The batch, and (worker pid, when its first item began by the wall clock, which processes share, how much
+        longer that item took than the later ones) from a worker; None from the main process."""
         if get_worker_info() is None or not self.times:
             return self.collate_fn(samples), None
         (began, first), later = self.times[0], [took for _, took in self.times[1:]]
