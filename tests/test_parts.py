@@ -28,7 +28,7 @@ LEFT_OUT = {
                       "conf/data/jsonlines.yaml", "tests/test_stream.py", "tests/test_stream_loader.py",
                       "tests/test_stream_train.py", "tests/test_shard_plan.py", "docs/streams.md"],
                      [r"StreamLoader", r"stream_resume", r"restart_epoch", r"JsonLines", r"data=jsonlines", r"ShardStream",
-                      r"shard_plan", r"EvalStream", r"StreamProbe", r"is_stream", r"[Ss]hard stream", r"\[Streams\]",
+                      r"shard_plan", r"EvalStream", r"is_stream", r"[Ss]hard stream", r"\[Streams\]",
                       r"streams\.md"]),
     "with_slurm": (["my_trainer/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
                    [r"submitit", r"hydra/launcher", r"slurm\.py", r"\[slurm\]", r"SLURM with submitit", r"slurm\.md"]),
