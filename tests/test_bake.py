@@ -121,6 +121,33 @@ def test_ci_runs_the_python_range_and_the_newest_dependencies(bake, tmp_path):
     assert "--upgrade --upgrade-strategy eager" in install and ".[dev]" in install
 
 
+@pytest.mark.parametrize("answers", [{}, MINIMAL], ids=["defaults", "minimal"])
+def test_ci_installs_the_lower_bounds(bake, tmp_path, answers):
+    """On every push a `lowest` job pins each `>=` bound of pyproject.toml's [project] tables, dependencies and
+    extras alike (its constraints file, made by the script in the workflow, run here on the baked file), on the
+    oldest Python requires-python admits, and runs the fast tier."""
+    project = bake(tmp_path, **answers)
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    lowest = workflow["jobs"]["lowest"]
+    assert "push" in lowest["if"] and "pull_request" in lowest["if"]
+    requires = project_table(project)["requires-python"]
+    admitted = [v for v in ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14") if Version(v) in SpecifierSet(requires)]
+    assert lowest["steps"][1]["with"]["python-version"] == admitted[0]
+    install = next(step["run"] for step in lowest["steps"] if "floors.txt" in step.get("run", ""))
+    assert '-e ".[dev]" -c floors.txt' in install and "download.pytorch.org/whl/cpu" in install
+    assert any('pytest -m "not slow"' in step.get("run", "") for step in lowest["steps"])
+    script = re.search(r"<<'EOF'\n(.*?)\nEOF\n", install, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=project, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pinned = dict(line.split("==") for line in proc.stdout.split())
+    table = project_table(project)
+    declared = [Requirement(r) for r in table["dependencies"]]
+    declared += [Requirement(r) for reqs in table["optional-dependencies"].values() for r in reqs]
+    floors = {r.name: s.version for r in declared for s in r.specifier if s.operator == ">="}
+    assert pinned == floors
+    assert {"torch", "torchvision", "numpy", "pytest", "ruff"} <= set(pinned) and "setuptools" not in pinned
+
+
 def requirement_lines(path) -> list[str]:
     """The requirements of a pip requirements file, comments dropped, with those of the files it includes
     (`-r other.txt`, as requirements-dev.txt includes requirements-demo.txt); other options are skipped."""
