@@ -20,8 +20,9 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
+from .engine import shard_plan
 from .engine.errors import UserError
 
 
@@ -48,17 +49,14 @@ class ShardStream(IterableDataset):
                 yield self.transform(sample) if self.transform is not None else sample
 
     def __iter__(self) -> Iterator:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        for shard in self.shards[worker::workers]:
-            yield from self.read(shard)
+        return shard_plan.records(self, *shard_plan.this_worker())
 
 
 class JsonLines(ShardStream):
     """JSON-lines files as a stream: one shard per file, one record per line, e.g. `{"x": [0.1, 0.7], "label": 1}`.
 
     A sample is `(torch.tensor(record[input_key], float32), int(record[label_key]))`. `files`: a glob pattern or a
-    list of paths. `count`: count each file's lines up front, as `sizes` (a read of the bytes, no JSON parsing), so
+    list of paths. `count`: count each file's lines up front, as `sizes` (no JSON parsing), so
     the steps of an epoch are known and torchrun processes stay in step."""
 
     def __init__(
@@ -76,12 +74,7 @@ class JsonLines(ShardStream):
         if missing:
             raise UserError(f"JsonLines: {missing[0]!r} is not a file: check data.train.files")
         self.input_key, self.label_key = input_key, label_key
-        super().__init__(paths, [self.count_lines(p) for p in paths] if count else None, transform)
-
-    @staticmethod
-    def count_lines(path: str) -> int:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
+        super().__init__(paths, [sum(1 for _ in self.records(p)) for p in paths] if count else None, transform)
 
     def records(self, shard: str) -> Iterator[str]:
         with open(shard) as f:
