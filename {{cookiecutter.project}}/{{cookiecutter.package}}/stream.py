@@ -1,20 +1,17 @@
 """Streams: data read in order, shard by shard, that train.py trains on like an indexed data set (docs/streams.md).
 
-A *shard stream* has `shards` (picklable shard descriptors: paths, URLs), `read(shard)` (that shard's records,
-transforms applied) and, best, `sizes` (records per shard). train.py hands whole shards to the readers (DataLoader
-workers x processes), so each shard is opened by one reader and each record comes out once per epoch; it seeds
-every record from (seed, epoch, shard, record), and a checkpoint records how many records of each shard the loop
-consumed, so a resume goes on from there (engine/stream_loader.py). With `sizes` it plans every process's steps,
-so torchrun processes stay in step.
-
-`ShardStream` is the base to build one on: give it `records(shard)` (the shard's raw records, cheap to pass over)
-and `decode(record)`; it gives `read(shard, start)`, which a resume and `data.on_bad_sample=skip` need to start
-inside a shard. `JsonLines` is a worked example: one shard per file, one record per line.
+A *shard stream* has `shards` (picklable descriptors: paths, URLs), `read(shard)` (that shard's records, transforms
+applied) and, best, `sizes` (records per shard): train.py hands whole shards to the readers, seeds each record from
+(seed, epoch, shard, record) and resumes from the records consumed (engine/stream_loader.py); `sizes` keeps torchrun
+processes in step. `ShardStream` is the base to build one on: give it `records(shard)` (raw records, cheap to pass
+over) and `decode(record)`; its `read(shard, start)` lets a resume and `data.on_bad_sample=skip` start inside a
+shard. `JsonLines` is a worked example: one shard per file, one record per line.
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -43,10 +40,9 @@ class ShardStream(IterableDataset):
 
     def read(self, shard, start: int = 0) -> Iterator:
         """The shard's samples from record `start` on: the records before it are passed over undecoded."""
-        for index, record in enumerate(self.records(shard)):
-            if index >= start:
-                sample = self.decode(record)
-                yield self.transform(sample) if self.transform is not None else sample
+        for record in itertools.islice(self.records(shard), start, None):
+            sample = self.decode(record)
+            yield self.transform(sample) if self.transform is not None else sample
 
     def __iter__(self) -> Iterator:
         return shard_plan.records(self, *shard_plan.this_worker())
@@ -60,13 +56,9 @@ class JsonLines(ShardStream):
     the steps of an epoch are known and torchrun processes stay in step."""
 
     def __init__(
-        self,
-        files: str | Sequence[str],
-        input_key: str = "x",
-        label_key: str = "label",
-        count: bool = True,
+        self, files: str | Sequence[str], input_key: str = "x", label_key: str = "label", count: bool = True,
         transform: Callable | None = None,
-    ):
+    ):  # fmt: skip
         paths = sorted(glob.glob(files)) if isinstance(files, str) else [str(f) for f in files]
         if not paths:
             raise UserError(f"JsonLines: no files match {files!r}: point data.train.files at your .jsonl files")

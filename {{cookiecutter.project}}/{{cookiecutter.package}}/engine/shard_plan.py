@@ -1,11 +1,7 @@
-"""The epoch plan of a shard stream: which reader reads which shards, from which record, and how many batches a
-rank takes.
-
-A *shard stream* is a data set with `shards` (a sequence of picklable shard descriptors), `read(shard)` (an
-iterator of that shard's records, transforms applied) and optionally `sizes` (records per shard). A *reader* is
-one DataLoader worker of one rank: `rank * num_workers + worker`, `ranks * num_workers` of them (one per rank
-with num_workers=0). Everything here is a pure function of (seed, epoch, sizes, readers, consumed counts):
-every worker and rank computes the same plan, and a resume computes it again instead of saving it.
+"""The epoch plan of a shard stream (`shards`, `read(shard)`, optionally `sizes`: see stream.py): which reader (one
+DataLoader worker of one rank, `rank * num_workers + worker`) reads which shards, from which record, and how many
+batches a rank takes. All pure functions of (seed, epoch, sizes, readers, consumed counts): every worker and rank
+computes the same plan, and a resume computes it again instead of saving it.
 """
 
 from __future__ import annotations

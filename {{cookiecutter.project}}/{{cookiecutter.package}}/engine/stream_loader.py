@@ -7,13 +7,13 @@ Why it can be resumed (facts from torch/utils/data/dataloader.py, iterable data 
   worker goes first.
 - A worker whose stream ends would be left out, and a worker that is not persistent would exit there, mid-epoch
   (`_mark_worker_as_unavailable`). So a reader that has read all its records answers each further request with an
-  `ended` marker instead: the loop skips those, and the epoch ends when every worker has sent one (or at its
+  `ended` marker (no batch) instead: the loop skips those, and the epoch ends when every worker has sent one (or at its
   planned steps). The order of the real batches stays the round robin over the readers with records left.
 - Workers make whole batches (`ReaderStream`), each with what it holds: per shard, the record its reader reads
   next (`ends`), or a plain stream's state after it. The main process keeps what the loop has *consumed*;
   batches still prefetched are ahead of the loop and do not count.
 - Persistent workers keep their copy of the data set, so what a new epoch needs (its number, the worker that goes
-  first, the records consumed) reaches them through tensors in shared memory, written before `iter()`.
+  first, the records consumed) reaches them through a tensor in shared memory (`control`), written before `iter()`.
 - A shard stream's epoch plan (engine/shard_plan.py) is a pure function of (seed, epoch, readers): resumed with
   the same readers, every reader goes on from its consumed records and the worker whose turn came next goes first,
   so the run continues batch for batch. With other readers, the shards' unconsumed records are planned again.
@@ -54,7 +54,6 @@ class StreamBatch:
     state: dict | None = None  # Stateful plain streams: {"count": records read, "state": the data set's state_dict()}
     skipped: list = field(default_factory=list)
     pid: int = 0
-    ended: bool = False  # no batch: the reader has read every record it has this epoch
 
 
 def _as_is(item):
@@ -80,76 +79,69 @@ class ReaderStream(IterableDataset):
             self.seeks = False
         methods = ("state_dict", "load_state_dict")
         self.stateful = not self.shards and all(callable(getattr(dataset, m, None)) for m in methods)
-        self.control = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, the worker that goes first
-        count = len(dataset.shards) if self.shards else 0
-        self.consumed = torch.zeros(count, dtype=torch.int64).share_memory_()  # per shard, at the epoch's start
+        # what an epoch's iter() starts from: its number, the worker that goes first, per shard the records consumed
+        self.control = torch.zeros(2 + (len(dataset.shards) if self.shards else 0), dtype=torch.int64).share_memory_()
         self.resume: tuple[int, dict] = (-1, {})  # plain streams: (epoch, reader -> its state) to go on from
         self._base = (-1, 0)  # (epoch, rng.epoch_base of it): what each record's seed is mixed from
 
     def __iter__(self):
         worker, workers = shard_plan.this_worker()
-        epoch, first = (int(v) for v in self.control.tolist())
+        epoch, first, *consumed = self.control.tolist()
         local = (worker + first) % workers  # the reader this worker is this epoch
-        records = self._records(epoch, self.rank * workers + local, self.world_size * workers)
+        records = self._records(epoch, self.rank * workers + local, self.world_size * workers, consumed)
         in_main = get_worker_info() is None
-        while True:
-            saved = rng.capture() if in_main else None  # num_workers=0: the main RNG untouched by the data
-            try:
-                made = self._batch(records, local, in_main)
-            finally:
-                if in_main:
-                    rng.apply(saved)
-            if made is None:
-                break
+        while (made := self._batch(records, local, in_main)) is not None:
             yield made
-        ended = (None, StreamBatch(local, pid=os.getpid(), ended=True))
+        ended = (None, StreamBatch(local, pid=os.getpid()))  # no batch: the reader has read its records
         while True:  # until the epoch ends: the worker stays in the round robin, and alive (module docstring)
             yield ended
 
     def _batch(self, records, local: int, in_main: bool):
-        samples, meta, failed = [], StreamBatch(local, pid=os.getpid()), 0
-        for kind, shard, index, item in records:
-            if kind == SKIPPED:
-                meta.skipped.append(item)
-                failed += 1
-                if failed >= self.batch_size and not samples:
-                    raise failures.BadSample(
-                        f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
-                    )
-            else:
-                samples.append(item)
-            meta.ends[shard] = index + 1  # a plain stream's under None: its records read
-            if len(samples) == self.batch_size:
-                break
-        if not samples:
-            return None
-        count = meta.ends.pop(None, 0)
-        if self.stateful:  # its state after the batch's last record, taken once per batch, copied as it changes
-            meta.state = {"count": count, "state": copy.deepcopy(self.dataset.state_dict())}
-        batch = self.collate(samples)
-        return (batch if in_main else map_tensors(for_the_queue, batch)), meta
+        """The reader's next batch and its StreamBatch, None at the end of its records. In the main process
+        (num_workers=0) the main RNG is left as it was: the data does not draw from it."""
+        samples, meta = [], StreamBatch(local, pid=os.getpid())
+        saved = rng.capture() if in_main else None
+        try:
+            for kind, shard, index, item in records:
+                if kind == SKIPPED:
+                    meta.skipped.append(item)
+                    if len(meta.skipped) >= self.batch_size and not samples:
+                        raise failures.BadSample(
+                            f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
+                        )
+                else:
+                    samples.append(item)
+                meta.ends[shard] = index + 1  # a plain stream's under None: its records read
+                if len(samples) == self.batch_size:
+                    break
+            if not samples:
+                return None
+            count = meta.ends.pop(None, 0)
+            if self.stateful:  # its state after the batch's last record, taken once per batch, copied as it changes
+                meta.state = {"count": count, "state": copy.deepcopy(self.dataset.state_dict())}
+            batch = self.collate(samples)
+            return (batch if in_main else map_tensors(for_the_queue, batch)), meta
+        finally:
+            if in_main:
+                rng.apply(saved)
 
-    def _records(self, epoch: int, reader: int, readers: int):
+    def _records(self, epoch: int, reader: int, readers: int, consumed: list[int]):
         """(kind, shard, index, sample or error line) of each record this reader reads this epoch."""
         if self.shards:
-            consumed = self.consumed.clone()
-            for shard in shard_plan.reader_shards(self.seed, epoch, self.sizes, len(self.consumed), readers)[reader]:
-                yield from self._read(epoch, shard, int(consumed[shard]))
+            for shard in shard_plan.reader_shards(self.seed, epoch, self.sizes, len(consumed), readers)[reader]:
+                yield from self._read(epoch, shard, consumed[shard])
             return
-        set_epoch = getattr(self.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
+        getattr(self.dataset, "set_epoch", lambda _: None)(epoch)  # when it has one
         saved = self.resume[1].get(reader) if epoch == self.resume[0] else None
         if saved is not None:
             self.dataset.load_state_dict(saved["state"])
         yield from self._read(epoch, None, saved["count"] if saved else 0, reader)
 
     def _open(self, shard: int, start: int):
-        read = self.dataset.read
-        if self.seeks:
-            return iter(read(self.dataset.shards[shard], start=start))
-        records = iter(read(self.dataset.shards[shard]))
-        next(itertools.islice(records, start, start), None)  # past the consumed ones, before any record is seeded
+        descriptor = self.dataset.shards[shard]
+        records = iter(self.dataset.read(descriptor, start=start) if self.seeks else self.dataset.read(descriptor))
+        if not self.seeks:  # past the consumed ones, before any record is seeded
+            next(itertools.islice(records, start, start), None)
         return records
 
     def _read(self, epoch: int, shard: int | None, start: int, reader: int = 0):
@@ -191,33 +183,19 @@ class ReaderStream(IterableDataset):
 
 
 class StreamLoader(EpochLoader):
-    """The train loader of a stream, built once. Iterate it once per epoch; `state_dict()` at any step.
-
-    An EpochLoader (engine/loader.py), as TrainLoader is: `epoch`, `position` (batches of this epoch consumed),
-    `batches_per_epoch` (known for a shard stream with `sizes`; else None, and the epoch ends where the stream
-    does), `at_epoch_end`, `worker_pids`, `skipped`, `start_next_epoch()`.
-    - Shard stream, `sizes`: every rank takes the same steps (shard_plan.steps_left); the records past them are
-      dropped, counted in `dropped`.
-    - Without `sizes`, one process only: the epoch's length is known when it ends.
-    - Plain streams resume exactly when they are Stateful (`state_dict()` / `load_state_dict()`), with the same
-      readers; without a state, a mid-epoch resume is refused unless `stream_resume="restart_epoch"`.
-    """
+    """The train loader of a stream, built once: an EpochLoader (engine/loader.py), iterated once per epoch, its
+    `state_dict()` at any step. A shard stream with `sizes` knows `batches_per_epoch`: every rank takes the same
+    steps (shard_plan.steps_left), the records past them counted in `dropped_records`. Without `sizes` (one process
+    only) the epoch ends where the stream does. A plain stream resumes exactly when it is Stateful (`state_dict()` /
+    `load_state_dict()`), with the same readers; without a state, a mid-epoch resume is refused unless
+    `stream_resume="restart_epoch"`."""
 
     def __init__(
-        self,
-        dataset,
-        settings: LoaderSettings,
-        seed: int,
-        rng_mode: str = "per_sample",
-        collate_fn=None,
-        rank: int = 0,
-        world_size: int = 1,
-        worker_init=None,
-        on_bad_sample: str = "error",
-        bad_samples: failures.BadSampleLog | None = None,
-        start_guard=contextlib.nullcontext,
+        self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
+        rank: int = 0, world_size: int = 1, worker_init=None, on_bad_sample: str = "error",
+        bad_samples: failures.BadSampleLog | None = None, start_guard=contextlib.nullcontext,
         stream_resume: str = "exact",
-    ):
+    ):  # fmt: skip
         name = type(dataset).__name__
         if rng_mode != "per_sample":
             raise UserError(
@@ -231,8 +209,7 @@ class StreamLoader(EpochLoader):
             dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
             skip=self.skip,
         )  # fmt: skip
-        shards = self.stream.shards
-        self.kind = "shard_stream" if shards else "stream"
+        self.kind = "shard_stream" if self.stream.shards else "stream"
         if self.skip and not self.stream.seeks:
             raise UserError(
                 f"data.on_bad_sample=skip: data.train ({name}) cannot go on past a record that failed (a generator "
@@ -241,26 +218,22 @@ class StreamLoader(EpochLoader):
             )
         if world_size > 1 and self.stream.sizes is None:
             raise UserError(
-                f"data.train ({name}) is a stream {'without sizes' if shards else 'of no shards'}: under torchrun "
-                "every rank must take the same steps, planned from the records per shard; give it `shards`, `read` and "
-                "`sizes`, or run one process"
+                f"data.train ({name}) is a stream {'without sizes' if self.stream.shards else 'of no shards'}: under "
+                "torchrun every rank must take the same steps, planned from the records per shard; give it `shards`, "
+                "`read` and `sizes`, or run one process"
             )
         self.stream_resume = stream_resume
         self.workers = max(settings.num_workers, 1)  # readers per rank
         self.readers = world_size * self.workers
         self.batches = 0  # consumed over the run
         self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
-        self.done = torch.zeros_like(self.stream.consumed)  # per shard: records the loop consumed
+        self.done = torch.zeros(len(self.stream.control) - 2, dtype=torch.int64)  # per shard: records the loop consumed
         self.states: dict[int, dict] = {}  # Stateful plain streams: reader -> its state as of its last consumed batch
         self.dropped = 0  # records the epoch leaves out, over all ranks, so that ranks take the same steps
         self.dropped_records = 0  # the same, of the epoch that ended last (metrics.jsonl)
         self.batches_per_epoch: int | None = None  # None: a stream without sizes, whose epoch ends where it does
-        self._last = False  # the batch just consumed is the epoch's last
+        self.at_epoch_end = False  # the batch just consumed is the epoch's last
         self._plan()
-
-    @property
-    def at_epoch_end(self) -> bool:
-        return self._last
 
     def worker_due(self) -> int:
         """The worker the loop waits on next (a stall names it)."""
@@ -293,8 +266,7 @@ class StreamLoader(EpochLoader):
 
     def begin_early(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
-        self.stream.control.copy_(torch.tensor([self.epoch, self.first]))
-        self.stream.consumed.copy_(self.done)
+        self.stream.control.copy_(torch.cat([torch.tensor([self.epoch, self.first]), self.done]))
         if self.loader is None:
             self.loader = self.guarded(
                 self.stream, batch_size=None, collate_fn=_as_is,  # the workers make whole batches
@@ -333,21 +305,19 @@ class StreamLoader(EpochLoader):
                 self.states[self.rank * self.workers + meta.worker] = meta.state
             self.worker_pids.add(meta.pid)
             self.count_skipped(meta.skipped)
-            self._last = upcoming is None
+            self.at_epoch_end = upcoming is None
             yield batch
-        self.epoch, self.position, self.first, self._last, self.states = self.epoch + 1, 0, 0, False, {}
+        self.epoch, self.position, self.first, self.at_epoch_end, self.states = self.epoch + 1, 0, 0, False, {}
         self.dropped_records = self.dropped
         self.done.zero_()
         self._plan()
 
     def _next(self, iterator, ended: set):
-        """The next batch and what it carries; None once every reader has sent its `ended` marker."""
+        """The next batch and what it carries; None once every reader has sent its `ended` marker (the readers'
+        iterators never stop: they send markers until the epoch ends)."""
         while len(ended) < self.workers:
-            try:
-                batch, meta = self.next_batch(iterator)
-            except StopIteration:
-                return None
-            if not meta.ended:
+            batch, meta = self.next_batch(iterator)
+            if batch is not None:
                 return batch, meta
             ended.add(meta.worker)
         return None
