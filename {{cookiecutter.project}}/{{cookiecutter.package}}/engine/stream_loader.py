@@ -82,7 +82,6 @@ class ReaderStream(IterableDataset):
         # what an epoch's iter() starts from: its number, the worker that goes first, per shard the records consumed
         self.control = torch.zeros(2 + (len(dataset.shards) if self.shards else 0), dtype=torch.int64).share_memory_()
         self.resume: tuple[int, dict] = (-1, {})  # plain streams: (epoch, reader -> its state) to go on from
-        self._base = (-1, 0)  # (epoch, rng.epoch_base of it): what each record's seed is mixed from
 
     def __iter__(self):
         worker, workers = shard_plan.this_worker()
@@ -152,10 +151,9 @@ class ReaderStream(IterableDataset):
         name = f"stream reader {reader}" if plain else f"shard {shard} ({str(self.dataset.shards[shard])[:200]})"
         size = None if plain or self.sizes is None else self.sizes[shard]
         index, records, held = start, iter(self.dataset) if plain else self._open(shard, start), None
+        base = rng.epoch_base(self.seed, epoch)  # what each record's key is mixed with
         while True:
-            if self._base[0] != epoch:
-                self._base = (epoch, rng.epoch_base(self.seed, epoch))
-            rng.seed_sample(rng.index_seed(self._base[1], key | index))
+            rng.seed_sample(rng.index_seed(base, key | index))
             try:
                 kind, item = RECORD, next(records)
             except StopIteration:
