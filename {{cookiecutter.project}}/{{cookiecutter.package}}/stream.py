@@ -1,27 +1,25 @@
 """Streams: data read in order, shard by shard, that train.py trains on like an indexed data set (docs/streams.md).
 
-A *shard stream* has `shards` (picklable shard descriptors: paths, URLs), `read(shard)` (that shard's records,
-transforms applied) and, best, `sizes` (records per shard). train.py hands whole shards to the readers (DataLoader
-workers x processes), so each shard is opened by one reader and each record comes out once per epoch; it seeds
-every record from (seed, epoch, shard, record), and a checkpoint records how many records of each shard the loop
-consumed, so a resume goes on from there (engine/stream_loader.py). With `sizes` it plans every process's steps,
-so torchrun processes stay in step.
-
-`ShardStream` is the base to build one on: give it `records(shard)` (the shard's raw records, cheap to pass over)
-and `decode(record)`; it gives `read(shard, start)`, which a resume and `data.on_bad_sample=skip` need to start
-inside a shard. `JsonLines` is a worked example: one shard per file, one record per line.
+A *shard stream* has `shards` (picklable descriptors: paths, URLs), `read(shard)` (that shard's records, transforms
+applied) and, best, `sizes` (records per shard): train.py hands whole shards to the readers, seeds each record from
+(seed, epoch, shard, record) and resumes from the records consumed (engine/stream_loader.py); `sizes` keeps torchrun
+processes in step. `ShardStream` is the base to build one on: give it `records(shard)` (raw records, cheap to pass
+over) and `decode(record)`; its `read(shard, start)` lets a resume and `data.on_bad_sample=skip` start inside a
+shard. `JsonLines` is a worked example: one shard per file, one record per line.
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
+from .engine import shard_plan
 from .engine.errors import UserError
 
 
@@ -42,33 +40,25 @@ class ShardStream(IterableDataset):
 
     def read(self, shard, start: int = 0) -> Iterator:
         """The shard's samples from record `start` on: the records before it are passed over undecoded."""
-        for index, record in enumerate(self.records(shard)):
-            if index >= start:
-                sample = self.decode(record)
-                yield self.transform(sample) if self.transform is not None else sample
+        for record in itertools.islice(self.records(shard), start, None):
+            sample = self.decode(record)
+            yield self.transform(sample) if self.transform is not None else sample
 
     def __iter__(self) -> Iterator:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        for shard in self.shards[worker::workers]:
-            yield from self.read(shard)
+        return shard_plan.records(self, *shard_plan.this_worker())
 
 
 class JsonLines(ShardStream):
     """JSON-lines files as a stream: one shard per file, one record per line, e.g. `{"x": [0.1, 0.7], "label": 1}`.
 
     A sample is `(torch.tensor(record[input_key], float32), int(record[label_key]))`. `files`: a glob pattern or a
-    list of paths. `count`: count each file's lines up front, as `sizes` (a read of the bytes, no JSON parsing), so
+    list of paths. `count`: count each file's lines up front, as `sizes` (no JSON parsing), so
     the steps of an epoch are known and torchrun processes stay in step."""
 
     def __init__(
-        self,
-        files: str | Sequence[str],
-        input_key: str = "x",
-        label_key: str = "label",
-        count: bool = True,
+        self, files: str | Sequence[str], input_key: str = "x", label_key: str = "label", count: bool = True,
         transform: Callable | None = None,
-    ):
+    ):  # fmt: skip
         paths = sorted(glob.glob(files)) if isinstance(files, str) else [str(f) for f in files]
         if not paths:
             raise UserError(f"JsonLines: no files match {files!r}: point data.train.files at your .jsonl files")
@@ -76,12 +66,7 @@ class JsonLines(ShardStream):
         if missing:
             raise UserError(f"JsonLines: {missing[0]!r} is not a file: check data.train.files")
         self.input_key, self.label_key = input_key, label_key
-        super().__init__(paths, [self.count_lines(p) for p in paths] if count else None, transform)
-
-    @staticmethod
-    def count_lines(path: str) -> int:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
+        super().__init__(paths, [sum(1 for _ in self.records(p)) for p in paths] if count else None, transform)
 
     def records(self, shard: str) -> Iterator[str]:
         with open(shard) as f:

@@ -714,14 +714,8 @@ class EvalStream(IterableDataset):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self):
-        if not shard_plan.is_shard_stream(self.dataset):
-            yield from self.dataset
-            return
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        shards = list(self.dataset.shards)
-        for descriptor in shards[self.rank * workers + worker :: self.world_size * workers]:
-            yield from self.dataset.read(descriptor)
+        worker, workers = shard_plan.this_worker()
+        return shard_plan.records(self.dataset, self.rank * workers + worker, self.world_size * workers)
 
 
 {% endif %}

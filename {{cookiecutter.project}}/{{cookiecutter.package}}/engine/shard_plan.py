@@ -1,21 +1,18 @@
-"""The epoch plan of a shard stream: which reader reads which shards, from which record, and how many batches a
-rank takes.
-
-A *shard stream* is a data set with `shards` (a sequence of picklable shard descriptors), `read(shard)` (an
-iterator of that shard's records, transforms applied) and optionally `sizes` (records per shard). A *reader* is
-one DataLoader worker of one rank: `rank * num_workers + worker`, `ranks * num_workers` of them (one per rank
-with num_workers=0). Everything here is a pure function of (seed, epoch, sizes, readers, consumed counts):
-every worker and rank computes the same plan, and a resume computes it again instead of saving it.
+"""The epoch plan of a shard stream (`shards`, `read(shard)`, optionally `sizes`: see stream.py): which reader (one
+DataLoader worker of one rank, `rank * num_workers + worker`) reads which shards, from which record, and how many
+batches a rank takes. All pure functions of (seed, epoch, sizes, readers, consumed counts): every worker and rank
+computes the same plan, and a resume computes it again instead of saving it.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import heapq
 import itertools
 
 import numpy as np
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .errors import UserError
 
@@ -47,40 +44,25 @@ def shard_sizes(dataset) -> list[int] | None:
     return sizes
 
 
-def shard_order(seed: int, epoch: int, count: int) -> np.ndarray:
-    """The epoch's order of the shards: a permutation drawn from (seed, epoch) alone."""
-    key = int(np.random.SeedSequence([seed, epoch, 0x5348]).generate_state(1, np.uint64)[0] >> 1)
-    return np.random.default_rng(key).permutation(count)
-
-
-def assign(order, sizes: list[int] | None, readers: int) -> list[list[int]]:
-    """Whole shards to readers, in the epoch's order: each to the reader holding the fewest records so far (with
-    `sizes`; ties to the lowest reader), else round robin. Each shard is opened by one reader only."""
-    out: list[list[int]] = [[] for _ in range(readers)]
-    if sizes is None:
-        for i, shard in enumerate(order):
-            out[i % readers].append(int(shard))
-        return out
-    load = [(0, reader) for reader in range(readers)]
-    for shard in order:
-        records, reader = heapq.heappop(load)
-        out[reader].append(int(shard))
-        heapq.heappush(load, (records + sizes[shard], reader))
-    return out
-
-
 def reader_shards(seed: int, epoch: int, sizes: list[int] | None, count: int, readers: int) -> list[list[int]]:
-    """Each reader's shards this epoch, in the order it reads them."""
-    return assign(shard_order(seed, epoch, count), sizes, readers)
+    """Each reader's shards this epoch, in the order it reads them: the `count` shards in an order drawn from (seed,
+    epoch) alone, handed out whole, each to the reader holding the fewest records so far (with `sizes`; ties to the
+    lowest reader), else round robin. Each shard is opened by one reader only."""
+    key = int(np.random.SeedSequence([seed, epoch, 0x5348]).generate_state(1, np.uint64)[0] >> 1)
+    out: list[list[int]] = [[] for _ in range(readers)]
+    load = [(0, reader) for reader in range(readers)]
+    for i, shard in enumerate(np.random.default_rng(key).permutation(count).tolist()):
+        records, reader = heapq.heappop(load) if sizes is not None else (0, i % readers)
+        out[reader].append(shard)
+        if sizes is not None:
+            heapq.heappush(load, (records + sizes[shard], reader))
+    return out
 
 
 def batch_counts(plan: list[list[int]], sizes: list[int], consumed, batch_size: int) -> list[tuple[int, int]]:
     """(batches, records) each reader has left: its unconsumed records, in batches of `batch_size`, the last short."""
-    out = []
-    for shards in plan:
-        left = sum(max(sizes[s] - int(consumed[s]), 0) for s in shards)
-        out.append((-(-left // batch_size), left))
-    return out
+    left = [sum(max(sizes[s] - int(consumed[s]), 0) for s in shards) for shards in plan]
+    return [(-(-n // batch_size), n) for n in left]
 
 
 def round_robin(batches: list[int], first: int) -> list[int]:
@@ -110,11 +92,15 @@ def dropped(plan: list[list[int]], sizes: list[int], batch_size: int, workers: i
     counts = batch_counts(plan, sizes, consumed, batch_size)
     for r in range(0, len(plan), workers):
         mine = counts[r : r + workers]
-        kept = [0] * workers
-        for reader in round_robin([b for b, _ in mine], 0)[:steps]:
-            kept[reader] += 1
-        out += sum(n - min(k * batch_size, n) for k, (_, n) in zip(kept, mine, strict=True))
+        kept = collections.Counter(round_robin([b for b, _ in mine], 0)[:steps])  # batches per reader
+        out += sum(n - min(kept[reader] * batch_size, n) for reader, (_, n) in enumerate(mine))
     return out
+
+
+def this_worker() -> tuple[int, int]:
+    """(this DataLoader worker's id, the number of workers); (0, 1) in the main process."""
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
 def records(dataset, part: int = 0, parts: int = 1):

@@ -7,13 +7,13 @@ Why it can be resumed (facts from torch/utils/data/dataloader.py, iterable data 
   worker goes first.
 - A worker whose stream ends would be left out, and a worker that is not persistent would exit there, mid-epoch
   (`_mark_worker_as_unavailable`). So a reader that has read all its records answers each further request with an
-  `ended` marker instead: the loop skips those, and the epoch ends when every worker has sent one (or at its
+  `ended` marker (no batch) instead: the loop skips those, and the epoch ends when every worker has sent one (or at its
   planned steps). The order of the real batches stays the round robin over the readers with records left.
 - Workers make whole batches (`ReaderStream`), each with what it holds: per shard, the record its reader reads
   next (`ends`), or a plain stream's state after it. The main process keeps what the loop has *consumed*;
   batches still prefetched are ahead of the loop and do not count.
 - Persistent workers keep their copy of the data set, so what a new epoch needs (its number, the worker that goes
-  first, the records consumed) reaches them through tensors in shared memory, written before `iter()`.
+  first, the records consumed) reaches them through a tensor in shared memory (`control`), written before `iter()`.
 - A shard stream's epoch plan (engine/shard_plan.py) is a pure function of (seed, epoch, readers): resumed with
   the same readers, every reader goes on from its consumed records and the worker whose turn came next goes first,
   so the run continues batch for batch. With other readers, the shards' unconsumed records are planned again.
@@ -29,7 +29,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -45,19 +44,6 @@ RECORD, SKIPPED = 0, 1
 PLAIN_KEY = 1 << 62  # per-record seed keys of plain streams: apart from any shard's (shard << 32 | index)
 
 
-def seeks(dataset) -> bool:
-    """The shard stream's `read(shard, start=...)` starts at a record: needed to read past a bad one."""
-    try:
-        return "start" in inspect.signature(dataset.read).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
 @dataclass
 class StreamBatch:
     """What travels with a batch from its worker: which worker made it, where its reader stands after it, what
@@ -65,10 +51,9 @@ class StreamBatch:
 
     worker: int
     ends: dict = field(default_factory=dict)  # shard streams: shard -> the record its reader reads next
-    state: dict | None = None  # plain streams: {"count": records read, "state": the data set's state_dict()}
+    state: dict | None = None  # Stateful plain streams: {"count": records read, "state": the data set's state_dict()}
     skipped: list = field(default_factory=list)
     pid: int = 0
-    ended: bool = False  # no batch: the reader has read every record it has this epoch
 
 
 def _as_is(item):
@@ -88,184 +73,133 @@ class ReaderStream(IterableDataset):
         self.rank, self.world_size, self.skip = rank, world_size, skip
         self.shards = shard_plan.is_shard_stream(dataset)
         self.sizes = shard_plan.shard_sizes(dataset) if self.shards else None
-        self.seeks = self.shards and seeks(dataset)
-        self.control = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, the worker that goes first
-        count = len(dataset.shards) if self.shards else 0
-        self.consumed = torch.zeros(count, dtype=torch.int64).share_memory_()  # per shard, at the epoch's start
-        self.resume: dict = {}  # plain streams: reader -> its state as of its last consumed batch
-        self.resume_epoch = -1  # the epoch those states belong to
-        self._base = (-1, 0)  # (epoch, rng.epoch_base of it): what each record's seed is mixed from
+        try:  # `read(shard, start=...)` starts at a record: needed to read past a bad one
+            self.seeks = self.shards and "start" in inspect.signature(dataset.read).parameters
+        except (TypeError, ValueError):
+            self.seeks = False
+        methods = ("state_dict", "load_state_dict")
+        self.stateful = not self.shards and all(callable(getattr(dataset, m, None)) for m in methods)
+        # what an epoch's iter() starts from: its number, the worker that goes first, per shard the records consumed
+        self.control = torch.zeros(2 + (len(dataset.shards) if self.shards else 0), dtype=torch.int64).share_memory_()
+        self.resume: tuple[int, dict] = (-1, {})  # plain streams: (epoch, reader -> its state) to go on from
 
     def __iter__(self):
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        epoch, first = (int(v) for v in self.control.tolist())
+        worker, workers = shard_plan.this_worker()
+        epoch, first, *consumed = self.control.tolist()
         local = (worker + first) % workers  # the reader this worker is this epoch
-        reader = self.rank * workers + local
-        if self.shards:
-            records = self._shard_records(epoch, reader, self.world_size * workers, self.consumed.clone())
-        else:
-            records = self._plain_records(epoch, reader)
-        in_main = info is None
-        while True:
-            saved = rng.capture() if in_main else None  # num_workers=0: the main RNG untouched by the data
-            try:
-                made = self._batch(records, local, in_main)
-            finally:
-                if in_main:
-                    rng.apply(saved)
-            if made is None:
-                break
+        records = self._records(epoch, self.rank * workers + local, self.world_size * workers, consumed)
+        in_main = get_worker_info() is None
+        while (made := self._batch(records, local, in_main)) is not None:
             yield made
-        ended = (None, StreamBatch(local, pid=os.getpid(), ended=True))
+        ended = (None, StreamBatch(local, pid=os.getpid()))  # no batch: the reader has read its records
         while True:  # until the epoch ends: the worker stays in the round robin, and alive (module docstring)
             yield ended
 
     def _batch(self, records, local: int, in_main: bool):
-        samples, meta, failed, count = [], StreamBatch(local, pid=os.getpid()), 0, None
-        for kind, shard, index, item in records:
-            if kind == SKIPPED:
-                meta.skipped.append(item)
-                failed += 1
-                if failed >= self.batch_size and not samples:
-                    raise failures.BadSample(
-                        f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
-                    )
-            else:
-                samples.append(item)
-            if shard is not None:
-                meta.ends[shard] = index + 1
-            else:
-                count = index + 1
-            if len(samples) == self.batch_size:
-                break
-        if not samples:
-            return None
-        if count is not None:  # a plain stream's state after the batch's last record, taken once per batch
-            meta.state = {"count": count, "state": self._state()}
-        batch = self.collate(samples)
-        if not in_main:
-            batch = map_tensors(for_the_queue, batch)
-        elif meta.state is not None:
-            meta.state = copy.deepcopy(meta.state)  # the data set goes on changing its own
-        return batch, meta
+        """The reader's next batch and its StreamBatch, None at the end of its records. In the main process
+        (num_workers=0) the main RNG is left as it was: the data does not draw from it."""
+        samples, meta = [], StreamBatch(local, pid=os.getpid())
+        saved = rng.capture() if in_main else None
+        try:
+            for kind, shard, index, item in records:
+                if kind == SKIPPED:
+                    meta.skipped.append(item)
+                    if len(meta.skipped) >= self.batch_size and not samples:
+                        raise failures.BadSample(
+                            f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
+                        )
+                else:
+                    samples.append(item)
+                meta.ends[shard] = index + 1  # a plain stream's under None: its records read
+                if len(samples) == self.batch_size:
+                    break
+            if not samples:
+                return None
+            count = meta.ends.pop(None, 0)
+            if self.stateful:  # its state after the batch's last record, taken once per batch, copied as it changes
+                meta.state = {"count": count, "state": copy.deepcopy(self.dataset.state_dict())}
+            batch = self.collate(samples)
+            return (batch if in_main else map_tensors(for_the_queue, batch)), meta
+        finally:
+            if in_main:
+                rng.apply(saved)
 
-    def _state(self):
-        state_dict = getattr(self.dataset, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
-
-    def _seed(self, epoch: int, key: int) -> None:
-        if self._base[0] != epoch:
-            self._base = (epoch, rng.epoch_base(self.seed, epoch))
-        rng.seed_sample(rng.index_seed(self._base[1], key))
-
-    def _shard_records(self, epoch: int, reader: int, readers: int, consumed: torch.Tensor):
-        plan = shard_plan.reader_shards(self.seed, epoch, self.sizes, len(self.dataset.shards), readers)[reader]
-        for shard in plan:
-            yield from self._read_shard(epoch, shard, int(consumed[shard]))
+    def _records(self, epoch: int, reader: int, readers: int, consumed: list[int]):
+        """(kind, shard, index, sample or error line) of each record this reader reads this epoch."""
+        if self.shards:
+            for shard in shard_plan.reader_shards(self.seed, epoch, self.sizes, len(consumed), readers)[reader]:
+                yield from self._read(epoch, shard, consumed[shard])
+            return
+        getattr(self.dataset, "set_epoch", lambda _: None)(epoch)  # when it has one
+        saved = self.resume[1].get(reader) if epoch == self.resume[0] else None
+        if saved is not None:
+            self.dataset.load_state_dict(saved["state"])
+        yield from self._read(epoch, None, saved["count"] if saved else 0, reader)
 
     def _open(self, shard: int, start: int):
         descriptor = self.dataset.shards[shard]
-        if self.seeks:
-            return iter(self.dataset.read(descriptor, start=start))
-        records = iter(self.dataset.read(descriptor))
-        for _ in itertools.islice(records, start):  # read past the consumed ones, before any record is seeded
-            pass
+        records = iter(self.dataset.read(descriptor, start=start) if self.seeks else self.dataset.read(descriptor))
+        if not self.seeks:  # past the consumed ones, before any record is seeded
+            next(itertools.islice(records, start, start), None)
         return records
 
-    def _pull(self, records, epoch: int, key: int):
-        """The iterator's next record, its randomness seeded from `key`: `(sample, None)`, `(None, error)` when it
-        raised, or None at its end."""
-        self._seed(epoch, key)
-        try:
-            return next(records), None
-        except StopIteration:
-            return None
-        except UserError:  # the data set's own one-line message stands as it is
-            raise
-        except Exception as e:
-            return None, e
-
-    def _read_shard(self, epoch: int, shard: int, start: int):
-        index, records = start, self._open(shard, start)
-        while (pulled := self._pull(records, epoch, (shard << 32) | index)) is not None:  # the same for any readers
-            if self.sizes is not None and index >= self.sizes[shard]:
-                raise self._miscounted(shard, "more")
-            sample, error = pulled
-            if error is None:
-                yield RECORD, shard, index, sample
-            else:
-                line = f"shard {shard} ({str(self.dataset.shards[shard])[:200]}) record {index}: {_first_line(error)}"
+    def _read(self, epoch: int, shard: int | None, start: int, reader: int = 0):
+        """A shard's records from `start` on, or (shard None) the plain stream's as reader `reader`, each seeded
+        from its key, the same for any readers: a record that raised stops the run, or is skipped (skip)."""
+        plain = shard is None
+        key = PLAIN_KEY | (reader << 40) if plain else shard << 32
+        name = f"stream reader {reader}" if plain else f"shard {shard} ({str(self.dataset.shards[shard])[:200]})"
+        size = None if plain or self.sizes is None else self.sizes[shard]
+        index, records, held = start, iter(self.dataset) if plain else self._open(shard, start), None
+        base = rng.epoch_base(self.seed, epoch)  # what each record's key is mixed with
+        while True:
+            rng.seed_sample(rng.index_seed(base, key | index))
+            try:
+                kind, item = RECORD, next(records)
+            except StopIteration:
+                break
+            except UserError:  # the data set's own one-line message stands as it is
+                raise
+            except Exception as e:
+                kind, item = SKIPPED, e
+            if size is not None and index >= size:
+                held = "more"
+                break
+            if kind == SKIPPED:
+                text = str(item).strip().splitlines()
+                line = f"{name} record {index}: {type(item).__name__}: {text[0] if text else ''}"[:500]
                 if not self.skip:
-                    raise failures.BadSample(line) from error
-                yield SKIPPED, shard, index, line
-                records = self._open(shard, index + 1)  # a generator that raised has ended: start after the record
+                    raise failures.BadSample(line) from item
+                item, records = line, self._open(shard, index + 1)  # a generator that raised has ended
+            yield kind, shard, index, item
             index += 1
-        if self.sizes is not None and index != self.sizes[shard]:
-            raise self._miscounted(shard, index)
-
-    def _miscounted(self, shard: int, held) -> UserError:
-        """The plan of every epoch rests on `sizes`: a shard that holds another number of records stops the run."""
-        return UserError(
-            f"{type(self.dataset).__name__}.sizes says shard {shard} ({str(self.dataset.shards[shard])[:200]}) holds "
-            f"{self.sizes[shard]} records, but it holds {held}: give sizes that match the shards"
-        )
-
-    def _plain_records(self, epoch: int, reader: int):
-        set_epoch = getattr(self.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        count = 0
-        saved = self.resume.get(reader) if epoch == self.resume_epoch else None
-        if saved is not None:
-            count = saved["count"]
-            if saved["state"] is not None:
-                self.dataset.load_state_dict(saved["state"])
-        records = iter(self.dataset)
-        while (pulled := self._pull(records, epoch, PLAIN_KEY | (reader << 40) | count)) is not None:
-            sample, error = pulled
-            if error is not None:
-                raise failures.BadSample(f"stream reader {reader} record {count}: {_first_line(error)}") from error
-            yield RECORD, None, count, sample
-            count += 1
+        if size is not None and (held or index) != size:  # every epoch's plan rests on `sizes`
+            raise UserError(
+                f"{type(self.dataset).__name__}.sizes says {name} holds {size} records, but it holds {held or index}: "
+                "give sizes that match the shards"
+            )
 
 
 class StreamLoader(EpochLoader):
-    """The train loader of a stream, built once. Iterate it once per epoch; `state_dict()` at any step.
-
-    An EpochLoader (engine/loader.py), as TrainLoader is: `epoch`, `position` (batches of this epoch consumed),
-    `batches_per_epoch` (known for a shard stream with `sizes`; else None, and the epoch ends where the stream
-    does), `at_epoch_end`, `worker_pids`, `skipped`, `start_next_epoch()`.
-    - Shard stream, `sizes`: every rank takes the same steps (shard_plan.steps_left); the records past them are
-      dropped, counted in `dropped`.
-    - Without `sizes`, one process only: the epoch's length is known when it ends.
-    - Plain streams resume exactly when they are Stateful (`state_dict()` / `load_state_dict()`), with the same
-      readers; without a state, a mid-epoch resume is refused unless `stream_resume="restart_epoch"`.
-    """
+    """The train loader of a stream, built once: an EpochLoader (engine/loader.py), iterated once per epoch, its
+    `state_dict()` at any step. A shard stream with `sizes` knows `batches_per_epoch`: every rank takes the same
+    steps (shard_plan.steps_left), the records past them counted in `dropped_records`. Without `sizes` (one process
+    only) the epoch ends where the stream does. A plain stream resumes exactly when it is Stateful (`state_dict()` /
+    `load_state_dict()`), with the same readers; without a state, a mid-epoch resume is refused unless
+    `stream_resume="restart_epoch"`."""
 
     def __init__(
-        self,
-        dataset,
-        settings: LoaderSettings,
-        seed: int,
-        rng_mode: str = "per_sample",
-        collate_fn=None,
-        rank: int = 0,
-        world_size: int = 1,
-        worker_init=None,
-        on_bad_sample: str = "error",
-        bad_samples: failures.BadSampleLog | None = None,
-        start_guard=contextlib.nullcontext,
+        self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
+        rank: int = 0, world_size: int = 1, worker_init=None, on_bad_sample: str = "error",
+        bad_samples: failures.BadSampleLog | None = None, start_guard=contextlib.nullcontext,
         stream_resume: str = "exact",
-    ):
+    ):  # fmt: skip
         name = type(dataset).__name__
         if rng_mode != "per_sample":
             raise UserError(
                 f"rng_mode={rng_mode}: data.train ({name}) is a stream, whose records are seeded one by one from "
                 "(seed, epoch, shard, record): use rng_mode=per_sample"
             )
-        if stream_resume not in ("exact", "restart_epoch"):
-            raise UserError(f"data.stream_resume must be exact or restart_epoch, got {stream_resume!r}")
         super().__init__(
             settings, seed, rng_mode, rank, world_size, worker_init, on_bad_sample, bad_samples, start_guard
         )  # fmt: skip
@@ -273,8 +207,7 @@ class StreamLoader(EpochLoader):
             dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
             skip=self.skip,
         )  # fmt: skip
-        shards = self.stream.shards
-        self.kind = "shard_stream" if shards else "stream"
+        self.kind = "shard_stream" if self.stream.shards else "stream"
         if self.skip and not self.stream.seeks:
             raise UserError(
                 f"data.on_bad_sample=skip: data.train ({name}) cannot go on past a record that failed (a generator "
@@ -283,31 +216,22 @@ class StreamLoader(EpochLoader):
             )
         if world_size > 1 and self.stream.sizes is None:
             raise UserError(
-                f"data.train ({name}) is a stream {'without sizes' if shards else 'of no shards'}: under torchrun "
-                "every rank must take the same steps, planned from the records per shard; give it `shards`, `read` and "
-                "`sizes`, or run one process"
+                f"data.train ({name}) is a stream {'without sizes' if self.stream.shards else 'of no shards'}: under "
+                "torchrun every rank must take the same steps, planned from the records per shard; give it `shards`, "
+                "`read` and `sizes`, or run one process"
             )
         self.stream_resume = stream_resume
         self.workers = max(settings.num_workers, 1)  # readers per rank
-        methods = ("state_dict", "load_state_dict")
-        self.stateful = not shards and all(callable(getattr(dataset, m, None)) for m in methods)
+        self.readers = world_size * self.workers
         self.batches = 0  # consumed over the run
         self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
-        self.done = np.zeros(len(self.stream.consumed), dtype=np.int64)  # per shard: records the loop consumed
-        self.states: dict[int, dict] = {}  # plain streams: reader -> its state as of its last consumed batch
+        self.done = torch.zeros(len(self.stream.control) - 2, dtype=torch.int64)  # per shard: records the loop consumed
+        self.states: dict[int, dict] = {}  # Stateful plain streams: reader -> its state as of its last consumed batch
         self.dropped = 0  # records the epoch leaves out, over all ranks, so that ranks take the same steps
         self.dropped_records = 0  # the same, of the epoch that ended last (metrics.jsonl)
-        self.batches_per_epoch: int | None = None
-        self._last = False  # the batch just consumed is the epoch's last
+        self.batches_per_epoch: int | None = None  # None: a stream without sizes, whose epoch ends where it does
+        self.at_epoch_end = False  # the batch just consumed is the epoch's last
         self._plan()
-
-    @property
-    def readers(self) -> int:
-        return self.world_size * self.workers
-
-    @property
-    def at_epoch_end(self) -> bool:
-        return self._last
 
     def worker_due(self) -> int:
         """The worker the loop waits on next (a stall names it)."""
@@ -316,9 +240,8 @@ class StreamLoader(EpochLoader):
     @property
     def resumes_mid_epoch(self) -> bool:
         """A checkpoint of this moment continues where the epoch stands (a resume's command needs no
-        data.stream_resume=restart_epoch)."""
-        stateless = not self.stream.shards and not self.stateful
-        return not (stateless and self.position and self.stream_resume == "exact")
+        data.stream_resume=restart_epoch): all but a stateless plain stream stopped mid-epoch."""
+        return self.stream.shards or self.stream.stateful or not self.position or self.stream_resume != "exact"
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -327,24 +250,21 @@ class StreamLoader(EpochLoader):
 
     def _plan(self) -> None:
         """This epoch's steps from the shards' sizes and the records consumed."""
-        sizes = self.stream.sizes
+        sizes, batch = self.stream.sizes, self.settings.batch_size
         if sizes is None:
-            self.batches_per_epoch = None
             return
         plan = shard_plan.reader_shards(self.seed, self.epoch, sizes, len(sizes), self.readers)
-        b = self.settings.batch_size
-        self.batches_per_epoch = self.position + shard_plan.steps_left(plan, sizes, self.done, b, self.workers)
-        self.dropped = shard_plan.dropped(plan, sizes, b, self.workers)
+        self.batches_per_epoch = self.position + shard_plan.steps_left(plan, sizes, self.done, batch, self.workers)
+        self.dropped = shard_plan.dropped(plan, sizes, batch, self.workers)
         if self.batches_per_epoch < 1 and self.position == 0:
             raise UserError(
-                f"data.train holds too few records for one batch of {self.settings.batch_size} on every reader "
-                f"({self.readers}): lower loader.batch_size or loader.num_workers"
+                f"data.train holds too few records for one batch of {batch} on every reader ({self.readers}): lower "
+                "loader.batch_size or loader.num_workers"
             )
 
     def begin_early(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
-        self.stream.control.copy_(torch.tensor([self.epoch, self.first]))
-        self.stream.consumed.copy_(torch.from_numpy(self.done))
+        self.stream.control.copy_(torch.cat([torch.tensor([self.epoch, self.first]), self.done]))
         if self.loader is None:
             self.loader = self.guarded(
                 self.stream, batch_size=None, collate_fn=_as_is,  # the workers make whole batches
@@ -368,44 +288,37 @@ class StreamLoader(EpochLoader):
             # then still holds it.
             more = not known or self.position + 1 < self.batches_per_epoch
             upcoming = self._next(iterator, ended) if more else None
-            if upcoming is None and known and self.position + 1 < self.batches_per_epoch and self.world_size > 1:
+            if upcoming is None and more and known and self.world_size > 1:
                 fewer = self.batches_per_epoch - self.position - 1
                 raise failures.BadSample(
                     f"data.on_bad_sample=skip left rank {self.rank} short of epoch {self.epoch}'s "
                     f"{self.batches_per_epoch} steps, which every process takes ({fewer} batch{'es' * (fewer > 1)} "
                     "fewer): set data.on_bad_sample=error to find the bad record, fix or remove it, then resume=latest"
                 )
-            self._consume(meta)
-            self._last = upcoming is None
+            self.position, self.batches = self.position + 1, self.batches + 1
+            self.first = (meta.worker + 1) % self.workers
+            for shard, end in meta.ends.items():
+                self.done[shard] = end
+            if meta.state is not None:
+                self.states[self.rank * self.workers + meta.worker] = meta.state
+            self.worker_pids.add(meta.pid)
+            self.count_skipped(meta.skipped)
+            self.at_epoch_end = upcoming is None
             yield batch
-        self.epoch, self.position, self.first, self._last = self.epoch + 1, 0, 0, False
+        self.epoch, self.position, self.first, self.at_epoch_end, self.states = self.epoch + 1, 0, 0, False, {}
         self.dropped_records = self.dropped
-        self.done[:] = 0
-        self.states = {}
+        self.done.zero_()
         self._plan()
 
     def _next(self, iterator, ended: set):
-        """The next batch and what it carries; None once every reader has sent its `ended` marker."""
+        """The next batch and what it carries; None once every reader has sent its `ended` marker (the readers'
+        iterators never stop: they send markers until the epoch ends)."""
         while len(ended) < self.workers:
-            try:
-                batch, meta = self.next_batch(iterator)
-            except StopIteration:
-                return None
-            if not meta.ended:
+            batch, meta = self.next_batch(iterator)
+            if batch is not None:
                 return batch, meta
             ended.add(meta.worker)
         return None
-
-    def _consume(self, meta: StreamBatch) -> None:
-        self.position += 1
-        self.batches += 1
-        self.first = (meta.worker + 1) % self.workers
-        for shard, end in meta.ends.items():
-            self.done[shard] = end
-        if meta.state is not None:
-            self.states[self.rank * self.workers + meta.worker] = meta.state
-        self.worker_pids.add(meta.pid)
-        self.count_skipped(meta.skipped)
 
     def batches_done(self) -> int:
         return self.batches
@@ -415,9 +328,9 @@ class StreamLoader(EpochLoader):
             "batches": self.batches,
             "readers": self.readers,
             "first": self.first,
-            "consumed": torch.from_numpy(self.done.copy()),
+            "consumed": self.done.clone(),
             "states": {str(reader): state for reader, state in self.states.items()},
-            "stateful": self.stateful,  # what a resume's check before the run needs to know of the data set
+            "stateful": self.stream.stateful,  # what a resume's check before the run needs to know of the data set
         }
 
     @staticmethod
@@ -440,8 +353,7 @@ class StreamLoader(EpochLoader):
         self.skipped = state["skipped"] if self.position else 0
         same = state["readers"] == self.readers and state["world_size"] == self.world_size
         if self.stream.shards:
-            self.done = state["consumed"].numpy().astype(np.int64).copy()
-            self.first = state["first"] if same else 0
+            self.done = state["consumed"].to(torch.int64).clone()
             if self.position and not same:
                 log.warning(
                     "resume: the stream was read by %d readers (processes x workers) and is now read by %d: the rest "
@@ -449,19 +361,19 @@ class StreamLoader(EpochLoader):
                     state["readers"], self.readers, self.epoch,
                 )  # fmt: skip
         elif self.position:
-            why = plain_stream_refusal(state, self.readers, self.stateful, self.stream_resume)
+            why = plain_stream_refusal(state, self.readers, self.stream.stateful, self.stream_resume)
             if why:
                 raise UserError(f"resume: data.train ({type(self.stream.dataset).__name__}) {why}")
-            if not self.stateful:
+            if not self.stream.stateful:
                 log.warning(
                     "resume: data.stream_resume=restart_epoch: epoch %d starts over (its first %d batches come again)",
                     self.epoch, self.position,
                 )  # fmt: skip
                 self.position = 0
             else:
-                self.first = state["first"]
                 self.states = {int(reader): saved for reader, saved in state["states"].items()}
-                self.stream.resume, self.stream.resume_epoch = dict(self.states), self.epoch
+                self.stream.resume = (self.epoch, dict(self.states))
+        self.first = state["first"] if same and self.position else 0
         self._plan()
 
 
