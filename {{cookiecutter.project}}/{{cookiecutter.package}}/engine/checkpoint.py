@@ -9,7 +9,7 @@ versions. Everything is tensors, numbers, strings and containers, so it loads wi
 
 Reading: `read` is the one read of a saved file (a checkpoint, {% if cookiecutter.with_fsdp == "yes" %}a sharded save's folder, {% endif %}a plain state_dict) and its one
 refusal, a line named for the command that reads (resume, eval, export, init_from=PATH); `load` holds it to this
-project's checkpoints, `weights` to a state_dict (init_from).
+project's checkpoints, `init_weights` to a state_dict (init_from).
 """
 
 from __future__ import annotations
@@ -306,50 +306,37 @@ def is_sharded(ckpt: dict) -> bool:
 {% endif %}
 
 
-def weights(path: str) -> dict:
-    """The state_dict `init_from=PATH` starts from, refused in one line when there is none: a checkpoint this project
-    wrote (its `model`; `ema` weights are not used; {% if cookiecutter.with_fsdp == "yes" %}a sharded one gathered whole{% else %}the file a run saved{% endif %}), or a plain `state_dict` file
-    (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`). A local file only."""
+def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False) -> None:
+    """`init_from=PATH`: start a run from the weights in `path`, and nothing else: fine-tuning, not resuming, so the
+    optimizer, schedule, step count, loader position and RNG start fresh from this run's config. PATH is a local
+    checkpoint this project wrote (its `model`; `ema` weights are not used{% if cookiecutter.with_fsdp == "yes" %}; a sharded one is gathered whole{% endif %}) or a plain
+    `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
+    one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
+    new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
+    dry step loads them too, to refuse a misfit before any work)."""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")
-    loaded = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file"{% if cookiecutter.with_fsdp == "yes" %}, whole=True{% endif %})
+    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file"{% if cookiecutter.with_fsdp == "yes" %}, whole=True{% endif %})
     for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
-        if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
-            loaded = loaded[key]
+        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
+            saved = saved[key]
             break
-    if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+    if not isinstance(saved, dict) or not saved or not all(isinstance(v, torch.Tensor) for v in saved.values()):
         raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
-    return {k.removeprefix("module."): v for k, v in loaded.items()}  # DDP-wrapped saves name keys module.*
-
-
-def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False) -> None:
-    """`init_from=PATH`: start a run from `path`'s weights (`weights`), and nothing else: fine-tuning, not resuming,
-    so the optimizer, schedule, step count, loader position and RNG start fresh from this run's config. With
-    `strict=False` (init_strict=false), only the tensors whose name and shape fit (a new head of another size, say),
-    and one line listing what was left out. `quiet`: no log line (the config check's dry step loads them too, to
-    refuse a misfit before any work)."""
-    saved, own = weights(path), model.state_dict()
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
+    saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
+    own = model.state_dict()
     reshaped = [k for k in own if k in saved and saved[k].shape != own[k].shape]
-    if strict and (missing or unexpected or reshaped):
-        raise UserError(
-            f"init_from={path} does not fit the model: {_listing(missing, unexpected, reshaped)}; "
-            "set init_strict=false to load what fits (e.g. a new head)"
-        )
+    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
+           "other shape": reshaped}  # fmt: skip
+    listing = "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                        for label, names in odd.items() if names)  # fmt: skip
+    if strict and listing:
+        raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
+                        "(e.g. a new head)")  # fmt: skip
     fitting = {k: v for k, v in saved.items() if k in own and k not in reshaped}
     model.load_state_dict(fitting, strict=False)
-    left = f"; left as initialised: {_listing(missing, unexpected, reshaped)}" if fitting.keys() != own.keys() else ""
+    left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
     if not quiet:
         log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
                  "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip
-
-
-def _listing(missing: list, unexpected: list, reshaped: list) -> str:
-    def few(names):
-        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-    parts = [f"{label} {few(names)}" for label, names in
-             (("missing", missing), ("unexpected", unexpected), ("other shape", reshaped)) if names]  # fmt: skip
-    return "; ".join(parts)

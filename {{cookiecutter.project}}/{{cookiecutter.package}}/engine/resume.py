@@ -235,37 +235,19 @@ def precheck(cfg, run_dir: Path) -> None:
         return
     ckpt = checkpoint.load(found, mmap=True)
     compare(ckpt, cfg, found)
-    with torch.random.fork_rng(devices=[]):
-        model = parts.model(cfg)  # built as the run builds it, to compare its parameter shapes
-    check_fits(ckpt, cfg, model, world_size)
-{% if cookiecutter.with_streams == "yes" %}
-    loader = ckpt["ranks"][0]["loader"]
-    if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
-        readers = world_size * max(cfg.loader.num_workers, 1)
-        why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
-        if why:
-            raise UserError(f"resume: data.train {why}")
-{% endif %}
-
-
-def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
-    """Refuse a checkpoint from another model, head size or optimizer, or whose global batch `world_size` processes
-    cannot share, saying what differs."""
     saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
         if before != now:
-            raise UserError(
-                f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
-                f"resume with the same {group}"
-            )
-    saved, current = ckpt["model"], model.state_dict()
+            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
+                            f"resume with the same {group}")  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
+    saved = ckpt["model"]
     if saved.keys() != current.keys():
         odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(
-            f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
-            f"e.g. {odd[0]}): resume with the same model config"
-        )
+        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
+                        f"e.g. {odd[0]}): resume with the same model config")  # fmt: skip
     for name, tensor in current.items():
         if saved[name].shape != tensor.shape:
             raise UserError(
@@ -274,6 +256,14 @@ def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
                 "resume with the same model and data"
             )
     per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
+{% if cookiecutter.with_streams == "yes" %}
+    loader = ckpt["ranks"][0]["loader"]
+    if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
+        readers = world_size * max(cfg.loader.num_workers, 1)
+        why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
+        if why:
+            raise UserError(f"resume: data.train {why}")
+{% endif %}
 
 
 def group_settings(optimizer) -> list[dict]:
@@ -292,8 +282,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 {% else %}
     """
 {% endif %}
-    world_size = train_loader.world_size
-    check_fits(ckpt, cfg, model, world_size)
+    world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
     fresh = fresh if fresh is not None else group_settings(optimizer)
     if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)

@@ -57,15 +57,6 @@ class MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def metadata(path: Path) -> Metadata:
-    """The save's DCP metadata (every tensor's name, shape and dtype), read safely."""
-    with open(path / ".metadata", "rb") as f:
-        found = MetadataUnpickler(f).load()
-    if not isinstance(found, Metadata):
-        raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
-    return found
-
-
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load, with its non-tensor entries read `weights_only=True` (DCP itself unpickles them fully)."""
 
@@ -80,9 +71,13 @@ def tensors(path: Path, whole: bool) -> dict:
     """The save's `model` and `ema` (None when it has none) for checkpoint.read: as shapes and dtypes (tensors on the
     meta device, nothing read; `sharded`: resume loads the shards into the run, `load_into`), or, `whole`, gathered
     from every rank's shards into whole CPU tensors (eval.py, init_from, export; not the optimizer's state)."""
+    with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
+        found = MetadataUnpickler(f).load()
+    if not isinstance(found, Metadata):
+        raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
     wanted = {
         name: torch.empty(item.size, dtype=item.properties.dtype, device="cpu" if whole else "meta")
-        for name, item in metadata(path).state_dict_metadata.items()
+        for name, item in found.state_dict_metadata.items()
         if name.startswith(("model.", "ema.")) and isinstance(item, TensorStorageMetadata)
     }
     if whole:
