@@ -7,9 +7,8 @@ the main process RNG (python, numpy, torch CPU, every CUDA device), the resolved
 versions. Everything is tensors, numbers, strings and containers, so it loads with
 `torch.load(weights_only=True)`: a checkpoint cannot run code. How a run continues from one is in resume.py.
 
-Reading: `read` is the one read of a saved file (a checkpoint, {% if cookiecutter.with_fsdp == "yes" %}a sharded save's folder, {% endif %}a plain state_dict) and its one
-refusal, a line named for the command that reads (resume, eval, export, init_from=PATH); `load` holds it to this
-project's checkpoints, `init_weights` to a state_dict (init_from).
+`read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
+it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
 """
 
 from __future__ import annotations
@@ -267,7 +266,11 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
         # torch's weights_only refusal is a page of advice; the line naming the refused global is the one that matters
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")[:200]
         raise UserError(
+{% if cookiecutter.with_fsdp == "yes" %}
             f"{who}: {str(path)!r} is not a readable {'sharded ' * path.is_dir()}checkpoint ({type(e).__name__}: "
+{% else %}
+            f"{who}: {str(path)!r} is not a readable checkpoint ({type(e).__name__}: "
+{% endif %}
             f"{reason}); it is truncated, corrupt or not from this project: pick another, e.g. an older "
             "checkpoints/step-*.pth"
         ) from None
@@ -278,20 +281,19 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
 
 {% if cookiecutter.with_fsdp == "yes" %}
 def load(path: Path, mmap: bool = False, whole: bool = False, who: str = "resume", latest: str = "resume") -> dict:
-    """The checkpoint of this project at `path` (`read`), or a UserError saying why not. A sharded one (a folder)
-    comes without its tensors' values unless `whole`: `model` and `ema` as shapes; resume loads its shards into the
-    run. `latest`: the key that would find one instead (resume=latest, ckpt=latest)."""
-    wanted = "a checkpoints/*.pth file" + (f", or {latest}=latest" if latest else "")
-    ckpt = read(path, who, wanted, mmap, whole)
 {% else %}
 def load(path: Path, mmap: bool = False, who: str = "resume", latest: str = "resume") -> dict:
+{% endif %}
     """The checkpoint of this project at `path` (`read`), or a UserError saying why not. `latest`: the key that would
     find one instead (resume=latest, ckpt=latest)."""
     wanted = "a checkpoints/*.pth file" + (f", or {latest}=latest" if latest else "")
-    ckpt = read(path, who, wanted, mmap)
-{% endif %}
+    ckpt = read(path, who, wanted, mmap{% if cookiecutter.with_fsdp == "yes" %}, whole{% endif %})
+{% if cookiecutter.with_fsdp == "yes" %}
     required = REQUIRED if path.is_file() else [k for k in REQUIRED if k != "optimizer"]  # a sharded save's: in shards
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+{% else %}
+    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+{% endif %}
     if missing:
         raise UserError(f"{who}: {str(path)!r} is not a checkpoint of this project (missing {', '.join(missing)})")
     if ckpt["format"] != FORMAT:
