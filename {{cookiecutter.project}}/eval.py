@@ -65,10 +65,8 @@ def evaluate_checkpoint(cfg) -> dict | None:
     found = resume.locate(cfg.ckpt, run_dir, training, world_size=None, only=only)
     if found is None:
         raise UserError(f"eval: ckpt=latest found no checkpoints/last.pth under {cfg.checkpoint.search_dir!r}")
-    try:
-        ckpt = checkpoint.{% if cookiecutter.with_fsdp == "yes" %}full{% else %}load{% endif %}(found)  # weights_only=True: refuses truncated, foreign or code-carrying files
-    except UserError as e:  # the same refusal train.py's resume= gives, named for this command
-        raise UserError(str(e).replace("resume: ", "eval: ", 1).replace("resume=latest", "ckpt=latest")) from None
+    # weights_only=True: refuses truncated, foreign or code-carrying files, as train.py's resume= does
+    ckpt = checkpoint.load(found, {% if cookiecutter.with_fsdp == "yes" %}whole=True, {% endif %}who="eval", latest="ckpt")
     saved = ckpt["config"]
 
     named = {o.lstrip("+~").split("=")[0].split(".")[0] for o in HydraConfig.get().overrides.task}

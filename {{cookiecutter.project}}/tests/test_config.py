@@ -169,7 +169,7 @@ BAD = [
     ("optim.param_groups=[{match:x,lr:2}]", "entry 0's lr must be one of match, lr_scale, weight_decay"),
     ("optim.param_groups=[{match:x,lr_scale:0}]", "entry 0's lr_scale must be a number > 0"),
     ("optim.param_groups=[{match:nothing}]", "optim.param_groups[0].match='nothing' matches no parameter of SmallCNN"),
-    ("init_from=/no/such/file.pth", "init_from=/no/such/file.pth: no such file"),
+    ("init_from=/no/such/file.pth", "init_from=/no/such/file.pth: no checkpoint at"),
     ("+foo=1", "unknown config key foo"),
     ("+data.per_clas=3", "data.per_clas is not used by data.train or data.val (did you mean data.per_class?)"),
     ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),

@@ -19,7 +19,7 @@ import torch
 from {{ cookiecutter.package }}.engine import checkpoint
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, read_full
+from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer
 from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train, torchrun_cmd, wait_for_steps
 
 BLOCKS = [
@@ -180,7 +180,7 @@ def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_sa
     last = run_dir / "checkpoints/last.pth"
     assert path == last and 2 <= held < bad  # a save every 2 steps, none of the bad step
     assert last.is_symlink() and checkpoint.load(last)["step"] == held  # the sharded save's run.pth
-    saved = read_full(last)
+    saved = checkpoint.load(last, whole=True)
     assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
 
 
@@ -223,7 +223,7 @@ def test_kill_9_mid_sharded_save_leaves_last_whole(tmp_path):
     head = kill_mid_write(SAVER, tmp_path, tmp_path / ".saves/.tmp-00000002/run.pth", 1 << 10)
     assert head.startswith(b"PK")
     assert (tmp_path / ".saves/.tmp-00000002/__0_0.distcp").stat().st_size > 512 * 512 * 4  # the shards are in
-    whole = read_full(tmp_path / "last.pth")  # the links still name step 1's save
+    whole = checkpoint.read(tmp_path / "last.pth", "test", "a save", whole=True)  # the links still name step 1's save
     assert whole["step"] == 1 and torch.equal(whole["model"]["weight"], torch.ones(512, 512))
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.pth", "step-00000001.pth"]
     assert (tmp_path / ".saves/.tmp-00000002").exists()

@@ -3,42 +3,18 @@
     python -m {{ cookiecutter.package }}.export outputs/.../checkpoints/last.pth model.pth
 
 OUT holds {"model": state_dict, "ema": state_dict} ("ema" only when the run kept an EMA), plain tensors on the CPU:
-`torch.load(OUT, weights_only=True)` reads it, and so does `init_from=OUT`. Nothing is overwritten.
+`torch.load(OUT, weights_only=True)` reads it, and so does `init_from=OUT`. Nothing is overwritten. The checkpoint is
+read and refused as resume= reads it (engine/checkpoint.py), and written as atomically.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
-
 from .engine import checkpoint
 from .engine.errors import UserError
-
-
-def export(source: Path, out: Path) -> dict:
-    """Write `source`'s weights to `out` (atomically: a temp file renamed into place); returns what was written."""
-    if out.exists():
-        raise UserError(f"export: {out} exists: give a new path (nothing was overwritten)")
-    if not out.parent.is_dir():
-        raise UserError(f"export: no folder {out.parent}: create it first")
-    try:
-        ckpt = checkpoint.{% if cookiecutter.with_fsdp == "yes" %}full{% else %}load{% endif %}(source)
-    except UserError as e:
-        raise UserError(str(e).replace("resume: ", "export: ", 1)) from None
-    weights = {"model": ckpt["model"]}
-    if ckpt.get("ema") is not None:
-        weights["ema"] = ckpt["ema"]
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(weights, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    return weights
 
 
 def main(argv: list[str]) -> int:
@@ -47,12 +23,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path, help="the weights file to write")
     args = parser.parse_args(argv)
     try:
-        weights = export(args.checkpoint, args.out)
+        if args.out.exists():
+            raise UserError(f"export: {args.out} exists: give a new path (nothing was overwritten)")
+        if not args.out.parent.is_dir():
+            raise UserError(f"export: no folder {args.out.parent}: create it first")
+        ckpt = checkpoint.load(args.checkpoint, {% if cookiecutter.with_fsdp == "yes" %}whole=True, {% endif %}who="export", latest=None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parts = " and ".join(weights)
-    print(f"wrote {args.out}: {parts} weights, {len(weights['model'])} tensors each")
+    weights = {part: ckpt[part] for part in ("model", "ema") if ckpt.get(part) is not None}
+    checkpoint.publish(weights, args.out)
+    print(f"wrote {args.out}: {' and '.join(weights)} weights, {len(weights['model'])} tensors each")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint files: what goes into one, how it is written (atomically) and how it is read (safely).
+"""Checkpoint files: what goes into one, how it is written (atomically), and the one safe read of any saved file.
 
 Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (global
 batches and samples consumed, the global batch: what a resume on another number of processes continues), per rank
@@ -6,13 +6,18 @@ the train loader (position in the epoch, its generator, every worker's RNG strea
 the main process RNG (python, numpy, torch CPU, every CUDA device), the resolved config and library
 versions. Everything is tensors, numbers, strings and containers, so it loads with
 `torch.load(weights_only=True)`: a checkpoint cannot run code. How a run continues from one is in resume.py.
+
+`read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
+it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import platform
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -22,39 +27,16 @@ from omegaconf import OmegaConf
 
 from . import distributed, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
 from .errors import UserError
-from .weights_only import read
+{% if cookiecutter.with_fsdp == "yes" %}
+from .sharded_checkpoint import BEST, LAST, sync
+{% endif %}
 
+log = logging.getLogger(__name__)
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
 {% if cookiecutter.with_fsdp == "no" %}
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints
 {% endif %}
-
-
-def rank_state(train_loader) -> dict:
-    """What differs between data-parallel processes: each one's main RNG and train loader (its worker streams)."""
-    return {"rng": rng.capture_main(), "loader": train_loader.state_dict()}
-
-
-def snapshot(cfg, step: int, scheduler, scaler, train_loader, ranks: list[dict]) -> dict:
-    """The checkpoint but for the tensors of the model, optimizer and EMA{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %};
-    `ranks` holds `rank_state()` of every process, indexed by rank."""
-    return {
-        "format": FORMAT,
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "epoch": train_loader.epoch,
-        "step": step,
-        "progress": train_loader.progress(),
-        "ranks": ranks,
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        "versions": {
-            "torch": str(torch.__version__),
-            "torchvision": installed("torchvision"),  # read, not imported: a project without images needs none
-            "numpy": str(np.__version__),
-            "python": platform.python_version(),
-        },
-    }
 
 
 def installed(distribution: str) -> str | None:
@@ -65,54 +47,41 @@ def installed(distribution: str) -> str | None:
 
 
 class Checkpointer:
-    """Writes `last.pth` plus the newest `keep` files `step-XXXXXXXX.pth` in one folder.
-
-    A save goes to a temp file in the same folder, is fsynced, then renamed over `last.pth`
-    (`os.replace` is atomic), so a crash or kill -9 mid-save leaves the previous `last.pth` whole.
-    """
+    """Writes `last.pth` plus the newest `keep` files `step-XXXXXXXX.pth` in one folder, atomically (`publish`)."""
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
-{% if cookiecutter.with_fsdp == "yes" %}
-        self.last, self.best = folder / sharded_checkpoint.LAST, folder / sharded_checkpoint.BEST
-{% else %}
         self.last, self.best = folder / LAST, folder / BEST
-{% endif %}
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
 
     def save(self, state: dict) -> Path:
-        tmp = self._write_tmp(state)
-        if self.keep > 0:
-            kept = self.folder / f"step-{state['step']:08d}.pth"
-            kept.unlink(missing_ok=True)
-            os.link(tmp, kept)  # same bytes, no second write; survives the rename below
-        self._commit(tmp, self.last)
+        publish(state, self.last, self.folder / f"step-{state['step']:08d}.pth" if self.keep > 0 else None)
         for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
             old.unlink()
         return self.last
 
     def save_best(self, state: dict) -> Path:
         """`best.pth`, written the same atomic way: a kill mid-save leaves the previous best whole."""
-        self._commit(self._write_tmp(state), self.best)
+        publish(state, self.best)
         return self.best
 
-    def _write_tmp(self, state: dict) -> Path:
-        tmp = self.folder / f".tmp-{os.getpid()}.pth"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
 
-    def _commit(self, tmp: Path, path: Path) -> None:
-        os.replace(tmp, path)
-{% if cookiecutter.with_fsdp == "yes" %}
-        sharded_checkpoint.sync(self.folder)  # make the rename itself durable
-{% else %}
-        sync(self.folder)  # make the rename itself durable
-{% endif %}
+def publish(state: dict, path: Path, also: Path | None = None) -> None:
+    """Write `state` to `path` atomically: to a temp file in the same folder, fsynced, then renamed over `path`
+    (`os.replace` is atomic), so a crash or kill -9 mid-save leaves the previous file whole. `also`: the same bytes
+    under a second name (a hard link: no second write, and it survives the rename)."""
+    tmp = path.parent / f".tmp-{os.getpid()}.pth"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if also is not None:
+        also.unlink(missing_ok=True)
+        os.link(tmp, also)
+    os.replace(tmp, path)
+    sync(path.parent)  # make the rename itself durable
 {% if cookiecutter.with_fsdp == "no" %}
 
 
@@ -177,11 +146,8 @@ class CheckpointPolicy:
 
     def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0,
                  sharded: bool = False):  # fmt: skip
-        if sharded:
-            self.writer = sharded_checkpoint.ShardedCheckpointer(folder, keep, world)
-        else:
-            self.writer = Checkpointer(folder, keep) if world.is_main else None
-        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
+        whole = Checkpointer(folder, keep) if world.is_main and not sharded else None
+        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, keep, world) if sharded else whole
         self.sharded = sharded
 {% else %}
     Every rank hands its RNG and loader state to rank 0, which alone writes. All ranks wait for the write.
@@ -189,8 +155,8 @@ class CheckpointPolicy:
 
     def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
         self.writer = Checkpointer(folder, keep) if world.is_main else None
-        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
 {% endif %}
+        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
         self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
@@ -198,18 +164,35 @@ class CheckpointPolicy:
         return bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self, run, record: dict | None = None) -> None:
-        """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line."""
-        ranks = distributed.gather_to_main(rank_state(run.train_loader), self.world)
+        """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line. `ranks`:
+        what differs between data-parallel processes, each one's main RNG and train loader (its worker streams)."""
+        mine = {"rng": rng.capture_main(), "loader": run.train_loader.state_dict()}
+        ranks = distributed.gather_to_main(mine, self.world)
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
         epoch_done = record is not None and not record.get("mid_epoch")
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
         state, better = None, False
         if self.world.is_main:
-            state = snapshot(run.cfg, run.step, run.scheduler, run.scaler, run.train_loader, ranks)
-            state["best"] = self.best.state()
-            state["meter"] = meter
-            state["callbacks"] = run.callbacks.state_dict() if run.callbacks is not None else {}
-            state["nondeterministic_ops"] = list(run.unexact)  # deterministic=warn: why this run is not bit-exact
+            state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
+                "format": FORMAT,
+                "scheduler": run.scheduler.state_dict(),
+                "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+                "epoch": run.train_loader.epoch,
+                "step": run.step,
+                "progress": run.train_loader.progress(),
+                "ranks": ranks,
+                "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
+                "versions": {
+                    "torch": str(torch.__version__),
+                    "torchvision": installed("torchvision"),  # read, not imported: a project without images needs none
+                    "numpy": str(np.__version__),
+                    "python": platform.python_version(),
+                },
+                "best": self.best.state(),
+                "meter": meter,
+                "callbacks": run.callbacks.state_dict() if run.callbacks is not None else {},
+                "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
+            }
 {% if cookiecutter.with_tracking == "yes" %}
             state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
 {% endif %}
@@ -251,58 +234,111 @@ class CheckpointPolicy:
         return self.writer.last
 
 
-def load(path: Path, mmap: bool = False) -> dict:
-    """The checkpoint at `path`, or a UserError saying why not. `mmap=True` maps the file instead of reading it: for a
 {% if cookiecutter.with_fsdp == "yes" %}
-    look at its config and shapes before the run (tensors are read only when touched). A sharded checkpoint (a
-    folder) comes without its tensors' values: `model` and `ema` as shapes; resume loads its shards into the run."""
-    if path.is_dir():
-        return checked(sharded_checkpoint.read_run(path), path)
+def read(path: Path, who: str, wanted: str, mmap: bool = False, whole: bool = False):
 {% else %}
-    look at its config and shapes before the run (tensors are read only when touched)."""
+def read(path: Path, who: str, wanted: str, mmap: bool = False):
 {% endif %}
-    if not path.is_file():
-        raise UserError(
-            f"resume: no checkpoint at {str(path)!r}: give the path of a checkpoints/*.pth file, or resume=latest"
-        )
+    """What the file at `path` holds, read with `torch.load(weights_only=True)`, or one UserError `<who>: ...` saying
+    why not (`wanted`: what to give instead of a path with nothing there). `mmap=True` maps the file instead of
+    reading it: a look at a checkpoint's config and shapes, tensors read only when touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder:
+    its run.pth, with `model` and `ema` as shapes or, `whole`, gathered into whole tensors (sharded_checkpoint.py).{% endif +%}
+    The warnings torch gives while reading are held back until the read succeeds: bytes that are no checkpoint can
+    make torch warn of a pickle protocol first, and the one line that follows says all there is to say."""
+    if not path.exists():
+        raise UserError(f"{who}: no checkpoint at {str(path)!r}: give the path of {wanted}")
     try:
-        ckpt = read(path, mmap=mmap)
+        with warnings.catch_warnings(record=True) as held:
+            warnings.simplefilter("always")
+{% if cookiecutter.with_fsdp == "yes" %}
+            if path.is_dir():
+                run = torch.load(path / sharded_checkpoint.RUN_FILE, map_location="cpu", weights_only=True)
+                loaded = {**run, **sharded_checkpoint.tensors(path, whole)}
+            else:
+                loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+{% else %}
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+{% endif %}
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way
         if mmap:  # torch maps zip archives only: anything else is refused as a plain read refuses it, same message
-            return load(path)
+            return read(path, who, wanted)
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         # torch's weights_only refusal is a page of advice; the line naming the refused global is the one that matters
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")[:200]
         raise UserError(
-            f"resume: {str(path)!r} is not a readable checkpoint ({type(e).__name__}: {reason}); "
-            "it is truncated, corrupt or not from this project: pick another, e.g. an older checkpoints/step-*.pth"
-        ) from None
-    return checked(ckpt, path)
-
-
 {% if cookiecutter.with_fsdp == "yes" %}
-def full(path: Path) -> dict:
-    """The checkpoint at `path` with its model (and EMA) weights whole, sharded or not: what eval.py, init_from and
-    export read."""
-    return checked(sharded_checkpoint.read_full(path), path) if path.is_dir() else load(path)
-
-
-def is_sharded(ckpt: dict) -> bool:
-    """A sharded checkpoint's `load`: its tensors are still on disk (`model` holds shapes only)."""
-    return bool(ckpt.get("sharded"))
-
-
+            f"{who}: {str(path)!r} is not a readable {'sharded ' * path.is_dir()}checkpoint ({type(e).__name__}: "
+{% else %}
+            f"{who}: {str(path)!r} is not a readable checkpoint ({type(e).__name__}: "
 {% endif %}
-def checked(ckpt, path: Path) -> dict:
-    """`ckpt` when it has this project's keys and format, else a UserError."""
+            f"{reason}); it is truncated, corrupt or not from this project: pick another, e.g. an older "
+            "checkpoints/step-*.pth"
+        ) from None
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return loaded
+
+
 {% if cookiecutter.with_fsdp == "yes" %}
-    required = [k for k in REQUIRED if k != "optimizer"] if path.is_dir() else REQUIRED
+def load(path: Path, mmap: bool = False, whole: bool = False, who: str = "resume", latest: str = "resume") -> dict:
+{% else %}
+def load(path: Path, mmap: bool = False, who: str = "resume", latest: str = "resume") -> dict:
+{% endif %}
+    """The checkpoint of this project at `path` (`read`), or a UserError saying why not. `latest`: the key that would
+    find one instead (resume=latest, ckpt=latest)."""
+    wanted = "a checkpoints/*.pth file" + (f", or {latest}=latest" if latest else "")
+    ckpt = read(path, who, wanted, mmap{% if cookiecutter.with_fsdp == "yes" %}, whole{% endif %})
+{% if cookiecutter.with_fsdp == "yes" %}
+    required = REQUIRED if path.is_file() else [k for k in REQUIRED if k != "optimizer"]  # a sharded save's: in shards
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
 {% else %}
     missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
 {% endif %}
     if missing:
-        raise UserError(f"resume: {str(path)!r} is not a checkpoint of this project (missing {', '.join(missing)})")
+        raise UserError(f"{who}: {str(path)!r} is not a checkpoint of this project (missing {', '.join(missing)})")
     if ckpt["format"] != FORMAT:
-        raise UserError(f"resume: {str(path)!r} has checkpoint format {ckpt['format']}, this code reads {FORMAT}")
+        raise UserError(f"{who}: {str(path)!r} has checkpoint format {ckpt['format']}, this code reads {FORMAT}")
     return ckpt
+{% if cookiecutter.with_fsdp == "yes" %}
+
+
+def is_sharded(ckpt: dict) -> bool:
+    """A sharded checkpoint's `load`: its tensors are still on disk (`model` holds shapes only)."""
+    return bool(ckpt.get("sharded"))
+{% endif %}
+
+
+def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False) -> None:
+    """`init_from=PATH`: start a run from the weights in `path`, and nothing else: fine-tuning, not resuming, so the
+    optimizer, schedule, step count, loader position and RNG start fresh from this run's config. PATH is a local
+    checkpoint this project wrote (its `model`; `ema` weights are not used{% if cookiecutter.with_fsdp == "yes" %}; a sharded one is gathered whole{% endif %}) or a plain
+    `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
+    one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
+    new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
+    dry step loads them too, to refuse a misfit before any work)."""
+    who = f"init_from={path}"
+    if "://" in path:
+        raise UserError(f"{who}: only local files are read; download it first and give its path")
+    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file"{% if cookiecutter.with_fsdp == "yes" %}, whole=True{% endif %})
+    for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
+        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
+            saved = saved[key]
+            break
+    if not isinstance(saved, dict) or not saved or not all(isinstance(v, torch.Tensor) for v in saved.values()):
+        raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
+    saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
+    own = model.state_dict()
+    reshaped = [k for k in own if k in saved and saved[k].shape != own[k].shape]
+    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
+           "other shape": reshaped}  # fmt: skip
+    listing = "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                        for label, names in odd.items() if names)  # fmt: skip
+    if strict and listing:
+        raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
+                        "(e.g. a new head)")  # fmt: skip
+    fitting = {k: v for k, v in saved.items() if k in own and k not in reshaped}
+    model.load_state_dict(fitting, strict=False)
+    left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
+    if not quiet:
+        log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
+                 "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip

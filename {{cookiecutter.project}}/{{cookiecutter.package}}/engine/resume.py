@@ -16,7 +16,7 @@ import torch
 from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, parts, rng, {% if cookiecutter.with_fsdp == "yes" %}sharded_checkpoint, {% endif %}weights_only
+from . import checkpoint, parts, rng
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -132,12 +132,8 @@ def locate(
             log.info("resume=latest: skipping %s: %s", path, why)
     if is_main:
         hint = "; to continue one of them with this config: resume=<its path> resume_strict=false" if found else ""
-        log.warning(
-            "resume=latest: no checkpoints/last.pth under %s fits this run (%d skipped); starting fresh%s",
-            root,
-            len(found),
-            hint,
-        )
+        log.warning("resume=latest: no checkpoints/last.pth under %s fits this run (%d skipped); starting fresh%s",
+                    root, len(found), hint)  # fmt: skip
     return None
 
 
@@ -146,10 +142,9 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
     tensors are not read, only the config and the progress."""
     try:
         ckpt = checkpoint.load(path, mmap=True)
-        saved = ckpt["config"]
-    except Exception as e:
-        return f"not a readable checkpoint ({type(e).__name__})"
-    changed = [c for c in differences(saved, cfg) if changes_run(c[0], cfg.rng_mode.value)]
+    except UserError:
+        return "not a readable checkpoint of this project"
+    changed = run_changes(ckpt, cfg)
     if only is not None:
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
@@ -224,12 +219,8 @@ def report(ckpt: dict, cfg, path: Path) -> None:
     same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if run:
-        log.warning(
-            "resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
-            "planned by this config, at step %d",
-            describe(run),
-            ckpt["step"],
-        )
+        log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
+                    "planned by this config, at step %d", describe(run), ckpt["step"])  # fmt: skip
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
 
@@ -244,9 +235,27 @@ def precheck(cfg, run_dir: Path) -> None:
         return
     ckpt = checkpoint.load(found, mmap=True)
     compare(ckpt, cfg, found)
+    saved_cfg = ckpt["config"]
+    for group in ("model", "optim"):
+        before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
+        if before != now:
+            raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
+                            f"resume with the same {group}")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
-        model = parts.model(cfg)  # built as the run builds it, to compare its parameter shapes
-    check_fits(ckpt, cfg, model, world_size)
+        current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
+    saved = ckpt["model"]
+    if saved.keys() != current.keys():
+        odd = sorted(saved.keys() ^ current.keys())
+        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
+                        f"e.g. {odd[0]}): resume with the same model config")  # fmt: skip
+    for name, tensor in current.items():
+        if saved[name].shape != tensor.shape:
+            raise UserError(
+                f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
+                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
+                "resume with the same model and data"
+            )
+    per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
@@ -257,63 +266,29 @@ def precheck(cfg, run_dir: Path) -> None:
 {% endif %}
 
 
-def check_fits(ckpt: dict, cfg, model, world_size: int) -> None:
-    """Refuse a checkpoint from another model, head size or optimizer, or whose global batch `world_size` processes
-    cannot share, saying what differs."""
-    saved_cfg = ckpt["config"]
-    for group in ("model", "optim"):
-        before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
-        if before != now:
-            raise UserError(
-                f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
-                f"resume with the same {group}"
-            )
-    saved, current = ckpt["model"], model.state_dict()
-    if saved.keys() != current.keys():
-        odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(
-            f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
-            f"e.g. {odd[0]}): resume with the same model config"
-        )
-    for name, tensor in current.items():
-        if saved[name].shape != tensor.shape:
-            raise UserError(
-                f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
-                "resume with the same model and data"
-            )
-    per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
-
-
 def group_settings(optimizer) -> list[dict]:
     """The optimizer's group settings (lr, weight decay...) as this run's config built them."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-{% if cookiecutter.with_fsdp == "yes" %}
-def restore(
-    ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0, fresh: list | None = None
-) -> int:
+def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0{% if cookiecutter.with_fsdp == "yes" %}, fresh=None{% endif %}) -> int:
     """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
 
     One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
     own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes.
+{% if cookiecutter.with_fsdp == "yes" %}
     A sharded checkpoint's weights and optimizer state are loaded before (run.py); `fresh` is then `group_settings`
     as they were before that load."""
-    world_size = train_loader.world_size
-    check_fits(ckpt, cfg, model, world_size)
+{% else %}
+    """
+{% endif %}
+    world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
+{% if cookiecutter.with_fsdp == "yes" %}
     fresh = fresh if fresh is not None else group_settings(optimizer)
     if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
 {% else %}
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0) -> int:
-    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
-
-    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
-    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes."""
-    world_size = train_loader.world_size
-    check_fits(ckpt, cfg, model, world_size)
     fresh = group_settings(optimizer)
     model.load_state_dict(ckpt["model"])
     load_optimizer(ckpt, model, optimizer)
@@ -372,18 +347,8 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
     )
 
 
-def where(
-    run_dir: Path,
-    last: Path,
-    step: int,
-    finished: bool,
-    overrides: list[str],
-    world_size: int,
-    note: str | None = None,
-{% if cookiecutter.with_streams == "yes" %}
-    restart_epoch: bool = False,
-{% endif %}
-) -> str:
+def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int,
+          note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
     """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
     to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
 {% if cookiecutter.with_streams == "yes" %}
@@ -406,12 +371,7 @@ def where(
     )
     resume_from = f"resume={shlex.quote(short(last))}"
     if finished:
-{% if cookiecutter.with_fsdp == "yes" %}
-        run_file = last / sharded_checkpoint.RUN_FILE if last.is_dir() else last  # a sharded save keeps it apart
-        epochs = weights_only.read(run_file, mmap=True)["config"]["epochs"]
-{% else %}
-        epochs = weights_only.read(last, mmap=True)["config"]["epochs"]
-{% endif %}
+        epochs = checkpoint.read(last, "resume", "the run's checkpoint", mmap=True)["config"]["epochs"]
         longer = [o for o in kept if not o.startswith("epochs=")]
         command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
         more = f"{epochs} more epoch{'s' * (epochs != 1)}"

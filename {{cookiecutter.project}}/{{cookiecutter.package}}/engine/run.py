@@ -20,13 +20,13 @@ from tqdm import tqdm
 from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
+from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device, to_device
 from .dry_step import first_samples, quiet
 from .ema import EMA
 {% if cookiecutter.with_fsdp == "yes" %}
 from .errors import UserError
 {% endif %}
-from .init_from import init_weights
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest

@@ -33,8 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import distributed
-from .errors import UserError
-from .weights_only import read
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
@@ -59,21 +57,6 @@ class MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def metadata(path: Path) -> Metadata:
-    """The save's DCP metadata (every tensor's name, shape and dtype), read safely; a UserError when unreadable."""
-    try:
-        with open(path / ".metadata", "rb") as f:
-            found = MetadataUnpickler(f).load()
-        if not isinstance(found, Metadata):
-            raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
-        return found
-    except Exception as e:
-        raise UserError(
-            f"resume: {str(path)!r} is not a readable sharded checkpoint ({type(e).__name__}: {str(e)[:200]}); "
-            "it is incomplete, corrupt or not from this project: pick another, e.g. an older checkpoints/step-*.pth"
-        ) from None
-
-
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load, with its non-tensor entries read `weights_only=True` (DCP itself unpickles them fully)."""
 
@@ -84,49 +67,27 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, checked)
 
 
-def shapes(found: Metadata, part: str) -> dict[str, torch.Tensor]:
-    """`part`'s tensors (model, ema) as shapes and dtypes only: tensors on the meta device, nothing read."""
-    prefix = part + "."
-    return {
-        name.removeprefix(prefix): torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+def tensors(path: Path, whole: bool) -> dict:
+    """The save's `model` and `ema` (None when it has none) for checkpoint.read: as shapes and dtypes (tensors on the
+    meta device, nothing read; `sharded`: resume loads the shards into the run, `load_into`), or, `whole`, gathered
+    from every rank's shards into whole CPU tensors (eval.py, init_from, export; not the optimizer's state)."""
+    with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
+        found = MetadataUnpickler(f).load()
+    if not isinstance(found, Metadata):
+        raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
+    wanted = {
+        name: torch.empty(item.size, dtype=item.properties.dtype, device="cpu" if whole else "meta")
         for name, item in found.state_dict_metadata.items()
-        if name.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+        if name.startswith(("model.", "ema.")) and isinstance(item, TensorStorageMetadata)
     }
-
-
-def read_run(path: Path) -> dict:
-    """The save's checkpoint without its tensors' values: run.pth, and `model` (and `ema`) as shapes (`shapes`)."""
-    found = metadata(path)
-    try:
-        ckpt = read(path / RUN_FILE)
-    except Exception as e:
-        raise UserError(
-            f"resume: {str(path / RUN_FILE)!r} is not readable ({type(e).__name__}): the save is incomplete or "
-            "corrupt: pick another, e.g. an older checkpoints/step-*.pth"
-        ) from None
-    if not isinstance(ckpt, dict):
-        raise UserError(f"resume: {str(path)!r} is not a checkpoint of this project (its {RUN_FILE} is no dict)")
-    ema = shapes(found, "ema")
-    return {**ckpt, "model": shapes(found, "model"), "ema": ema or None, "sharded": True}
-
-
-def read_full(path: Path) -> dict:
-    """The save as one process's plain checkpoint: run.pth, with `model` (and `ema`) as whole tensors on the CPU,
-    gathered from every rank's shards. For eval.py, init_from and export; not the optimizer's state."""
-    ckpt = read_run(path)
-    del ckpt["sharded"]  # whole tensors from here on
-    wanted = {  # read_run's shapes, as CPU tensors for DCP to fill
-        f"{part}.{name}": torch.empty(shape.shape, dtype=shape.dtype)
-        for part in ("model", "ema")
-        for name, shape in (ckpt[part] or {}).items()
-    }
-    with warnings.catch_warnings():  # DCP's note that it loads in one process, which is the point here
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(wanted, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
+    if whole:
+        with warnings.catch_warnings():  # DCP's note that it loads in one process, which is the point here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(wanted, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
+    found = {"sharded": not whole}
     for part in ("model", "ema"):
-        tensors = {k.removeprefix(part + "."): v for k, v in wanted.items() if k.startswith(part + ".")}
-        ckpt[part] = tensors or None
-    return ckpt
+        found[part] = {k.removeprefix(part + "."): v for k, v in wanted.items() if k.startswith(part + ".")} or None
+    return found
 
 
 def live_state(model: torch.nn.Module, optimizer, ema_model: torch.nn.Module | None) -> dict:
