@@ -16,8 +16,8 @@ LEFT_OUT = {
     "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
     "with_fsdp": [f"{PACKAGE}/engine/fsdp.py", f"{PACKAGE}/engine/sharded_checkpoint.py", "conf/parallel/fsdp.yaml",
                   "tests/test_fsdp.py", "tests/blocks.py"],
-    "with_photos": [f"{PACKAGE}/engine/decode.py", f"{PACKAGE}/engine/gpu_decode.py", "tests/test_gpu_decode.py",
-                    "benchmarks/p7_photos.py", "docs/photos.md"],
+    "with_photos": [f"{PACKAGE}/engine/decode.py", "tests/test_gpu_decode.py", "benchmarks/p7_photos.py",
+                    "docs/photos.md"],
     "with_doctor": [f"{PACKAGE}/doctor.py", "tests/test_doctor.py"],
 }
 ANSWERS = {

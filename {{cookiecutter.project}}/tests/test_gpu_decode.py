@@ -1,4 +1,4 @@
-"""data.decode=gpu's host side (engine/gpu_decode.py, decode.py's CropDecoder), all a CPU machine can check: a JPEG
+"""data.decode=gpu's host side (engine/decode.py's CropDecoder, EncodedBatch), all a CPU machine can check: a JPEG
 sample is the file's bytes with the box RandomResizedCrop and the flip RandomHorizontalFlip draw from the same seed;
 the collate keeps a batch's files as a list, through real workers, the same for any worker count and on resume; and
 the batch decoded on the CPU (libjpeg-turbo in nvJPEG's place, the same cut, resize and flip after it) is the batch
@@ -18,10 +18,9 @@ from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import ImageFiles
 from {{ cookiecutter.package }}.engine import memory, parts, rng
-from {{ cookiecutter.package }}.engine.decode import CropDecoder
+from {{ cookiecutter.package }}.engine.decode import CropDecoder, EncodedBatch, EncodedImage
 from {{ cookiecutter.package }}.engine.device import Normalize, PrepareBatch, input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.gpu_decode import EncodedBatch, EncodedImage, collate
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from tests.helpers import loader_settings
 from tests.test_data import centre_list, crop_list, photo
@@ -93,7 +92,7 @@ def test_a_jpeg_sample_is_its_bytes_with_the_box_and_flip_the_cpu_path_draws(pho
                 out.append(decoder(path.read_bytes()))
         kinds = [isinstance(s, EncodedImage) for s in samples]
         assert kinds == [p.suffix == ".jpg" and p != cmyk for p in files]
-        batch = collate([(s, i) for i, s in enumerate(samples)])
+        batch = gpu.collate([(s, i) for i, s in enumerate(samples)])
         images = batch[0].to_images(CPU)
         assert images.shape == (len(files), 3, 64, 64) and images.dtype == torch.uint8
         for i, path in enumerate(files):
@@ -119,7 +118,7 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
         out = []
         for _ in range(2):  # two epochs
             for batch in loader:
-                if collate_fn is collate and isinstance(batch[0], EncodedBatch):
+                if collate_fn is not None and isinstance(batch[0], EncodedBatch):
                     assert {f.numel() for f in batch[0].files()} <= lengths and batch[1].dtype == torch.int64
                     assert memory.batch_bytes(batch) == batch[0].nbytes + batch[1].nbytes
                 out.append(prepare(batch)[0].clone())
@@ -130,21 +129,21 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
     want, _ = batches(tv, 0)
     assert len(want) == 4
     for workers in (0, 2):
-        got, _ = batches(gpu, workers, collate_fn=collate)
+        got, _ = batches(gpu, workers, collate_fn=gpu.collate_fn)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), workers
-    first, state = batches(gpu, 2, stop=3, collate_fn=collate)
-    rest, _ = batches(gpu, 0, state=state, collate_fn=collate)
+    first, state = batches(gpu, 2, stop=3, collate_fn=gpu.collate_fn)
+    rest, _ = batches(gpu, 0, state=state, collate_fn=gpu.collate_fn)
     assert all(torch.equal(a, b) for a, b in zip(first + rest[:1], want, strict=True))
-    other, _ = batches(gpu, 0, seed=5, collate_fn=collate)
+    other, _ = batches(gpu, 0, seed=5, collate_fn=gpu.collate_fn)
     assert not any(torch.equal(a, b) for a, b in zip(other, want, strict=True))
     # one batch by hand: the files kept as a list, a PNG's pixels beside them; a batch of PNG alone is stacked
     png = next(i for i, p in enumerate(gpu.paths) if p.endswith(".png"))
     jpg = [i for i, p in enumerate(gpu.paths) if p.endswith(".jpg")]
-    batch = collate([gpu[i] for i in [jpg[0], png, jpg[1]]])
+    batch = gpu.collate_fn([gpu[i] for i in [jpg[0], png, jpg[1]]])
     assert isinstance(batch[0], EncodedBatch) and batch[0].at == [0, 2] and batch[0].pixels.shape == (1, 3, 32, 32)
     assert [f.numel() for f in batch[0].files()] == [len(gpu.read(jpg[0])), len(gpu.read(jpg[1]))]
     assert "2 JPEG files" in memory.layout(batch) and "1x3x32x32 uint8" in memory.layout(batch)
-    stacked = collate([gpu[png], gpu[png]])
+    stacked = gpu.collate_fn([gpu[png], gpu[png]])
     assert isinstance(stacked[0], torch.Tensor) and stacked[0].shape == (2, 3, 32, 32)
     # in a worker the collate itself puts both buffers in shared memory (inside the fetch, as CollateWithSnapshot does)
     indices = [jpg[0], png]
@@ -154,8 +153,9 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
 
 
 def collate_and_ask(samples):
-    """gpu_decode.collate, and whether its buffers are in shared memory as it returns them."""
-    batch = collate(samples)
+    """CropDecoder.collate (of the fixture's training list), and whether its buffers are in shared memory as it
+    returns them."""
+    batch = CropDecoder(crop_list(32), "gpu").collate(samples)
     return batch, (batch[0].data.is_shared(), batch[0].pixels.is_shared())
 
 
@@ -178,7 +178,7 @@ def test_what_the_device_cannot_finish_is_refused_in_one_line(photos):
     with pytest.raises(UserError, match=r"^data.collate is set, and ImageFiles collates its batches itself \(data"):
         parts.collate(own, gpu)
     none = OmegaConf.create({"data": {}})
-    assert parts.collate(none, gpu) is collate and parts.collate(none, tv) is None
+    assert parts.collate(none, gpu) == gpu.reader.collate and parts.collate(none, tv) is None
     assert parts.collate(own, tv).func.__name__ == "collate_and_ask"  # yours, where the data set names none
     with pytest.raises(UserError, match=f"^{ON_THE_CPU}$"):
         input_transform(OmegaConf.create({"decode": "gpu"}), CPU)
@@ -188,6 +188,7 @@ def test_what_the_device_cannot_finish_is_refused_in_one_line(photos):
     broken = data[:scan] + bytes(len(data) - scan)  # the scan zeroed
     with pytest.raises(RuntimeError):
         decode_jpeg(torch.frombuffer(bytearray(broken), dtype=torch.uint8))
-    batch = collate([(CropDecoder(crop_list(32), "gpu")(broken), 0)])
+    reader = CropDecoder(crop_list(32), "gpu")
+    batch = reader.collate([(reader(broken), 0)])
     with pytest.raises(UserError, match=r"^data.decode=gpu: a JPEG file of this batch does not decode on cpu \("):
         batch[0].to_images(CPU)

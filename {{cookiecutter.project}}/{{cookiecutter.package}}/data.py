@@ -145,7 +145,6 @@ def shapes(
     decode: str = "auto",
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
-    check_decode(decode)
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform, decode=decode)
 
@@ -198,45 +197,34 @@ def drawn(root: Path, wanted: dict, other: str = "") -> bool:
 
 
 def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, layout: str = "classification") -> None:
-    """Draw the shapes once (see `draw_once`): PNG files in one folder per shape (ImageFolder's layout), or with
-    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's). Both draw the same images."""
-
-    def draw(tmp: Path, rng: np.random.Generator) -> None:
-        for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
-            for name in SHAPES:
-                for i in range(count):
-                    image, mask = draw_shape(name, image_size, rng)
-                    if layout == "classification":
-                        files = [(image, tmp / split / name / f"{i:05d}.png")]
-                    else:
-                        files = [(image, tmp / split / "images" / f"{name}-{i:05d}.png"),
-                                 (mask, tmp / split / "masks" / f"{name}-{i:05d}.png")]  # fmt: skip
-                    for picture, path in files:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        picture.save(path)
-
-    draw_once(root, recipe(per_class, image_size, data_seed, layout), draw)
-
-
-def draw_once(root: Path, wanted: dict, draw) -> None:
-    """`draw(folder, rng)` into `root` once; concurrent callers (DDP ranks, parallel tests) race safely.
-
-    The folder is built under a temporary name and renamed into place, so a reader never sees
-    half of it; the recipe is stored beside the images and checked on reuse.
-    """
-    marker = root / "shapes.json"
+    """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with
+    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
+    Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
+    renamed into place, so a reader never sees half of it; the recipe is stored beside the images (`drawn`)."""
+    wanted = recipe(per_class, image_size, data_seed, layout)
     if drawn(root, wanted):
         return
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    draw(tmp, np.random.default_rng(wanted["data_seed"]))
+    rng = np.random.default_rng(data_seed)
+    for split, count in (("train", per_class), ("val", max(per_class // 5, 1))):
+        for name in SHAPES:
+            for i in range(count):
+                image, mask = draw_shape(name, image_size, rng)
+                if layout == "classification":
+                    files = [(image, tmp / split / name / f"{i:05d}.png")]
+                else:
+                    files = [(image, tmp / split / "images" / f"{name}-{i:05d}.png"),
+                             (mask, tmp / split / "masks" / f"{name}-{i:05d}.png")]  # fmt: skip
+                for picture, path in files:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    picture.save(path)
     (tmp / "shapes.json").write_text(json.dumps(wanted))
     try:
         os.rename(tmp, root)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-        if not marker.exists():
+        if not (root / "shapes.json").exists():
             raise
 
 
@@ -255,19 +243,12 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Im
         if name == "circle":
             pen.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=paint)
         elif name == "cross":
-            arm = radius * 0.3
+            arm = radius * 0.3  # two bars of this half-width, one across the other
             for a in (angle, angle + math.pi / 2):
                 dx, dy = math.cos(a), math.sin(a)
-                px, py = -dy * arm, dx * arm
-                pen.polygon(
-                    [
-                        (cx + dx * radius + px, cy + dy * radius + py),
-                        (cx + dx * radius - px, cy + dy * radius - py),
-                        (cx - dx * radius - px, cy - dy * radius - py),
-                        (cx - dx * radius + px, cy - dy * radius + py),
-                    ],
-                    fill=paint,
-                )
+                ax, ay, px, py = dx * radius, dy * radius, -dy * arm, dx * arm
+                ends = ((1, 1), (1, -1), (-1, -1), (-1, 1))  # (along, across) signs of the bar's corners
+                pen.polygon([(cx + s * ax + t * px, cy + s * ay + t * py) for s, t in ends], fill=paint)
         else:
             corners = 4 if name == "square" else 3
             pen.polygon(
@@ -388,7 +369,6 @@ def precheck_segmentation(
         return SegmentationFolder.precheck(root, split)
     wanted = recipe(per_class, image_size, data_seed, "segmentation")
     drawn(Path(root), wanted, "or data.generate=false to read your own")
-    return None
 
 
 segmentation.precheck = precheck_segmentation

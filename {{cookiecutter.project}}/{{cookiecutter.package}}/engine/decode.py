@@ -1,20 +1,30 @@
 """data.decode: an image file's bytes decoded only as far as the transform's first crop needs (`CropDecoder`), the
-crop's box drawn first with the transform's own draws; with data.decode=gpu a JPEG left as bytes for the device
-(engine/gpu_decode.py). The data sets of data.py and shards.py read their files through it."""
+crop's box drawn first with the transform's own draws; the data sets of data.py and shards.py read their files so.
+
+data.decode=gpu: a worker sends a JPEG as its bytes with the crop's box and the flip it drew (`EncodedImage`), from the
+sample's seeded generator with the CPU path's draws, so the run is deterministic, exact on resume and the same for any
+worker count. The data set's collate (`CropDecoder.collate`) keeps a batch's files in one buffer (`EncodedBatch`: they
+do not stack), which `device.to_device` leaves on the host, where nvJPEG reads its input, and does not pin (the
+prefetch plan counts a pinned copy of every batch: once too often here). `device.PrepareBatch` then decodes it on the
+device (`to_images`) before data.normalize: with nvJPEG on CUDA; on the CPU (tests) with libjpeg-turbo, to the bit
+what data.decode=torchvision makes.
+"""
 
 from __future__ import annotations
 
 import io
+import itertools
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
+from torch.utils.data import default_collate, get_worker_info
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .errors import UserError
-from .gpu_decode import Crop, EncodedImage, collate
 
 DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
 JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
@@ -97,32 +107,32 @@ class CropDecoder:
     does not decode raises PIL's error, as with `pil`, for `data.on_bad_sample`.
 
     `decode=gpu`: an RGB or grayscale JPEG is not decoded here. Its box is drawn as above and its flip as
-    `RandomHorizontalFlip` draws it, and the sample is the file's bytes with them (engine/gpu_decode.py's
-    `EncodedImage`), for the main process to decode with nvJPEG; every other file is decoded here as with `auto`.
-    The transform must then be one the device can finish: see `gpu_steps`.
+    `RandomHorizontalFlip` draws it, and the sample is the file's bytes with them (an `EncodedImage`), for the
+    main process to decode with nvJPEG; every other file is decoded here as with `auto`. The transform must then
+    be one the device can finish: see `gpu_steps`.
     """
 
     def __init__(self, transform, decode: str = "auto"):
         check_decode(decode, cuda=False)
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
-        self.flip = self.crop = None  # decode=gpu: the flip step, if any, and what the device resizes each box to
-        self.collate_fn = collate if decode == "gpu" else None  # the data set's, for parts.collate
-        if decode == "gpu":
-            self.flip = gpu_steps(transform, self.plan)
-            step = self.plan[0]
-            self.crop = Crop(tuple(step.size), step.interpolation, step.antialias)
+        self.flip = gpu_steps(transform, self.plan) if decode == "gpu" else None  # the flip step, if any
+        self.collate_fn = self.collate if decode == "gpu" else None  # the data set's, for parts.collate
 
     def __call__(self, data: bytes):
         with Image.open(io.BytesIO(data)) as image:
-            if self.plan is None or image.format not in JPEG_FORMATS:
-                return self.whole(image)
-            crop, rest = self.plan
-            box = crop.box(image)
-            if box is None:
-                return self.whole(image)
+            crop, rest = self.plan or (None, [])
+            box = crop.box(image) if crop is not None and image.format in JPEG_FORMATS else None
+            if box is None:  # the whole file, as torchvision's ImageFolder loads it, and the whole transform
+                image = image.convert("RGB")
+                return image if self.transform is None else self.transform(image)
             if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
-                return self.encoded(data, image.size, box)
+                # the box as the CPU path cuts it at full size, the flip drawn after it as RandomHorizontalFlip draws
+                # it (`torch.rand(1) >= p`: not flipped)
+                y0, x0, y1, x1 = cut(box, 1, image.size)
+                flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
+                file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip)
             pixels, _ = self.region(data, image, box, crop.size)
         out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
@@ -130,24 +140,11 @@ class CropDecoder:
             out = step(out)
         return out
 
-    def encoded(self, data: bytes, size: tuple[int, int], box) -> EncodedImage:
-        """The file's bytes, the box as the CPU path cuts it at full size (`cut` at scale 1), and the flip drawn after
-        the box as `RandomHorizontalFlip.forward` draws it (`torch.rand(1) >= p`: not flipped)."""
-        y0, x0, y1, x1 = cut(box, 1, size)
-        flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
-        file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip, self.crop)
-
-    def whole(self, image: Image.Image):
-        image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
-        return image if self.transform is None else self.transform(image)
-
     def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
         """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
         _, _, height, width = box
-        scale = next((s for s in SCALES if height / s >= size[0] and width / s >= size[1]), 1)
-        if self.decode == "torchvision":
-            scale = 1  # decoded whole
+        fits = (s for s in SCALES if height / s >= size[0] and width / s >= size[1])
+        scale = 1 if self.decode == "torchvision" else next(fits, 1)  # torchvision: decoded whole
         if image.mode in ("RGB", "L") and scale == 1:
             try:
                 pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
@@ -164,6 +161,30 @@ class CropDecoder:
         # would only copy it again
         part = image.crop((x0, y0, x1, y1))
         return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+
+    def collate(self, samples: list) -> list:
+        """data.decode=gpu's collate of `(image, label)` samples: the images become one `EncodedBatch`; the labels,
+        and images without a JPEG for the device (all PNG), go through default_collate, as a list."""
+        return [self.join(list(column)) for column in zip(*samples, strict=True)]
+
+    def join(self, images: list):
+        """One `EncodedBatch` of a batch's images, files and worker-decoded ones mixed. In a worker its two buffers
+        go to shared memory here, inside the fetch, as `loader.CollateWithSnapshot` moves a batch's other tensors: a
+        full /dev/shm then fails as an error the main process receives, not in the worker queue's feeder thread."""
+        at = [i for i, x in enumerate(images) if isinstance(x, EncodedImage)]
+        if not at:
+            return default_collate(images)
+        files = [images[i] for i in at]
+        data = torch.cat([f.data for f in files])
+        others = [torch.as_tensor(x) for x in images if not isinstance(x, EncodedImage)]
+        pixels = torch.stack(others).as_subclass(torch.Tensor) if others else None
+        if get_worker_info() is not None:
+            for t in (data, pixels):
+                if t is not None:
+                    t.share_memory_()
+        ends = list(itertools.accumulate(f.data.numel() for f in files))
+        boxes, flips = [f.box for f in files], [f.flip for f in files]
+        return EncodedBatch(data, ends, boxes, flips, at, self.plan[0], pixels, len(images))
 
 
 def gpu_steps(transform, plan):
@@ -191,3 +212,71 @@ def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
     y1 = max(y0 + 1, min(size[1], round((top + height) / scale)))
     x1 = max(x0 + 1, min(size[0], round((left + width) / scale)))
     return y0, x0, y1, x1
+
+
+@dataclass
+class EncodedImage:
+    """One JPEG sample as a worker makes it: the file's bytes (uint8, 1-D), its box (top, left, height, width, in
+    the file's pixels) and whether it is flipped."""
+
+    data: torch.Tensor
+    box: tuple[int, int, int, int]
+    flip: bool
+
+
+@dataclass
+class EncodedBatch:
+    """A batch's images on the host: the JPEG files one after the other in `data` (file k is
+    `data[ends[k - 1]:ends[k]]`), with their boxes, flips and places in the batch (`at`), and the crop step's box
+    (`RandomBox` or `CentreBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
+    the images a worker decoded itself, stacked (uint8 (M, 3, H, W)), for the other places, or is None."""
+
+    data: torch.Tensor
+    ends: list[int]
+    boxes: list[tuple[int, int, int, int]]
+    flips: list[bool]
+    at: list[int]
+    crop: RandomBox | CentreBox
+    pixels: torch.Tensor | None
+    size: int  # images in the batch
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        """What the batch holds in memory (the prefetch plan counts it): the files and the decoded images."""
+        return self.data.nbytes + (0 if self.pixels is None else self.pixels.nbytes)
+
+    def describe(self) -> str:
+        """`60 JPEG files 5.12 MiB + 4x3x64x64 uint8`: the batch for the prefetch plan's log line."""
+        text = f"{len(self.at)} JPEG files {self.data.nbytes / 2**20:.2f} MiB"
+        return text if self.pixels is None else text + " + " + "x".join(map(str, self.pixels.shape)) + " uint8"
+
+    def files(self) -> list[torch.Tensor]:
+        """The JPEG files, each a 1-D view of `data`: the list decode_jpeg decodes in one call."""
+        return [self.data[a:b] for a, b in zip([0, *self.ends[:-1]], self.ends, strict=True)]
+
+    def to_images(self, device: torch.device) -> torch.Tensor:
+        """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each
+        box cut, resized by the resize the CPU path uses and flipped where drawn, the worker-decoded images copied
+        into their places."""
+        crop = self.crop
+        out = torch.empty((self.size, 3, *crop.size), dtype=torch.uint8, device=device)
+        try:
+            images = decode_jpeg(self.files(), mode=ImageReadMode.RGB, device=device)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # a file that passed PIL's header read but not the decoder, for the whole batch
+            raise UserError(
+                f"data.decode=gpu: a JPEG file of this batch does not decode on {device} ({str(e).splitlines()[0]}):"
+                " data.decode=auto decodes in the workers, where data.on_bad_sample names the file or skips it"
+            ) from None
+        for place, image, (top, left, height, width), flip in zip(self.at, images, self.boxes, self.flips, strict=True):
+            part = image[:, top : top + height, left : left + width]  # the view the CPU path cuts
+            part = resize(part, crop.size, crop.interpolation, antialias=crop.antialias)
+            out[place] = part.flip(-1) if flip else part  # RandomHorizontalFlip's own flip of an image
+        if self.pixels is not None:
+            encoded = set(self.at)
+            out[[i for i in range(self.size) if i not in encoded]] = self.pixels.to(device)
+        return out

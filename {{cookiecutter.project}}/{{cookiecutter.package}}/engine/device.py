@@ -7,7 +7,7 @@
   workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
 {% if cookiecutter.with_photos == "yes" %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids. With
-  data.decode=gpu the input arrives as JPEG files, which it first decodes there (gpu_decode.py's `EncodedBatch`).
+  data.decode=gpu the input arrives as JPEG files, which it first decodes there (decode.py's `EncodedBatch`).
 {% else %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
 {% endif %}
@@ -193,7 +193,7 @@ class PrepareBatch:
 {% if cookiecutter.with_photos == "yes" %}
     attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
     that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
-    on the host (gpu_decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
+    on the host (decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
 {% else %}
     attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
 {% endif %}

@@ -61,7 +61,7 @@ def batch_bytes(batch) -> int:
     if isinstance(batch, (list, tuple)):
         return sum(batch_bytes(v) for v in batch)
 {% if cookiecutter.with_photos == "yes" %}
-    nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (gpu_decode.EncodedBatch)
+    nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (decode.EncodedBatch)
 {% else %}
     nbytes = getattr(batch, "nbytes", None)  # a numpy array
 {% endif %}

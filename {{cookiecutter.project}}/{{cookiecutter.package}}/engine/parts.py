@@ -71,10 +71,8 @@ def data_sets(cfg) -> tuple:
 def collate(cfg, dataset):
     """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`;
 {% if cookiecutter.with_photos == "yes" %}
-    else None, torch's default_collate. The data sets reading through decode.py's CropDecoder name gpu_decode.collate
-    under data.decode=gpu: a batch's JPEG files are bytes of different lengths, which do not stack, and it keeps them
-    as a list (one EncodedBatch) for the device to decode after the copy. A data.collate of yours beside it is
-    refused: it would be handed undecoded files."""
+    else None, torch's default_collate. Under data.decode=gpu the data sets name decode.py's CropDecoder.collate,
+    which keeps a batch's JPEG files as a list (one EncodedBatch): a data.collate of yours beside it is refused."""
 {% else %}
     else None, torch's default_collate. A data.collate of yours beside a data set's own is refused: which of the two
     the data set's samples are made for, only you can say."""
