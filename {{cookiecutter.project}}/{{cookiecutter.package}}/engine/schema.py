@@ -22,6 +22,18 @@ TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/track
 {% endif %}
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A config's container as {dotted key: leaf value} (an empty group a leaf): what a resume compares, what a
+    tracked run takes as parameters."""
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + str(name)] = value
+    return flat
+
+
 # Checks: each returns None when the value is fine, else what it should be.
 def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
     def check(v):
