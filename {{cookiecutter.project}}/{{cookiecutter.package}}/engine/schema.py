@@ -158,28 +158,17 @@ class MonitorConfig:
 
 
 {% if cookiecutter.with_tracking == "yes" %}
-class WandbMode(str, Enum):
-    online = "online"  # to the W&B server (wandb login first)
-    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
-    disabled = "disabled"  # every call a no-op
-
-
-class OnUnreachable(str, Enum):
-    error = "error"  # refuse to start, in one line
-    local = "local"  # log to a database in the run folder instead (mlflow.db), and say so
-
-
 @dataclass
 class MlflowConfig:
     tracking_uri: str = key(text())
     experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
-    on_unreachable: OnUnreachable = key(typed())
+    on_unreachable: str = key(one_of("error", "local"))  # refuse in one line | the run folder's mlflow.db
     log_checkpoints: bool = key(typed())
 
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = key(typed())
+    mode: str = key(one_of("online", "offline", "disabled"))  # offline: <run folder>/wandb/, `wandb sync` later
     project: str = key(text())
     entity: str | None = key(text(null="your default entity"))
 

@@ -187,7 +187,7 @@ class MlflowTracker(Tracker):
             return uri
         except Exception as e:
             why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        if self.cfg.on_unreachable.value == "local":
+        if self.cfg.on_unreachable == "local":
             local = f"sqlite:///{(self.run_dir / LOCAL_MLFLOW).resolve()}"
             log.warning("logger mlflow: %s does not answer (%s): logging to %s instead", uri, why, local)
             return local
@@ -236,7 +236,7 @@ class WandbTracker(Tracker):
 
         try:
             self.run = wandb.init(
-                mode=self.cfg.mode.value,
+                mode=self.cfg.mode,
                 project=self.cfg.project,
                 entity=self.cfg.entity,
                 group=self.sweep,
@@ -257,7 +257,7 @@ class WandbTracker(Tracker):
         if note is not None:
             # a changed run: the new values replace the old in the config, and what changed is kept beside them
             self.run.config.update({**params, f"resume/step_{note[0]}": note[1]}, allow_val_change=True)
-        log.info("logger wandb: run %s (%s) in %s", self.run_id, self.cfg.mode.value, self.run_dir / "wandb")
+        log.info("logger wandb: run %s (%s) in %s", self.run_id, self.cfg.mode, self.run_dir / "wandb")
 
     def log(self, points: list) -> None:
         import wandb  # the wandb extra's: imported where used, as start() does
