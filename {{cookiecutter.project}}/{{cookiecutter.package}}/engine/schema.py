@@ -23,8 +23,7 @@ TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/track
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
-    """A config's container as {dotted key: leaf value} (an empty group a leaf): what a resume compares, what a
-    tracked run takes as parameters."""
+    """A config as {dotted key: leaf value} (an empty group a leaf): what a resume compares, a tracker's params."""
     flat = {}
     for name, value in tree.items():
         if isinstance(value, dict) and value:
