@@ -20,6 +20,7 @@ from . import checkpoint, parts, rng
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
+from .schema import flatten
 {% if cookiecutter.with_streams == "yes" %}
 from .stream_loader import RESTART_EPOCH, plain_stream_refusal
 {% endif %}
@@ -159,23 +160,13 @@ ABSENT = "(absent)"
 
 def differences(saved: dict, cfg) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's value) for every leaf key that differs, dotted keys, sorted."""
-    old = _flatten(saved)
-    new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    old = flatten(saved)
+    new = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     return [
         (k, old.get(k, ABSENT), new.get(k, ABSENT))
         for k in sorted(old.keys() | new.keys())
         if old.get(k, ABSENT) != new.get(k, ABSENT)
     ]
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for name, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{name}."))
-        else:
-            flat[prefix + name] = value
-    return flat
 
 
 def describe(changes) -> str:

@@ -334,9 +334,8 @@ def build(
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     note = resume.tracking_note(ckpt, cfg) if ckpt else None
-    trackers = tracking.start(cfg, run_dir, ckpt, purge, note) if world.is_main else None  # MLflow, W&B, CSV
-    tensorboard = "tensorboard" in tracking.chosen(cfg)
-    runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tensorboard))
+    trackers = tracking.start(cfg, run_dir, ckpt, note) if world.is_main else None  # MLflow, W&B
+    runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tracking.chosen(cfg)))
 {% else %}
     runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main))
 {% endif %}
@@ -353,7 +352,7 @@ def build(
         callbacks=callbacks, train_set=train_set, collate=collate,
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
-    cleanup.push(lambda *exc: end_tracking(run))  # before RunLog closes; returns None: an exception goes on
+    cleanup.push(lambda *exc: end_tracking(run))  # closes RunLog first; returns None: an exception goes on
 {% endif %}
     return run
 
@@ -382,9 +381,10 @@ def spare_task(cfg, world: distributed.World):
 
 
 def end_tracking(run: Run) -> None:
-    """The trackers get the paths of last.pth and best.pth and end their runs (finished, or stopped to resume)."""
+    """RunLog closed, its trackers given the paths of last.pth and best.pth to end their runs (finished, or stopped
+    to resume)."""
     writer = run.checkpoints.writer
     files = {"last": run.checkpoints.last, "best": writer.best if writer is not None else None}
     done = run.train_loader.epoch >= run.cfg.epochs
-    run.runlog.finish({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)
+    run.runlog.close({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)
 {% endif %}

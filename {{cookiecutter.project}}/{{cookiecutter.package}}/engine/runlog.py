@@ -1,12 +1,19 @@
 """What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
 per `log_every_steps` optimizer steps, with the mean loss over them and of each of a task's loss parts,
-`loss_<name>`), TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, and the
-same figures to the trackers of `logger.use` (MLflow, W&B, CSV: tracking.py){% endif %}."""
+`loss_<name>`), TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, the jsonl lines as
+rows of `steps.csv` and `metrics.csv`, and the same figures to the trackers of `logger.use` (MLflow, W&B:
+tracking.py){% endif %}."""
 
 from __future__ import annotations
 
+{% if cookiecutter.with_tracking == "yes" %}
+import csv
+{% endif %}
 import json
 import time
+{% if cookiecutter.with_tracking == "yes" %}
+from collections.abc import Sequence
+{% endif %}
 from pathlib import Path
 
 try:
@@ -25,7 +32,8 @@ from .tracking import Tracking
 
 
 class RunLog:
-    """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op."""
+    """Only one process writes (rank 0 under torchrun); for the others `enabled=False` makes every call a no-op.{% if cookiecutter.with_tracking == "yes" +%}
+    `use`: logger.use, of which RunLog writes the run folder's (tensorboard, csv); `tracking`: the others'.{% endif %}"""
 
 {% if cookiecutter.with_tracking == "yes" %}
     def __init__(
@@ -34,11 +42,11 @@ class RunLog:
         purge_step: int | None = None,
         enabled: bool = True,
         tracking: Tracking | None = None,
-        tensorboard: bool = True,
+        use: Sequence[str] = ("tensorboard",),
     ):
         self.enabled, self.tracking = enabled, tracking
 {% else %}
-    def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True):
         self.enabled = enabled
 {% endif %}
         if not enabled:
@@ -50,7 +58,12 @@ class RunLog:
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.steps = open(run_dir / "steps.jsonl", "a", buffering=1)
         # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step) if tensorboard else None
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step){% if cookiecutter.with_tracking == "yes" %} if "tensorboard" in use else None{% endif +%}
+{% if cookiecutter.with_tracking == "yes" %}
+        self.csv = run_dir if "csv" in use else None
+        for name in ("steps", "metrics") if self.csv else ():  # the rows of the jsonl lines kept (a resume's purge)
+            write_table(run_dir, name)
+{% endif %}
 
     def __enter__(self) -> RunLog:
         return self
@@ -74,6 +87,8 @@ class RunLog:
             if self.tb is not None:
                 self.tb.add_scalar(key, value, step)
 {% if cookiecutter.with_tracking == "yes" %}
+        if self.csv is not None:
+            write_table(self.csv, "steps", line)
         if self.tracking is not None:  # the same Python floats, queued: the step does not wait for a server
             self.tracking.log(step, figures)
 {% endif %}
@@ -88,14 +103,14 @@ class RunLog:
         if self.tb is not None:
             self.tb.flush()
 {% if cookiecutter.with_tracking == "yes" %}
+        if self.csv is not None:
+            write_table(self.csv, "metrics")
         if self.tracking is not None:  # every number of the line (not mid_epoch's flag nor the worker pids)
-            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self.tracking.log(record["step"], {f"epoch/{k}": v for k, v in numbers.items() if k != "step"})
+            self.tracking.log(record["step"], {f"epoch/{k}": v for k, v in numbers(record).items() if k != "step"})
 {% endif %}
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
-        """A picture (3, H, W), values in [0, 1], on the CPU: TensorBoard{% if cookiecutter.with_tracking == "yes" %}, and the trackers of `logger.use` that take
-        pictures (MLflow, W&B){% endif %}."""
+        """A picture (3, H, W), values in [0, 1], on the CPU: TensorBoard{% if cookiecutter.with_tracking == "yes" %}, and the trackers of `logger.use`{% endif %}."""
         if not self.enabled:
             return
         picture = image.numpy()  # one conversion for every logger (TensorBoard would make its own)
@@ -104,7 +119,7 @@ class RunLog:
             self.tb.flush()
 {% if cookiecutter.with_tracking == "yes" %}
         if self.tracking is not None:
-            self.tracking.image(step, tag, (picture.transpose(1, 2, 0) * 255).round().astype("uint8"))
+            self.tracking.log(step, {tag: (picture.transpose(1, 2, 0) * 255).round().astype("uint8")})
 {% endif %}
 
     def hparams(self, params: dict, figures: dict) -> None:
@@ -124,19 +139,17 @@ class RunLog:
         """{tracker: its tracked run's id}, for the checkpoint: a resume logs into the same tracked runs."""
         return self.tracking.ids() if self.enabled and self.tracking is not None else {}
 
-    def finish(self, files: dict, finished: bool) -> None:
-        """The run's end: the trackers get the checkpoint paths (`files`: last, best) and close their runs."""
-        if self.enabled and self.tracking is not None:
-            tracking, self.tracking = self.tracking, None
-            tracking.close(files, finished)
-
-{% endif %}
+    def close(self, files: dict | None = None, finished: bool = False) -> None:
+        """The files closed; the trackers get the checkpoint paths (`files`: last, best) and end their runs, as
+        `finished` or stopped to be resumed (an exception too: what was queued is still sent)."""
+        if not self.enabled or self.steps.closed:
+            return
+        if self.tracking is not None:
+            self.tracking.close(files or {}, finished)
+{% else %}
     def close(self) -> None:
         if not self.enabled or self.steps.closed:
             return
-{% if cookiecutter.with_tracking == "yes" %}
-        if self.tracking is not None:  # an end without finish(): an exception; what was queued is still sent
-            self.finish({}, finished=False)
 {% endif %}
         if self.tb is not None:
             self.tb.close()
@@ -260,6 +273,34 @@ class EpochMeter:
 NO_WINDOW = {"loss": 0.0, "batches": 0, "norm": 0.0, "norms": 0, "parts": {}}
 
 
+{% if cookiecutter.with_tracking == "yes" %}
+def numbers(line: dict) -> dict:
+    """A jsonl line's numbers (not mid_epoch's flag nor the worker pids)."""
+    return {k: v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
+    """`<name>.csv`, the numbers of `<name>.jsonl`'s lines as rows: `line` appended under the file's header (steps.csv,
+    a row per log line), else the file written whole from the jsonl file (metrics.csv, whose columns vary)."""
+    path = run_dir / f"{name}.csv"
+    if line is not None and path.exists():
+        with open(path, newline="") as f:
+            columns, rows, mode = next(csv.reader(f)), [numbers(line)], "a"
+    else:  # steps.csv: the fixed columns first, as the header that later rows go under
+        rows = [numbers(json.loads(text)) for text in (run_dir / f"{name}.jsonl").read_text().splitlines() if text]
+        lead = ("step", "loss", "lr", "grad_norm") if name == "steps" else ("step",)
+        columns, mode = list(dict.fromkeys([*lead, *(k for row in rows for k in row)])), "w"
+    if not rows:  # no header without a row: the first row's parts make the columns
+        path.unlink(missing_ok=True)
+        return
+    with open(path, mode, newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        if mode == "w":
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+{% endif %}
 def drop_records_from(path: Path, step: int) -> None:
     if path.exists():
         lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]

@@ -22,6 +22,17 @@ TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/track
 {% endif %}
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A config as {dotted key: leaf value} (an empty group a leaf): what a resume compares, a tracker's params."""
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + str(name)] = value
+    return flat
+
+
 # Checks: each returns None when the value is fine, else what it should be.
 def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
     def check(v):
@@ -146,28 +157,17 @@ class MonitorConfig:
 
 
 {% if cookiecutter.with_tracking == "yes" %}
-class WandbMode(str, Enum):
-    online = "online"  # to the W&B server (wandb login first)
-    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
-    disabled = "disabled"  # every call a no-op
-
-
-class OnUnreachable(str, Enum):
-    error = "error"  # refuse to start, in one line
-    local = "local"  # log to a database in the run folder instead (mlflow.db), and say so
-
-
 @dataclass
 class MlflowConfig:
     tracking_uri: str = key(text())
     experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
-    on_unreachable: OnUnreachable = key(typed())
+    on_unreachable: str = key(one_of("error", "local"))  # refuse in one line | the run folder's mlflow.db
     log_checkpoints: bool = key(typed())
 
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = key(typed())
+    mode: str = key(one_of("online", "offline", "disabled"))  # offline: <run folder>/wandb/, `wandb sync` later
     project: str = key(text())
     entity: str | None = key(text(null="your default entity"))
 
