@@ -1,31 +1,25 @@
-"""Tar shards (the WebDataset layout) with an index, served by TrainLoader like any map-style data set.
+"""Tar shards (the WebDataset layout) with an index, served by TrainLoader like any map-style data set (docs/shards.md).
 
     python -m {{ cookiecutter.package }}.shards pack data/images data/shards --per-shard 1000
     python train.py data=shards data.root=data/shards data.num_classes=10
 
-A folder of many small files costs one open and one metadata lookup per sample per epoch: a local
-SSD forgives that, NFS and object storage do not. `pack` writes each split as tar files of
-`--per-shard` samples, `<key>.<ext>` (the image's bytes as they were) and `<key>.cls` (the label)
-per sample, so the `webdataset` library and `tar` read them too, plus `index.json`: per shard its
-name, size in bytes and, per sample, where each member's data starts and how long the image is.
-The samples are mixed across the shards in a seeded order (`--seed`), so every shard holds about
-every class: the windowed shuffle below then mixes classes as a full shuffle would.
+A folder of many small files costs an open and a metadata lookup per sample per epoch: a local SSD forgives that, NFS
+and object storage do not. `pack` writes each split as tar files, per sample `<key>.<ext>` (the image's bytes as they
+were) and `<key>.cls` (the label), so `webdataset` and `tar` read them too, plus `index.json`: per shard its name and
+size, per sample where each member's data starts. With the index the shards are a map-style data set, so everything
+TrainLoader does for an image folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile
+under rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
 
-With the index the shards are a map-style data set, so everything TrainLoader does for an image
-folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile under
-rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
-
-- sample `i` lives at (shard, offset, size) in numpy arrays (one object each, so workers do not
-  copy the parent's memory page by page as they would reading a list of many Python objects);
-- a worker opens a shard once, keeps it open and reads each sample with one seek and one read;
-  open files are keyed by process id, so a forked worker never shares a file position with its
-  parent, and at most `max_open` stay open per process (least recently used closed first);
-- `epoch_order(seed, epoch)` gives EpochBatchSampler the epoch's order, a pure function of
-  (seed, epoch): the shards in a random order, then the samples of each window of
-  `shuffle_window` consecutive shards shuffled together. A batch then touches a few files
-  instead of one per sample; the price is a less thorough mix (samples from far-apart shards
-  never share a batch within an epoch), harmless when pack mixed the samples, costly when each
-  shard holds few classes (`--in-order`, or shards written sorted by another tool).
+- sample `i` lives at (shard, offset, size) in numpy arrays (one object each, so workers do not copy the parent's
+  memory page by page as they would reading a list of many Python objects);
+- a process opens a shard once, keeps it open (at most `max_open`, the least recently used closed first) and reads a
+  sample with one seek and one read; open files are keyed by process id, so a forked worker never shares a file
+  position with its parent;
+- `epoch_order(seed, epoch)`, a pure function of (seed, epoch), gives EpochBatchSampler the epoch's order: the shards
+  in a random order, then the samples of each window of `shuffle_window` consecutive shards shuffled together. A batch
+  touches a few files instead of one per sample; the price (samples of far-apart shards never share a batch within an
+  epoch) is harmless as `pack` mixes the classes across the shards (`--seed`), costly for shards of few classes each
+  (`--in-order`, or shards sorted by another tool).
 {% if cookiecutter.with_streams == "yes" %}
 
 `stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
@@ -42,6 +36,7 @@ import os
 import sys
 import tarfile
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +64,11 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
     """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
 
     The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order),
-    as WebDataset advises for shards: in sorted order each shard would hold one class or two, and a
-    shuffle that keeps a batch within a few shards (`shuffle_window`) would train on batches of a few
-    classes. Deterministic: the labels of torchvision's ImageFolder (sorted class folders), the order a
-    function of (seed, the sorted file list), fixed tar headers (mtime 0, uid/gid 0, no user names, mode 644),
-    keys numbered per split in the order written. Everything is checked before the first byte is written;
-    `dst` must be new or empty. Returns samples per split.
+    as WebDataset advises: in sorted order each shard would hold one class or two, and a shuffle that keeps
+    a batch within a few shards (`shuffle_window`) would train on batches of a few classes. Deterministic:
+    ImageFolder's labels (sorted class folders), the order a function of (seed, the sorted file list), fixed
+    tar headers, keys numbered per split in the order written. Everything is checked before the first byte
+    is written; `dst` must be new or empty. Returns samples per split.
     """
     src, dst = Path(src), Path(dst)
     if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
@@ -110,77 +104,51 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
         if seed is not None:  # each split its own stream, so adding a val/ folder leaves the train shards as they were
             mix = np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
             listing[split] = [listing[split][i] for i in mix.permutation(len(listing[split]))]
-    dst.mkdir(parents=True, exist_ok=True)
     for split, samples in listing.items():
         folder = dst / split
-        folder.mkdir()
-        entries = []
-        for first in range(0, len(samples), per_shard):
-            name = f"shard-{first // per_shard:05d}.tar"
-            entries.append(write_shard(folder / name, samples[first : first + per_shard], first, src / split))
-        index = {
-            "format": FORMAT,
-            "classes": classes,
-            "per_shard": per_shard,
-            "seed": seed,  # the order the samples were mixed in; null: sorted by class folder and file name
-            "samples": len(samples),
-            "shards": entries,
-        }
-        write_atomic(folder / INDEX, json.dumps(index, separators=(",", ":")))
-        size = sum(e["bytes"] for e in entries)
+        folder.mkdir(parents=True)
+        shards = [
+            write_shard(folder / f"shard-{n // per_shard:05d}.tar", samples[n : n + per_shard], n, src / split)
+            for n in range(0, len(samples), per_shard)
+        ]
+        # seed: the order the samples were mixed in; null: sorted by class folder and file name
+        index = {"format": FORMAT, "classes": classes, "per_shard": per_shard, "seed": seed, "samples": len(samples)}
+        with durable(folder / INDEX) as f:  # last: a folder with an index holds every shard it lists
+            f.write(json.dumps({**index, "shards": shards}, separators=(",", ":")).encode())
+        size = sum(s["bytes"] for s in shards) / 2**20
         report(
-            f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(entries)} shards, "
-            f"{size / 2**20:.1f} MiB in {folder}"
+            f"{split}: {len(samples)} samples, {len(classes)} classes -> {len(shards)} shards, "
+            f"{size:.1f} MiB in {folder}"
         )
     return {split: len(samples) for split, samples in listing.items()}
 
 
 def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base: Path) -> dict:
-    """One tar file, written under a temporary name, flushed to disk and renamed into place; its index entry."""
-    entry = {
-        "name": path.name,
-        "bytes": 0,
-        "keys": [],
-        "paths": [],
-        "offsets": [],
-        "sizes": [],
-        "labels": [],
-        "cls_offsets": [],
-    }
+    """One tar file, written `durable`, and its index entry. Per sample `<key>.<ext>` (the image file's bytes as
+    they are) and `<key>.cls` (its label); TarInfo's defaults fix every other header field (mtime 0, uid/gid 0,
+    no user names, mode 644), so the same files give the same bytes."""
+    rows = []  # per sample: key, path under base, where the image's data starts, its size, label, where .cls starts
+    with durable(path) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for number, (source, label) in enumerate(samples, first_key):
+            source, key, starts = Path(source), f"{number:09d}", []
+            data = source.read_bytes()
+            for name, member in ((f"{key}{source.suffix.lower()}", data), (f"{key}.cls", str(label).encode())):
+                starts.append(tar.offset + BLOCK)  # a USTAR header is one block, the data follows it
+                info = tarfile.TarInfo(name)
+                info.size = len(member)
+                tar.addfile(info, io.BytesIO(member))
+            rows.append((key, source.relative_to(base).as_posix(), starts[0], len(data), label, starts[1]))
+    columns = dict(zip(("keys", "paths", "offsets", "sizes", "labels", "cls_offsets"), map(list, zip(*rows))))
+    return {"name": path.name, "bytes": path.stat().st_size, **columns}
+
+
+@contextmanager
+def durable(path: Path):
+    """A file to write `path` through: a temporary file beside it, on disk before it is renamed into place, the
+    rename synced too, so a reader sees no file or the whole one, never half of it, even after a crash."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for number, (source, label) in enumerate(samples, first_key):
-                key, data = f"{number:09d}", Path(source).read_bytes()
-                ext = Path(source).suffix.lower().lstrip(".")
-                entry["keys"].append(key)
-                entry["paths"].append(Path(source).relative_to(base).as_posix())
-                entry["offsets"].append(add_member(tar, f"{key}.{ext}", data))
-                entry["sizes"].append(len(data))
-                entry["labels"].append(label)
-                entry["cls_offsets"].append(add_member(tar, f"{key}.cls", str(label).encode()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    entry["bytes"] = path.stat().st_size
-    return entry
-
-
-def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
-    """Append one file with fixed header fields; returns where its data starts in the tar."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
-    return tar.offset - -(-len(data) // BLOCK) * BLOCK  # header, then the data padded to whole blocks
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """A reader sees the old file or the whole new one, never half of it, even after a crash."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -226,19 +194,16 @@ class ShardDataset(Dataset):
         self.root, self.transform = Path(root), transform
 {% endif %}
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
-        self.classes = list(index["classes"])
-        shards = index["shards"]
-        counts = np.array([len(s["offsets"]) for s in shards], dtype=np.int64)
+        self.classes, shards = list(index["classes"]), index["shards"]
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
         self.shard_bytes = np.array([s["bytes"] for s in shards], dtype=np.int64)
+        counts = [len(s["keys"]) for s in shards]
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # sample number of each shard's first sample
         self.shard = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
-        self.offset = np.concatenate([np.asarray(s["offsets"], dtype=np.int64) for s in shards])
-        self.size = np.concatenate([np.asarray(s["sizes"], dtype=np.int64) for s in shards])
-        self.label = np.concatenate([np.asarray(s["labels"], dtype=np.int64) for s in shards])
-        keys = [s.get("keys") or [""] * len(s["offsets"]) for s in shards]
-        self.key = np.concatenate([np.asarray(k, dtype=str) for k in keys])  # member names, for a bad sample's line
-        del index, shards  # the per-sample Python lists go before any worker forks
+        flat = {k: [v for s in shards for v in s[k]] for k in ("offsets", "sizes", "labels", "keys")}
+        self.offset, self.size, self.label = (np.array(flat[k], dtype=np.int64) for k in ("offsets", "sizes", "labels"))
+        self.key = np.array(flat["keys"])  # member names, for a bad sample's line
+        del index, shards, flat  # the per-sample Python lists go before any worker forks
         self.shuffle_window = shuffle_window
         window = shuffle_window or len(self.paths)
         self.max_open = max_open or max(1, min(len(self.paths), 2 * window + 2, 256))
@@ -323,71 +288,42 @@ class ShardDataset(Dataset):
 {% endif %}
 
     def _file(self, shard: int):
-        pid = os.getpid()
-        if self._pid != pid:  # first use in this process (a forked worker starts here): never the parent's handles
-            self._files, self._pid = OrderedDict(), pid
-        f = self._files.get(shard)
-        if f is not None:
+        # first use in this process (a forked worker starts here): never the parent's handles
+        if self._pid != os.getpid():
+            self._files, self._pid = OrderedDict(), os.getpid()
+        if shard in self._files:
             self._files.move_to_end(shard)
-            return f
-        f = self._open(shard)
-        self._files[shard] = f
-        if len(self._files) > self.max_open:
-            self._files.popitem(last=False)[1].close()
-        return f
+        else:
+            self._files[shard] = self._open(shard)
+            if len(self._files) > self.max_open:  # the least recently used goes
+                self._files.popitem(last=False)[1].close()
+        return self._files[shard]
 
     def _open(self, shard: int):
-        try:
-            f = open(self.paths[shard], "rb")
-        except FileNotFoundError:
-            self._check_size(shard)  # names the missing shard
-            raise
+        check_size(self.paths[shard], int(self.shard_bytes[shard]))  # missing or changed since the run started
         self.opens += 1
-        try:
-            self._check_size(shard, os.fstat(f.fileno()).st_size)
-        except UserError:
-            f.close()
-            raise
-        return f
-
-    def _check_size(self, shard: int, size: int | None = None) -> None:
-        check_size(self.root, str(self.paths[shard]), int(self.shard_bytes[shard]), size)
+        return open(self.paths[shard], "rb")
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
         return {**self.__dict__, "_files": None, "_pid": None}
 
 
-def check_size(root: Path, path: str, expected: int, size: int | None = None) -> None:
-    """A UserError naming the shard when it is missing, or when its size (stat'ed unless given) is not the index's."""
-    if size is None:
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise UserError(f"shard {path} is missing (listed in {root / INDEX}): restore it or pack again") from None
+def check_size(path, expected: int) -> None:
+    """A UserError naming the shard when it is missing, or when its size is not the index's."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        listed = Path(path).parent / INDEX
+        raise UserError(f"shard {path} is missing (listed in {listed}): restore it or pack again") from None
     if size != expected:
         what = "truncated" if size < expected else "changed"
         raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")
 
 
 def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
-    """The split's index, once the arguments fit it and every shard it lists is there at its full size."""
-    index = read_index(root)
-    classes = list(index["classes"])
-    if num_classes is not None and num_classes != len(classes):
-        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
-        raise UserError(
-            f"data.num_classes={num_classes} but the shards in {str(root)!r} hold "
-            f"{len(classes)} classes ({shown}): set data.num_classes={len(classes)}"
-        )
-    if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-        raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
-    for shard in index["shards"]:
-        check_size(root, str(root / shard["name"]), int(shard["bytes"]))
-    return index
-
-
-def read_index(root: Path) -> dict:
+    """The split's index, once it is one this version reads, the arguments fit it and every shard it lists is
+    there at its full size."""
     path = root / INDEX
     if not root.is_dir():
         raise UserError(
@@ -407,6 +343,17 @@ def read_index(root: Path) -> dict:
         raise UserError(
             f"{str(path)!r} is not an index this version reads (format {FORMAT}): pack again into an empty folder"
         )
+    classes = list(index["classes"])
+    if num_classes is not None and num_classes != len(classes):
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        raise UserError(
+            f"data.num_classes={num_classes} but the shards in {str(root)!r} hold "
+            f"{len(classes)} classes ({shown}): set data.num_classes={len(classes)}"
+        )
+    if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
+        raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
+    for shard in index["shards"]:
+        check_size(root / shard["name"], int(shard["bytes"]))
     return index
 
 
@@ -415,24 +362,13 @@ def read_index(root: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.shards", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser(
+    p = parser.add_subparsers(dest="command", required=True).add_parser(
         "pack", help="pack SRC/train/<class>/* and SRC/val/<class>/* into tar shards + index.json in DST"
     )
     p.add_argument("src", help="image folder holding train/ and val/, one subfolder per class in each")
     p.add_argument("dst", help="new or empty folder for the shards")
-    p.add_argument(
-        "--per-shard",
-        type=int,
-        default=1000,
-        help="samples per tar file (default 1000); aim for files of a few hundred MB",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="the samples are mixed across the shards in an order drawn from this seed (default 0)",
-    )
+    p.add_argument("--per-shard", type=int, default=1000, help="samples per tar file (default 1000): a few hundred MB")
+    p.add_argument("--seed", type=int, default=0, help="mix the samples across the shards by this seed (default 0)")
     p.add_argument(
         "--in-order",
         action="store_true",
