@@ -156,14 +156,9 @@ class Normalize:
 def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
     """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read.
     A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
-    parts = [
-        v.detach().to(torch.float64).reshape(-1)
-        if isinstance(v, torch.Tensor)
-        else torch.tensor([float(v)], dtype=torch.float64)
-        for v in values
-    ]
-    packed = torch.cat([p.to(device, non_blocking=True) for p in parts])
-    return distributed.sum_all(packed, world)  # a rank told to stop while its peers are gone exits (preempt.py)
+    parts = [torch.as_tensor(v, dtype=torch.float64).detach().reshape(-1).to(device, non_blocking=True) for v in values]
+    # a rank told to stop while its peers are gone exits (preempt.py)
+    return distributed.sum_all(torch.cat(parts), world)
 
 
 AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}

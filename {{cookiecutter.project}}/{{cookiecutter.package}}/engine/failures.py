@@ -284,13 +284,10 @@ def _ended(pid: int, chain: str) -> str | None:
 
 
 def _ended_child(wait_s: float = 2.0) -> str | None:
-    """The line for a child process of this one that has ended and is not reaped yet ("DataLoader worker (pid N)
-    killed by signal 9 (SIGKILL)"), waiting up to `wait_s` for one still on its way out; None if none has.
-
-    A worker killed while the main process takes the shared memory of its batch (the file descriptor is passed over
-    a socket, multiprocessing.resource_sharer) makes that read fail with ConnectionResetError or EOFError. PyTorch
-    then asks each worker whether it is alive, a worker still on its way out says yes, and the bare connection error
-    comes out instead of PyTorch's own line (the tracebacks of pytorch/pytorch#1551 and #28950)."""
+    """The line for a child of this process that has ended, not reaped yet ("DataLoader worker (pid N) killed by
+    signal 9 (SIGKILL)"), waiting up to `wait_s` for one on its way out; None if none has. A worker killed while the
+    main process takes its batch's shared memory (a descriptor passed over a socket) fails that read with a bare
+    ConnectionResetError or EOFError: PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)."""
     deadline = time.monotonic() + wait_s
     while True:
         for child in psutil.Process().children():
@@ -406,8 +403,7 @@ class BadSampleLog:
     def add(self, epoch: int, lines: list[str]) -> None:
         if self.seen is None:
             self.seen = set(self.path.read_text().splitlines()) if self.path.exists() else set()
-        new = [f"{epoch}\t{self.rank}\t{line}" for line in lines]
-        new = [line for line in new if line not in self.seen]
+        new = [entry for entry in (f"{epoch}\t{self.rank}\t{line}" for line in lines) if entry not in self.seen]
         if new:
             self.seen.update(new)
             with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
