@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from {{ cookiecutter.package }}.engine import monitor
+from {{ cookiecutter.package }}.engine import failures
 from tests.helpers import PROJECT, RNG_DATA, read_jsonl, run_train
 
 HEALTH_KEYS = {"worker_count", "rss_mib", "pss_mib", "fds", "data_wait_share"}
@@ -50,19 +50,19 @@ def test_exit_status_names_signal_and_code():
     ctx = mp.get_context("fork")
     sleeper = ctx.Process(target=time.sleep, args=(60,))
     sleeper.start()
-    assert monitor.exit_status(sleeper.pid) is None  # still running
+    assert failures.exit_status(sleeper.pid) is None  # still running
     os.kill(sleeper.pid, signal.SIGKILL)
     deadline = time.time() + 10
-    while monitor.exit_status(sleeper.pid) is None and time.time() < deadline:
+    while failures.exit_status(sleeper.pid) is None and time.time() < deadline:
         time.sleep(0.01)
-    assert monitor.exit_status(sleeper.pid) == "killed by signal 9 (SIGKILL)"
+    assert failures.exit_status(sleeper.pid) == "killed by signal 9 (SIGKILL)"
     quitter = ctx.Process(target=_exit_with, args=(3,))
     quitter.start()
-    while monitor.exit_status(quitter.pid) is None and time.time() < deadline:
+    while failures.exit_status(quitter.pid) is None and time.time() < deadline:
         time.sleep(0.01)
-    assert monitor.exit_status(quitter.pid) == "exited with code 3"
+    assert failures.exit_status(quitter.pid) == "exited with code 3"
     sleeper.join(), quitter.join()
-    assert monitor.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
+    assert failures.exit_status(quitter.pid) is None  # reaped: a normal end, nothing to report
     # PyTorch reaps a dead worker before its "exited unexpectedly", raised from its SIGCHLD handler's line
     try:
         try:
@@ -71,12 +71,12 @@ def test_exit_status_names_signal_and_code():
             raise RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}) exited unexpectedly") from e
     except RuntimeError as e:
         torch_raised = e
-    assert monitor.worker_death(torch_raised).startswith(
+    assert failures.worker_death(torch_raised).startswith(
         f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL). A SIGKILL"
     )
     # the negative control: without the handler's line the signal is lost, and PyTorch's own words are all there is
     alone = RuntimeError(f"DataLoader worker (pid(s) {sleeper.pid}) exited unexpectedly")
-    assert monitor.worker_death(alone).startswith(f"{alone}. Rerun with loader.num_workers=0")
+    assert failures.worker_death(alone).startswith(f"{alone}. Rerun with loader.num_workers=0")
 
 
 def test_a_worker_killed_while_handing_over_a_batch_is_named():
@@ -87,12 +87,12 @@ def test_a_worker_killed_while_handing_over_a_batch_is_named():
     sleeper.start()
     os.kill(sleeper.pid, signal.SIGKILL)
     for error in (ConnectionResetError(104, "Connection reset by peer"), EOFError()):
-        line = monitor.worker_death(error)
+        line = failures.worker_death(error)
         assert line is not None and line.startswith(
             f"DataLoader worker (pid {sleeper.pid}) killed by signal 9 (SIGKILL). A SIGKILL"
         ), line
     sleeper.join()
-    assert monitor.worker_death(ConnectionResetError(104, "Connection reset by peer")) is None
+    assert failures.worker_death(ConnectionResetError(104, "Connection reset by peer")) is None
 
 
 @pytest.mark.slow
@@ -135,8 +135,8 @@ def test_worker_death_finds_the_message_in_a_chain():
         except RuntimeError:
             raise KeyError("cleanup failed on the way out")  # noqa: B904 (the implicit __context__ is the point)
     except KeyError as e:
-        line = monitor.worker_death(e)
+        line = failures.worker_death(e)
     assert line.startswith("DataLoader worker (pid 4242) killed by signal 9 (SIGKILL). A SIGKILL")
-    ours = monitor.worker_death(monitor.WorkerDied("DataLoader worker (pid 7) exited with code 1"))
+    ours = failures.worker_death(failures.WorkerDied("DataLoader worker (pid 7) exited with code 1"))
     assert ours.endswith("num_workers=0 to see the error in the main process")
-    assert monitor.worker_death(RuntimeError("something else")) is None
+    assert failures.worker_death(RuntimeError("something else")) is None

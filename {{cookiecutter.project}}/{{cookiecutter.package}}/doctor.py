@@ -35,7 +35,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from .engine import memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .engine.device import pick_device, to_device
 from .engine.dry_step import first_samples, kept_rng
 from .engine.errors import UserError, find_user_error
@@ -371,7 +371,7 @@ def run(cfg) -> None:
     try:
         diagnose(cfg)
     except Exception as e:
-        error = find_user_error(e) or monitor.worker_death(e)
+        error = find_user_error(e) or failures.worker_death(e)
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr)

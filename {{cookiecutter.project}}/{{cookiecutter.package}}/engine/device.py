@@ -38,54 +38,50 @@ def pick_device(choice) -> torch.device:
     return torch.device("cpu")
 
 
+def _rebuilt(batch, fn):
+    """`batch` (a dict, list or tuple) in its own type, with `fn(key or position, part)` in place of each part."""
+    if isinstance(batch, Mapping):
+        return type(batch)((k, fn(k, v)) for k, v in batch.items())
+    parts = [fn(i, v) for i, v in enumerate(batch)]
+    return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)  # a namedtuple: fields as args
+
+
 def map_tensors(fn, batch):
     """`batch` with `fn` applied to every tensor in it, however nested in tuples, lists and dicts."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)((k, map_tensors(fn, v)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(batch)(*(map_tensors(fn, v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(fn, v) for v in batch)
+    if isinstance(batch, (Mapping, list, tuple)):
+        return _rebuilt(batch, lambda _, part: map_tensors(fn, part))
     return batch
 
 
-def tensors(batch) -> Iterator[torch.Tensor]:
-    """Every tensor in `batch`, in order."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from tensors(v)
+def tensors(batch) -> list[torch.Tensor]:
+    """Every tensor in `batch`, in order (map_tensors' walk; the rebuilt batch it returns is dropped)."""
+    found = []
+    map_tensors(found.append, batch)
+    return found
+
+
+def has_part(batch, key: int | str) -> bool:
+    """Whether `key` (data.input) names a part of `batch`: a position in a tuple or list, or a key of a dict."""
+    if isinstance(batch, Mapping):
+        return key in batch
+    return isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch)
 
 
 def batch_size(batch, key: int | str = 0) -> int:
     """How many samples `batch` holds, counted on its `key` part (data.input) when it has one: a list (a detection
     batch's images) counts its length, a tensor its leading size; a batch without that part, its first tensor's."""
-    part = batch
-    if isinstance(batch, Mapping) and key in batch:
-        part = batch[key]
-    elif isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
-        part = batch[key]
+    part = batch[key] if has_part(batch, key) else batch
     if isinstance(part, list):
         return len(part)
-    first = next(tensors(part), None)
-    return int(first.shape[0]) if first is not None and first.dim() else 1
+    found = tensors(part)
+    return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
 def to_device(batch, device: torch.device, non_blocking: bool = True):
     """The batch with every tensor on `device`, however nested in tuples, lists and dicts."""
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
-
-
-def _record(batch, stream) -> None:
-    """Mark each tensor as used on `stream`: the allocator keeps its memory until that stream is done with it."""
-    for t in tensors(batch):
-        t.record_stream(stream)
 
 
 class device_batches:  # noqa: N801 (used like a function: `for batch in device_batches(loader, device)`)
@@ -120,7 +116,8 @@ class device_batches:  # noqa: N801 (used like a function: `for batch in device_
             with torch.cuda.stream(self.stream):
                 moved = to_device(batch, self.device)
             compute.wait_stream(self.stream)
-            _record(moved, compute)
+            for t in tensors(moved):
+                t.record_stream(compute)
             yield moved
 
 
@@ -159,14 +156,9 @@ class Normalize:
 def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[float]:
     """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read.
     A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
-    parts = [
-        v.detach().to(torch.float64).reshape(-1)
-        if isinstance(v, torch.Tensor)
-        else torch.tensor([float(v)], dtype=torch.float64)
-        for v in values
-    ]
-    packed = torch.cat([p.to(device, non_blocking=True) for p in parts])
-    return distributed.sum_all(packed, world)  # a rank told to stop while its peers are gone exits (preempt.py)
+    parts = [torch.as_tensor(v, dtype=torch.float64).detach().reshape(-1).to(device, non_blocking=True) for v in values]
+    # a rank told to stop while its peers are gone exits (preempt.py)
+    return distributed.sum_all(torch.cat(parts), world)
 
 
 AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}
@@ -225,11 +217,8 @@ class PrepareBatch:
 {% endif %}
             return self.prepared(batch, stage)
         key = self.input
-        if isinstance(batch, Mapping) and key in batch:
-            return type(batch)((k, self.prepared(v, stage) if k == key else v) for k, v in batch.items())
-        if isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
-            parts = [self.prepared(v, stage) if i == key else v for i, v in enumerate(batch)]
-            return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+        if has_part(batch, key):
+            return _rebuilt(batch, lambda k, part: self.prepared(part, stage) if k == key else part)
         if not self.needed_by:  # nothing set works on the input: as before data.input existed, every (N, C, H, W)
             # tensor through the plain Normalize (uint8 scaled to [0, 1]): a config older than the key trains the same
             with stage("data.normalize"):
@@ -273,6 +262,5 @@ def input_transform(data_cfg, device: torch.device, channels_last: bool = False)
 {% endif %}
     }
     needed_by = [name for name, used in users.items() if used]
-    if node is None:
-        return PrepareBatch(Normalize(device=device, channels_last=channels_last), key, device, needed_by)
-    return PrepareBatch(instantiate(node, device=device, channels_last=channels_last), key, device, needed_by)
+    build = Normalize if node is None else lambda **kwargs: instantiate(node, **kwargs)
+    return PrepareBatch(build(device=device, channels_last=channels_last), key, device, needed_by)

@@ -24,17 +24,17 @@ position all stand at the last finished step, so `save_on_failure` writes a chec
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
 import signal
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
-from .errors import UserError
+from .errors import UserError, causes
 from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
@@ -159,31 +159,24 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
 _ARMED: list = []
 
 
-def armed_workers(stack_dir: str | None) -> dict[int, Path]:
-    """Main side: {worker id: its stack file} for the live children of this process that armed a stack dump (a
+def armed_workers(stack_dir: str | None) -> dict[int, tuple[int, Path]]:
+    """Main side: {worker id: (pid, its stack file)} for the live children of this process that armed a stack dump (a
     worker of an earlier generation left a file too, but is gone). Only these may get STACK_SIGNAL: for any other
     process a real-time signal's default action is to terminate it."""
     if stack_dir is None or STACK_SIGNAL is None:
         return {}
     live = {child.pid for child in psutil.Process().children()}
-    found = {}
-    for path in Path(stack_dir).glob("*-*.txt"):
-        worker_id, pid = (int(part) for part in path.stem.split("-"))
-        if pid in live:
-            found[worker_id] = path
-    return found
+    named = ((path, *map(int, path.stem.split("-"))) for path in Path(stack_dir).glob("*-*.txt"))
+    return {worker_id: (pid, path) for path, worker_id, pid in named if pid in live}
 
 
-def dump_stacks(armed: dict[int, Path], wait_s: float = 3.0) -> dict[int, str]:
+def dump_stacks(armed: dict[int, tuple[int, Path]], wait_s: float = 3.0) -> dict[int, str]:
     """Ask each armed worker for its stack and collect what they wrote (pid -> text)."""
     asked = {}
-    for path in armed.values():
-        pid = int(path.stem.split("-")[1])
-        try:
+    for pid, path in armed.values():
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
             os.kill(pid, STACK_SIGNAL)
             asked[pid] = path
-        except ProcessLookupError:
-            pass
     # faulthandler writes in one go but marks no end: a file that stopped growing for a moment is complete
     deadline, stacks, sizes = time.monotonic() + wait_s, {}, {}
     while asked and time.monotonic() < deadline:
@@ -211,7 +204,7 @@ def stalled(loader) -> Stalled:
     stacks = dump_stacks(armed)
     holder = f"DataLoader worker {worker_id}"
     if worker_id in armed:
-        pid = int(armed[worker_id].stem.split("-")[1])
+        pid = armed[worker_id][0]
         holder += f" (pid {pid})"
         if pid in stacks:
             stacks = {pid: stacks.pop(pid), **stacks}
@@ -228,12 +221,11 @@ def stalled(loader) -> Stalled:
 SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
 
 
-def is_shm_error(error: BaseException) -> bool:
+def shm_full(error: BaseException | str) -> ShmFull | None:
+    """The line for a worker that found no room in /dev/shm, when `error` (or its text) says that; else None."""
     text = str(error)
-    return any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)
-
-
-def shm_full(error: BaseException) -> ShmFull:
+    if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
+        return None
     space = shm_space()
     if space is None:
         how = "shared memory is exhausted"
@@ -248,22 +240,116 @@ def shm_full(error: BaseException) -> ShmFull:
     )
 
 
-# --- in the main process ----------------------------------------------------------------------------------------
+# --- a dead worker ----------------------------------------------------------------------------------------------
 
 
-def from_loader_error(error: BaseException, loader) -> UserError | None:
-    """What `error`, raised while the train loader waited for its next batch, means; None: not one of ours."""
-    if isinstance(error, UserError):  # a bad sample, or the data set's own line (e.g. a shard changed on disk)
-        return from_worker(error)
-    if isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after"):
-        return stalled(loader)
-    if is_shm_error(error):
-        return shm_full(error)
+def exit_status(pid: int) -> str | None:
+    """How a child process ended, without reaping it ("killed by signal 9 (SIGKILL)"); None while it runs."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, AttributeError, OSError):  # already reaped (a normal shutdown), or not POSIX
+        return None
+    if info is None:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"killed by signal {info.si_status} ({signal.Signals(info.si_status).name})"
+    return f"exited with code {info.si_status}"
+
+
+class WorkerDied(RuntimeError):
+    """A train loader worker is gone while the run still needs it (monitor.py's check between readings)."""
+
+
+# PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
+# signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
+# unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
+TORCH_WORKER_DEATH = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)"
+)
+
+
+def _ended(pid: int, chain: str) -> str | None:
+    """How a worker ended: from the kernel if it is not reaped yet, else from PyTorch's SIGCHLD line in `chain` (the
+    text of the error's chain): its handler raises "DataLoader worker (pid 12) is killed by signal: Killed." inside
+    the queue read, which then reaps the worker and raises "exited unexpectedly" from it."""
+    status = exit_status(pid)
+    said = re.search(rf"DataLoader worker \(pid {pid}\) (?:is killed by signal: ([^.]+)|exited unexpectedly with exit "
+                     r"code (\d+))", chain)  # fmt: skip
+    if status is not None or said is None:
+        return status
+    if said[2] is not None:
+        return f"exited with code {said[2]}"
+    named = [s for s in signal.Signals if signal.strsignal(s) == said[1]]  # "Killed" is SIGKILL's strsignal
+    return f"killed by signal {named[0].value} ({named[0].name})" if named else None
+
+
+def _ended_child(wait_s: float = 2.0) -> str | None:
+    """The line for a child of this process that has ended, not reaped yet ("DataLoader worker (pid N) killed by
+    signal 9 (SIGKILL)"), waiting up to `wait_s` for one on its way out; None if none has. A worker killed while the
+    main process takes its batch's shared memory (a descriptor passed over a socket) fails that read with a bare
+    ConnectionResetError or EOFError: PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for child in psutil.Process().children():
+            status = exit_status(child.pid)
+            if status is not None:
+                return f"DataLoader worker (pid {child.pid}) {status}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def worker_death(exc: BaseException) -> str | None:
+    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
+
+    The traceback of such an error shows only where the main process noticed, never why the worker
+    died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
+    """
+    chain = "\n".join(str(link) for link in causes(exc))
+    for link in causes(exc):
+        text = (str(link).strip().splitlines() or [""])[0]
+        found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
+        if isinstance(link, (ConnectionError, EOFError)):  # the worker died while handing over a batch's memory
+            text = _ended_child()
+        elif found:
+            ends = [(pid, _ended(pid, chain)) for pid in map(int, found[1].split(","))]
+            if all(how for _, how in ends):
+                text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
+        elif not isinstance(link, WorkerDied):
+            continue
+        if text is None:
+            continue
+        if full := shm_full(text):  # "Bus error", SIGBUS: a shared-memory page that could not be had
+            return f"{text.split('. ')[0].rstrip('. ')}: {full}"
+        if "Killed" in text or "SIGKILL" in text:
+            return (
+                f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
+                "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib"
+            )
+        return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
     return None
 
 
+# --- in the main process ----------------------------------------------------------------------------------------
+
+
+def from_loader_error(error: BaseException, loader=None, what: str = "") -> UserError | None:
+    """What `error`, raised while a loader waited for its next batch, means; None: not one of ours. `loader` is the
+    train loader (a stall names the stuck worker and gets the workers' stacks); else the `what` loader's stall."""
+    if isinstance(error, UserError):  # a bad sample, or the data set's own line (e.g. a shard changed on disk)
+        return from_worker(error)
+    if not (isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after")):
+        return shm_full(error)
+    if loader is not None:
+        return stalled(loader)
+    return Stalled(
+        f"loader.timeout: no {what} batch for {str(error).split('after ')[-1]}: a worker is stuck "
+        "(a hung read, a dead network mount?)"
+    )
+
+
 def named(batches, what: str):
-    """`batches` (a loader other than the train loader: validation, eval.py), a stall or a full /dev/shm in it
+    """`batches` (a loader other than the train loader: validation, eval.py), a loader failure in it (from_loader_error)
     turned into its one line. No checkpoint from here: the last one stays as it is."""
     iterator = iter(batches)
     while True:
@@ -271,19 +357,15 @@ def named(batches, what: str):
             batch = next(iterator)
         except StopIteration:
             return
-        except RuntimeError as e:
-            if str(e).startswith("DataLoader timed out after"):
-                raise Stalled(
-                    f"loader.timeout: no {what} batch for {str(e).split('after ')[-1]}: a worker is stuck "
-                    "(a hung read, a dead network mount?)"
-                ) from e
-            if is_shm_error(e):
-                raise shm_full(e) from e
-            raise
+        except Exception as e:
+            failure = from_loader_error(e, what=what)
+            if failure is None or failure is e:
+                raise
+            raise failure from e
         yield batch
 
 
-@contextmanager
+@contextlib.contextmanager
 def save_on_failure(run):
     """Around the loop's batches: a LoaderFailure comes between two steps, so the run is saved as it stands (the
     last finished step), and the stall's stacks go into the run folder. Under torchrun the other ranks are inside
@@ -321,8 +403,7 @@ class BadSampleLog:
     def add(self, epoch: int, lines: list[str]) -> None:
         if self.seen is None:
             self.seen = set(self.path.read_text().splitlines()) if self.path.exists() else set()
-        new = [f"{epoch}\t{self.rank}\t{line}" for line in lines]
-        new = [line for line in new if line not in self.seen]
+        new = [entry for entry in (f"{epoch}\t{self.rank}\t{line}" for line in lines) if entry not in self.seen]
         if new:
             self.seen.update(new)
             with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
