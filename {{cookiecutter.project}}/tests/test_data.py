@@ -27,7 +27,7 @@ from {{ cookiecutter.package }}.engine import checks, failures, {% if cookiecutt
 from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from tests.helpers import PROJECT, loader_settings, read_jsonl, run_train
+from tests.helpers import PROJECT, end_workers, loader_settings, read_jsonl, run_train
 {% else %}
 from {{ cookiecutter.package }}.engine import checks, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}schema
 from {{ cookiecutter.package }}.engine.errors import UserError
@@ -219,9 +219,11 @@ def test_a_broken_jpeg_raises_pils_error_with_every_decoder(jpegs, tmp_path):
     lines = {}
     for decode in ("pil", "auto"):
         dataset = ImageFiles(tmp_path / "b", crop_list(32), decode=decode)
+        loader = TrainLoader(dataset, loader_settings(1, workers=1), seed=0)
         with pytest.raises(failures.BadSample) as caught:
-            for _ in TrainLoader(dataset, loader_settings(1, workers=1), seed=0):
+            for _ in loader:
                 pass
+        end_workers(loader)
         lines[decode] = str(caught.value)
     bad = tmp_path / "b" / "a" / "cut.jpg"
     assert lines["auto"] == lines["pil"] and lines["auto"].startswith(f"data set index 0 (file {bad}): OSError: image")

@@ -167,6 +167,7 @@ def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
                      straight["model"])  # fmt: skip
 
 
+@pytest.mark.slow  # a sharded run; the fast tier: the same stop unsharded (test_knobs.py), a cut sharded save below
 def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_save(tmp_path, shapes_root):
     """The non-finite stop under FSDP: one line, no save of the bad step, last.pth the sharded save before it."""
     run_dir = tmp_path / "run"
