@@ -73,6 +73,21 @@ def test_a_callback_of_ones_own_keeps_its_state_on_two_processes(tmp_path, shape
     assert all(torch.equal(straight["model"][k], resumed["model"][k]) for k in straight["model"])
 
 
+def test_the_default_callbacks_write_a_sample_grid_and_hparams(shapes_run):
+    """conf/config.yaml's callbacks (sample_grid, hparams) in a plain run: the session's shared run (conftest.py)."""
+    events = EventAccumulator(str(shapes_run / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    grids = events.Images("samples/train")
+    assert [g.step for g in grids] == [0]  # at the start only: every_epoch is false
+    assert (grids[0].height, grids[0].width) == (2 + 2 * 34, 2 + 8 * 34)  # 16 samples of 32 px, 8 a row
+    hparams = EventAccumulator(str(shapes_run / "tb/hparams"))
+    hparams.Reload()
+    assert b"optim.lr" in hparams.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    last = read_jsonl(shapes_run / "metrics.jsonl")[-1]["val_acc"]
+    assert [s.value for s in hparams.Scalars("hparams/val_acc")] == [pytest.approx(last)]
+
+
+@pytest.mark.slow  # 2 runs; the fast tier reads the default callbacks' files from the shared run (test above)
 def test_the_shipped_callbacks_write_images_and_hparams_and_change_no_weight(tmp_path, shapes):
     run_train(tmp_path / "with", *shapes, *SHIPPED, "callbacks.early_stopping.patience=9")
     run_train(tmp_path / "without", *shapes, "callbacks=[]")

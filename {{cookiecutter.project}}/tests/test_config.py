@@ -176,14 +176,15 @@ BAD = [
     ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),
     ("data=imagefolder data.num_classes=3", "data.root has no value"),
 ]
-# a range, a value left at ??? (EARLY below refuses a mistyped key through train.py in the fast tier too)
-FAST = {"epochs=-1", "data=imagefolder"}
+# a range (EARLY below: a mistyped key, a missing data folder, a missing checkpoint through train.py as well)
+FAST = {"epochs=-1"}
 # Through train.py as well, one of each kind of refusal (the in-process test above checks every value with the same
 # config.check that train.py runs): a range, a ratio, a choice, torch's own check, a wrong argument, a _target_
 # that does not import, an added key nothing reads, a value left at ???.
 THROUGH_TRAIN = FAST | {
     "+loader.num_worker=3",  # a key added with +
     "optim.param_groups=[{match:nothing}]",  # a refusal of the dry step's optimizer build
+    "data=imagefolder",  # values left at ???
     "seed=4294967296",
     "model.width=0",
     "optim.lr=-1",

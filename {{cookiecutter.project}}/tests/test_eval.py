@@ -161,6 +161,8 @@ def evaluated(run_dir: Path, ckpt: Path, nproc: int = 1) -> dict:
     return json.loads((run_dir / "eval.json").read_text())
 
 
+@pytest.mark.slow  # a run and two of eval.py; the fast tier: eval.py exact on a checkpoint (above), data=jsonlines
+# through train.py (test_stream_train.py)
 def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
     run_train(tmp_path / "run", *jsonl_run(jsonl_root))
     records = read_jsonl(tmp_path / "run/metrics.jsonl")
@@ -173,7 +175,7 @@ def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl
     assert first["val_loss"] != result["val_loss"]
 
 
-@pytest.mark.slow  # a run and eval.py: the fast tier evaluates a stream exactly in the json lines test above
+@pytest.mark.slow  # a run and eval.py: the json lines test above with a stream class of one's own
 def test_a_plain_stream_of_ones_own_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
     run_train(tmp_path / "run", *jsonl_run(jsonl_root), *PLAIN_VAL)
     records = read_jsonl(tmp_path / "run/metrics.jsonl")

@@ -55,6 +55,7 @@ def faults_per_step(mode: str, **env) -> float:
 
 
 @glibc
+@pytest.mark.slow  # two starts of torch, about 10 s; the fast tier: the settings are applied and kept (tests below)
 def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
     kept, default = faults_per_step("keep"), faults_per_step("default")
     # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step
