@@ -170,9 +170,10 @@ def loader_settings(
 
 
 def end_workers(loader) -> None:
-    """Shut down the DataLoader workers of a TrainLoader or StreamLoader now, as DataLoader itself does when it is
-    freed. Such a loader lives in reference cycles, freed by the garbage collector at some later point, where a
-    worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test runs then."""
+    """Shut down the DataLoader workers of a train loader (an EpochLoader of engine/loader.py) now, as DataLoader
+    does when it is freed. Such a loader lives in reference cycles, freed by the garbage collector at some later
+    point, where a worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test
+    runs then."""
     iterator = getattr(loader.loader, "_iterator", None)
     if iterator is not None:
         iterator._shutdown_workers()
