@@ -169,6 +169,16 @@ def loader_settings(
     return LoaderSettings(batch_size, workers, prefetch if workers else None, pin, persistent and workers > 0, 0.0)
 
 
+def end_workers(loader) -> None:
+    """Shut down the DataLoader workers of a train loader (an EpochLoader of engine/loader.py) now, as DataLoader
+    does when it is freed. Such a loader lives in reference cycles, freed by the garbage collector at some later
+    point, where a worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test
+    runs then."""
+    iterator = getattr(loader.loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+
+
 def kill_mid_write(script: str, folder: Path, fifo, size: int) -> bytes:
     """Run `script` (python -c, `folder` its argument), which prints "saved" and then writes into the FIFO it planted
     at `fifo` (a path, or a function of the script's pid giving it); read `size` bytes of that write, then kill -9

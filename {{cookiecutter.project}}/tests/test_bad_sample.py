@@ -11,7 +11,7 @@ from torchvision.transforms import v2
 from {{ cookiecutter.package }}.data import ImageFiles, make_shapes
 from {{ cookiecutter.package }}.engine import failures
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from tests.helpers import load_ckpt, loader_settings, read_jsonl, run_train, same_weights
+from tests.helpers import end_workers, load_ckpt, loader_settings, read_jsonl, run_train, same_weights
 
 
 def image_folder(root: Path, truncate: bool = True) -> Path:
@@ -33,6 +33,7 @@ def test_train_loader_names_the_bad_file_or_skips_it(tmp_path):
     with pytest.raises(failures.BadSample) as caught:
         for _ in loader:
             pass
+    end_workers(loader)
     assert str(caught.value) == f"data set index {index} (file {bad}): OSError: image file is truncated"
     assert caught.value.exit_code == failures.EXIT_BAD_SAMPLE == 3
 
@@ -43,6 +44,7 @@ def test_train_loader_names_the_bad_file_or_skips_it(tmp_path):
     assert (tmp_path / "bad_samples.txt").read_text() == f"0\t0\t{str(caught.value)}\n"
     log.add(0, [str(caught.value)])  # the same sample consumed again (after a resume): listed once
     assert len((tmp_path / "bad_samples.txt").read_text().splitlines()) == 1
+    end_workers(loader)
 
 
 def test_a_batch_with_no_good_sample_is_refused_even_with_skip():

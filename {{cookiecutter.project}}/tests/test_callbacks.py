@@ -19,28 +19,29 @@ STOPPING = ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=2",
 COUNTER = ["+callbacks.counter._target_=tests.datasets.CountingCallback"]
 
 
+@pytest.mark.slow  # 4 runs: an exact resume with its control, as test_resume.py's in the fast tier
 def test_early_stopping_stops_a_resumed_run_at_the_same_step(tmp_path, shapes):
     run = [*shapes, "epochs=4", *STOPPING]
     proc = run_train(tmp_path / "straight", *run)
     assert "stopped by callback early_stopping: val_acc has not improved" in proc.stdout + proc.stderr
     assert [r["step"] for r in read_jsonl(tmp_path / "straight/metrics.jsonl")] == [5, 10, 15]  # 2 after the best
     run_train(tmp_path / "stopped", *run, "max_steps=7")
+    # the control's checkpoint (below): the stop's, with the callback's count dropped, taken before the resume
+    ckpt = load_ckpt(tmp_path / "stopped/checkpoints/last.pth")
+    ckpt["callbacks"]["early_stopping"] = {"best": None, "waited": 0}
+    torch.save(ckpt, tmp_path / "dropped.pth")
     resume = f"resume={tmp_path}/stopped/checkpoints/last.pth"
     run_train(tmp_path / "stopped", *run, resume)
     assert [r["step"] for r in read_jsonl(tmp_path / "stopped/metrics.jsonl")] == [5, 10, 15]
     assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "stopped/checkpoints/last.pth")
     # the control: the same resume with the callback's count dropped stops later (here: not before the last epoch)
-    ckpt = load_ckpt(tmp_path / "stopped/checkpoints/last.pth")
     first = load_ckpt(tmp_path / "straight/checkpoints/last.pth")["callbacks"]["early_stopping"]
     assert first["waited"] == 2
-    run_train(tmp_path / "again", *run, "max_steps=7")
-    ckpt = load_ckpt(tmp_path / "again/checkpoints/last.pth")
-    ckpt["callbacks"]["early_stopping"] = {"best": None, "waited": 0}
-    torch.save(ckpt, tmp_path / "dropped.pth")
     run_train(tmp_path / "control", *run, f"resume={tmp_path}/dropped.pth")
     assert [r["step"] for r in read_jsonl(tmp_path / "control/metrics.jsonl")] == [10, 15, 20]
 
 
+@pytest.mark.slow  # 5 runs; a callback of one's own runs in the fast tier in the docs' confusion matrix test
 def test_a_callback_of_ones_own_keeps_its_state_across_a_stop(tmp_path, shapes):
     run = [*shapes, "epochs=3", "log_every_steps=2", *COUNTER]
     run_train(tmp_path / "straight", *run)
@@ -72,6 +73,21 @@ def test_a_callback_of_ones_own_keeps_its_state_on_two_processes(tmp_path, shape
     assert all(torch.equal(straight["model"][k], resumed["model"][k]) for k in straight["model"])
 
 
+def test_the_default_callbacks_write_a_sample_grid_and_hparams(shapes_run):
+    """conf/config.yaml's callbacks (sample_grid, hparams) in a plain run: the session's shared run (conftest.py)."""
+    events = EventAccumulator(str(shapes_run / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    grids = events.Images("samples/train")
+    assert [g.step for g in grids] == [0]  # at the start only: every_epoch is false
+    assert (grids[0].height, grids[0].width) == (2 + 2 * 34, 2 + 8 * 34)  # 16 samples of 32 px, 8 a row
+    hparams = EventAccumulator(str(shapes_run / "tb/hparams"))
+    hparams.Reload()
+    assert b"optim.lr" in hparams.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    last = read_jsonl(shapes_run / "metrics.jsonl")[-1]["val_acc"]
+    assert [s.value for s in hparams.Scalars("hparams/val_acc")] == [pytest.approx(last)]
+
+
+@pytest.mark.slow  # 2 runs; the fast tier reads the default callbacks' files from the shared run (test above)
 def test_the_shipped_callbacks_write_images_and_hparams_and_change_no_weight(tmp_path, shapes):
     run_train(tmp_path / "with", *shapes, *SHIPPED, "callbacks.early_stopping.patience=9")
     run_train(tmp_path / "without", *shapes, "callbacks=[]")
@@ -100,6 +116,7 @@ def test_a_detection_batch_counts_its_images():
     assert batch_size({"x": torch.zeros(4, 2), "y": torch.zeros(4)}, "y") == 4
 
 
+@pytest.mark.slow  # a run; the fast tier counts a detection batch's images in the test above
 def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
     run = [
         "data.train._target_=tests.datasets.Detections", "data.val._target_=tests.datasets.Detections",
@@ -124,9 +141,14 @@ def test_a_bad_callback_node_is_refused_in_one_line(tmp_path, shapes):
     typo = run_train(tmp_path / "typo", *shapes, *STOPPING, "+callbacks.early_stopping.patiense=2", expect=2)
     assert typo.stderr.startswith("error: callbacks.early_stopping.patiense is not an argument of")
     assert "did you mean callbacks.early_stopping.patience?" in typo.stderr and typo.stderr.count("\n") == 1
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.slow  # a second start of torch for a refusal of the same check (the callback node is built)
+def test_a_callback_that_cannot_be_built_is_refused_in_one_line(tmp_path, shapes):
     value = run_train(tmp_path / "value", *shapes, *STOPPING, "callbacks.early_stopping.patience=0", expect=2)
     assert re.match(r"error: callbacks\.early_stopping: cannot build .*EarlyStopping: .*patience >= 1", value.stderr)
-    assert value.stderr.count("\n") == 1 and not (tmp_path / "typo").exists() and not (tmp_path / "value").exists()
+    assert value.stderr.count("\n") == 1 and not (tmp_path / "value").exists()
 
 
 def test_the_confusion_matrix_of_the_docs_runs_as_the_page_gives_it(tmp_path):

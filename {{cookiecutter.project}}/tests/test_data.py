@@ -27,7 +27,7 @@ from {{ cookiecutter.package }}.engine import checks, failures, {% if cookiecutt
 from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from tests.helpers import PROJECT, loader_settings, read_jsonl, run_train
+from tests.helpers import PROJECT, end_workers, loader_settings, read_jsonl, run_train
 {% else %}
 from {{ cookiecutter.package }}.engine import checks, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}schema
 from {{ cookiecutter.package }}.engine.errors import UserError
@@ -219,9 +219,11 @@ def test_a_broken_jpeg_raises_pils_error_with_every_decoder(jpegs, tmp_path):
     lines = {}
     for decode in ("pil", "auto"):
         dataset = ImageFiles(tmp_path / "b", crop_list(32), decode=decode)
+        loader = TrainLoader(dataset, loader_settings(1, workers=1), seed=0)
         with pytest.raises(failures.BadSample) as caught:
-            for _ in TrainLoader(dataset, loader_settings(1, workers=1), seed=0):
+            for _ in loader:
                 pass
+        end_workers(loader)
         lines[decode] = str(caught.value)
     bad = tmp_path / "b" / "a" / "cut.jpg"
     assert lines["auto"] == lines["pil"] and lines["auto"].startswith(f"data set index 0 (file {bad}): OSError: image")
@@ -258,12 +260,18 @@ NO_CUDA = "data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none
 
 def test_a_decoder_that_is_not_one_is_refused_in_one_line(tmp_path):
     """A word data.decode does not know is refused naming the choices (train.py's schema check says the same:
-    tests/test_config.py); data.decode=gpu on a machine without CUDA is one `error:` line from train.py, before any
-    run folder is made (the only test gpu gets on a CPU machine)."""
+    tests/test_config.py)."""
     make_shapes(tmp_path / "s", per_class=2, image_size=8, data_seed=1)
     with pytest.raises(UserError, match=r"data.decode must be auto, pil, torchvision or gpu, got 'fast'"):
         ImageFiles(tmp_path / "s" / "train", decode="fast")
     assert len(ImageFiles(tmp_path / "s" / "train", decode="torchvision")) == 8  # negative control: a word it knows
+
+
+@pytest.mark.slow  # a start of torch for a refusal; the fast tier's refusals through train.py are test_config.py's
+def test_gpu_decode_without_cuda_is_refused_in_one_line(tmp_path):
+    """data.decode=gpu on a machine without CUDA is one `error:` line from train.py, before any run folder is made
+    (the only test gpu gets on a CPU machine)."""
+    make_shapes(tmp_path / "s", per_class=2, image_size=8, data_seed=1)
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: data.decode=gpu is not refused for want of it")
     shapes = [f"data.root={tmp_path / 's'}", "data.per_class=2", "data.image_size=8"]

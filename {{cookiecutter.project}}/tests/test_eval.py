@@ -16,18 +16,15 @@ import pytest
 from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_torchrun, run_train, torchrun_cmd
 from tests.test_stream import write_jsonl
 {% else %}
-from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, run_train, torchrun_cmd
+from tests.helpers import NOT_A_PICKLE, PROJECT, load_ckpt, read_jsonl, torchrun_cmd
 {% endif %}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, shapes_root) -> Path:
-    """Two epochs on image files with augmentation; checkpoints after each epoch (step 5 and step 10)."""
-    run_dir = tmp_path_factory.mktemp("trained")
-    run_train(
-        run_dir, f"data.root={shapes_root}", "data.per_class=40", "epochs=2", "loader.batch_size=32", "progress=false"
-    )
-    return run_dir
+def trained(shapes_run) -> Path:
+    """Two epochs on image files with augmentation; checkpoints after each epoch (step 5 and step 10): the session's
+    shared run (conftest.py), the only run in its parent folder."""
+    return shapes_run
 
 
 def run_eval(run_dir: Path, *overrides: str, expect: int = 0, nproc: int = 1) -> subprocess.CompletedProcess:
@@ -164,6 +161,8 @@ def evaluated(run_dir: Path, ckpt: Path, nproc: int = 1) -> dict:
     return json.loads((run_dir / "eval.json").read_text())
 
 
+@pytest.mark.slow  # a run and two of eval.py; the fast tier: eval.py exact on a checkpoint (above), data=jsonlines
+# through train.py (test_stream_train.py)
 def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
     run_train(tmp_path / "run", *jsonl_run(jsonl_root))
     records = read_jsonl(tmp_path / "run/metrics.jsonl")
@@ -176,6 +175,7 @@ def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl
     assert first["val_loss"] != result["val_loss"]
 
 
+@pytest.mark.slow  # a run and eval.py: the json lines test above with a stream class of one's own
 def test_a_plain_stream_of_ones_own_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
     run_train(tmp_path / "run", *jsonl_run(jsonl_root), *PLAIN_VAL)
     records = read_jsonl(tmp_path / "run/metrics.jsonl")

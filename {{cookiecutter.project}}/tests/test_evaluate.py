@@ -33,6 +33,7 @@ def iou_over(model, samples) -> float:
     return float(np.mean(ious))
 
 
+@pytest.mark.slow  # a run and eval.py; the fast tier: report() below, and test_segmentation.py's whole-split figures
 def test_a_dataset_level_figure_equals_its_recomputation_from_the_final_weights(tmp_path):
     run_train(tmp_path / "run", *MIOU)
     (record,) = read_jsonl(tmp_path / "run/metrics.jsonl")

@@ -167,6 +167,7 @@ def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
                      straight["model"])  # fmt: skip
 
 
+@pytest.mark.slow  # a sharded run; the fast tier: the same stop unsharded (test_knobs.py), a cut sharded save below
 def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_save(tmp_path, shapes_root):
     """The non-finite stop under FSDP: one line, no save of the bad step, last.pth the sharded save before it."""
     run_dir = tmp_path / "run"
@@ -184,6 +185,7 @@ def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_sa
     assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
 
 
+@pytest.mark.slow  # a start of torch; a path naming no class is refused in test_config.py's fast in-process checks
 def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
     """Through train.py; a path naming no class is among test_config's refusals."""
     proc = run_train(tmp_path / "r", "parallel=fsdp", "parallel.shard_modules=[torch.nn.GRU]", expect=2)

@@ -55,6 +55,7 @@ def faults_per_step(mode: str, **env) -> float:
 
 
 @glibc
+@pytest.mark.slow  # two starts of torch, about 10 s; the fast tier: the settings are applied and kept (tests below)
 def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
     kept, default = faults_per_step("keep"), faults_per_step("default")
     # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step
@@ -80,7 +81,12 @@ def test_settings_of_the_user_are_left_to_take_effect_and_none_reaches_a_child()
     assert seen["fresh"] == ["True", "None"]  # applied, and not exported to the processes it starts
     assert seen["user"] == ["False", "0"]
     assert seen["tunables"] == ["False", "None"]
-    # the user's own threshold really rules: the step faults as glibc's default would have it, or worse
+
+
+@glibc
+@pytest.mark.slow  # a start of torch; the fast tier: the user's settings are left in place (the test above)
+def test_the_users_own_threshold_really_rules():
+    """The step faults as glibc's default would have it, or worse."""
     assert faults_per_step("try", MALLOC_TRIM_THRESHOLD_="0") > 500
 
 
@@ -103,7 +109,12 @@ WAIT_PROBE = "import os, sys, train; print(os.environ.get('OMP_WAIT_POLICY'), tr
 
 @pytest.mark.parametrize(
     ("argv", "given", "applied"),
-    [([], None, "passive"), (["process.omp_wait_policy=active"], None, "active"), ([], "ACTIVE", "None")],
+    [
+        ([], None, "passive"),
+        # a start of torch each (about 5 s): the command line's choice and the user's own variable in the slow tier
+        pytest.param(["process.omp_wait_policy=active"], None, "active", marks=pytest.mark.slow),
+        pytest.param([], "ACTIVE", "None", marks=pytest.mark.slow),
+    ],
 )
 def test_openmp_wait_policy_is_set_as_torch_loads_and_not_left_for_children(argv, given, applied):
     """train.py gives OpenMP `process.omp_wait_policy` (conf/config.yaml's, or the command line's) while torch loads,
@@ -151,9 +162,9 @@ def test_long_lived_imports_are_frozen_and_later_objects_still_collected(state):
     assert collected == "True"  # ...and garbage made after it is collected as before (the control)
 
 
-def test_train_py_and_eval_py_freeze_what_their_imports_made():
-    for script in ("train", "eval"):
-        code = f"import gc; before = gc.get_freeze_count(); import {script}; print(before, gc.get_freeze_count())"
-        out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, check=True)
-        before, after = map(int, out.stdout.split())
-        assert before == 0 and after > 100_000, (script, before, after)  # torch, torchvision, hydra: ~500,000
+@pytest.mark.parametrize("script", ["train", pytest.param("eval", marks=pytest.mark.slow)])  # the same call
+def test_train_py_and_eval_py_freeze_what_their_imports_made(script):
+    code = f"import gc; before = gc.get_freeze_count(); import {script}; print(before, gc.get_freeze_count())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, check=True)
+    before, after = map(int, out.stdout.split())
+    assert before == 0 and after > 100_000, (script, before, after)  # torch, torchvision, hydra: ~500,000

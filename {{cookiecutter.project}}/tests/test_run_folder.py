@@ -1,6 +1,7 @@
 """One run, one folder (engine/preflight.py): runs that resolve the same folder name get folders of their own, the
 ranks of one torchrun job take rank 0's, and a refusal under torchrun is one line from one rank, nothing written."""
 
+import shutil
 import subprocess
 import sys
 
@@ -23,8 +24,8 @@ def test_a_folder_another_run_holds_gives_the_next_name(tmp_path):
     assert claim(str(tmp_path / "empty")) == (str(tmp_path / "empty"), [str(tmp_path / "empty/.hydra")])
 
 
-def test_a_used_folder_named_again_without_resume_is_not_written_into(tmp_path, shapes):
-    run_train(tmp_path / "run", *shapes, "max_steps=1")
+def test_a_used_folder_named_again_without_resume_is_not_written_into(tmp_path, shapes, shapes_run):
+    shutil.copytree(shapes_run, tmp_path / "run")  # a finished run of `shapes` (seed 0) holds the folder
     proc = run_train(tmp_path / "run", *shapes, "max_steps=1", "seed=1")
     assert f"this one writes to {tmp_path}/run-2" in proc.stdout + proc.stderr
     assert load_ckpt(tmp_path / "run/checkpoints/last.pth")["config"]["seed"] == 0

@@ -175,7 +175,16 @@ def test_a_folder_missing_a_piece_is_refused_in_one_line(tmp_path):
         f"1 of the 2 images in '{tmp_path / 'pairs/val/images'}' have no mask (first: "
         f"'{tmp_path / 'pairs/val/masks/p1.png'}'): give every image a mask of the same name, or take the image out"
     )
-    # train.py: the same refusal as one `error:` line, exit 2, before any run folder is written
+    # generating into a folder of your own is refused too, pointing at data.generate=false
+    assert "or data.generate=false to read your own" in refused_generate(tmp_path / "pairs")
+
+
+@pytest.mark.slow  # a start of torch; the fast tier's refusals through train.py are test_config.py's
+def test_train_py_refuses_an_image_without_its_mask_in_one_line(tmp_path):
+    """train.py: the refusal above as one `error:` line, exit 2, before any run folder is written."""
+    write_pairs(tmp_path / "pairs", "train", count=3)
+    write_pairs(tmp_path / "pairs", "val", count=2)
+    (tmp_path / "pairs/val/masks/p1.png").unlink()
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "train.py", "experiment=segmentation", f"data.root={tmp_path / 'pairs'}",
            "data.generate=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
@@ -183,8 +192,6 @@ def test_a_folder_missing_a_piece_is_refused_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: 1 of the 2 images"), proc.stderr
     assert not run_dir.exists()
-    # generating into a folder of your own is refused too, pointing at data.generate=false
-    assert "or data.generate=false to read your own" in refused_generate(tmp_path / "pairs")
 
 
 def refused_generate(root) -> str:

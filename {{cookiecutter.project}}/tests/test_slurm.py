@@ -64,6 +64,7 @@ def python(code, *args):
     return proc.stdout
 
 
+@pytest.mark.slow  # three processes of torch, about 20 s; the slow tier's submitit jobs pickle main() for real too
 def test_main_pickles_by_value_loads_in_a_fresh_process_and_pickles_again(tmp_path):
     blob = tmp_path / "main.pkl"
     assert python(PICKLE_MAIN, str(blob), "train.py").strip().splitlines()[-1] == "pickled"  # after --cfg's config
@@ -335,6 +336,7 @@ def test_slurm_launcher_submits_and_its_job_requeues_through_scontrol_and_resume
     ],
     ids=["host-does-not-resolve", "smaller-world-size"],
 )
+@pytest.mark.slow  # a start of torch each; the fast tier refuses SLURM tasks that cannot meet in the test below
 def test_a_job_of_two_tasks_that_cannot_meet_is_refused_in_one_line(tmp_path, shapes, env, says):
     """Task 0 of a 2-task SLURM job (submitit's variables, as srun sets them): no folder, no training alone."""
     proc = run_train(tmp_path / "run", *shapes, expect=2, env={**slurm_task_env(2, 0), **env}, timeout=120)

@@ -9,7 +9,7 @@ from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader, eval_loader
 from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
 from tests.datasets import CountingShards, IndexedSamples, SplitStream, StatefulStream
-from tests.helpers import loader_settings
+from tests.helpers import end_workers, loader_settings
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-CPU runner
 SIZES = (37, 5, 60, 18, 41, 9, 26, 14)
@@ -127,11 +127,15 @@ def test_what_cannot_be_planned_or_restored_is_refused_in_one_line():
 
 def test_errors_in_a_worker_come_back_as_their_own_line():
     settings = loader_settings(batch_size=8, workers=2)
+    loader = StreamLoader(CountingShards(SIZES, refused={2010}), settings, seed=0)
     with pytest.raises(UserError) as refused:
-        keys_of(StreamLoader(CountingShards(SIZES, refused={2010}), settings, seed=0))
+        keys_of(loader)
+    end_workers(loader)
     assert str(refused.value) == "shard 2 changed on disk since its sizes were counted: count them again"
+    loader = StreamLoader(CountingShards(SIZES, bad={2010}), settings, seed=0)
     with pytest.raises(failures.BadSample) as bad:
-        keys_of(StreamLoader(CountingShards(SIZES, bad={2010}), settings, seed=0))
+        keys_of(loader)
+    end_workers(loader)
     assert str(bad.value) == "shard 2 (2) record 10: ValueError: record 2010 is corrupt"
 
 
@@ -173,7 +177,9 @@ def test_a_rank_that_skipped_its_way_short_of_the_planned_steps_stops_in_one_lin
 
 @pytest.mark.parametrize("claimed, held", [((37, 6), "5"), ((37, 4), "more")], ids=["fewer", "more"])
 def test_a_shard_that_is_not_the_size_it_says_is_refused(claimed, held):
+    loader = StreamLoader(CountingShards((37, 5), claimed=claimed), loader_settings(batch_size=8), seed=0)
     with pytest.raises(UserError) as wrong:
-        keys_of(StreamLoader(CountingShards((37, 5), claimed=claimed), loader_settings(batch_size=8), seed=0))
+        keys_of(loader)
+    end_workers(loader)
     says = f"CountingShards.sizes says shard 1 (1) holds {claimed[1]} records, but it holds {held}"
     assert str(wrong.value) == f"{says}: give sizes that match the shards"

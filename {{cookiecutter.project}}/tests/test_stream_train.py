@@ -89,7 +89,9 @@ UNSIZED = ("+data.train.with_sizes=false", "schedule.total_steps=60")  # the epo
 @pytest.mark.parametrize(
     "extra",
     [
-        (),
+        # 4 runs of train.py: the slow tier's; the fast tier resumes a stream batch for batch through StreamLoader
+        # (test_stream_loader.py, the same negative control) and resumes train.py exactly in test_resume.py
+        pytest.param((), marks=pytest.mark.slow),
         # a window may close at an epoch's unknown end
         pytest.param((*UNSIZED, "accumulate_steps=2", "val_every_steps=3"), marks=pytest.mark.slow),
         pytest.param(("loader=memory-tight", "loader.num_workers=3"), marks=pytest.mark.slow),  # workers end each epoch
@@ -181,9 +183,15 @@ def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
 
 
 def test_a_stream_without_sizes_needs_a_schedule_of_its_own_length(tmp_path):
-    unsized = [*STREAM, UNSIZED[0]]
-    proc = run_train(tmp_path / "refused", *unsized, expect=2)
+    proc = run_train(tmp_path / "refused", *STREAM, UNSIZED[0], expect=2)
     assert proc.stderr.startswith("error: schedule") and "schedule.total_steps" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_stream_without_sizes_trains_on_a_schedule_of_its_own_length(tmp_path):
+    """What the line above asks for: with schedule.total_steps, each record once an epoch, the epoch's end seen as
+    the stream ends."""
+    unsized = [*STREAM, UNSIZED[0]]
     env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
     run_train(tmp_path / "ok", *unsized, "schedule.total_steps=40", env=env)
     steps = recorded_steps(tmp_path / "samples")
