@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings
@@ -170,13 +171,23 @@ def loader_settings(
 
 
 def end_workers(loader) -> None:
-    """Shut down the DataLoader workers of a train loader (an EpochLoader of engine/loader.py) now, as DataLoader
-    does when it is freed. Such a loader lives in reference cycles, freed by the garbage collector at some later
-    point, where a worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test
-    runs then."""
-    iterator = getattr(loader.loader, "_iterator", None)
-    if iterator is not None:
-        iterator._shutdown_workers()
+    """End now the DataLoader workers a train loader's failed iteration left (an EpochLoader of engine/loader.py, still
+    referenced by the test). Such a loader lives in reference cycles, freed by the garbage collector at some later
+    point, where a worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test runs
+    then. The workers are this process's forked children (the same command line), killed and waited for through
+    psutil; DataLoader's shutdown at collection then finds them gone. Torch's SIGCHLD handler, which reports a worker
+    of a live iterator that died, raises its RuntimeError while they are waited for here, where it is expected."""
+    me = psutil.Process()
+    workers = [child for child in me.children() if child.cmdline() == me.cmdline()]
+    for worker in workers:
+        worker.kill()
+    deadline = time.monotonic() + 30
+    while workers and time.monotonic() < deadline:
+        try:
+            _, workers = psutil.wait_procs(workers, timeout=1)
+        except RuntimeError:  # torch's SIGCHLD handler: a worker died under its live iterator, as intended here
+            continue
+    assert loader is not None and not workers, f"DataLoader workers still alive: {[w.pid for w in workers]}"
 
 
 def kill_mid_write(script: str, folder: Path, fifo, size: int) -> bytes:
