@@ -137,6 +137,7 @@ def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
     assert record["samples_per_s"] * record["epoch_time_s"] == pytest.approx(64, rel=1e-6)
 
 
+@pytest.mark.slow  # a start of torch; the fast tier refuses the same typo in process (test_config.py)
 def test_a_bad_callback_node_is_refused_in_one_line(tmp_path, shapes):
     typo = run_train(tmp_path / "typo", *shapes, *STOPPING, "+callbacks.early_stopping.patiense=2", expect=2)
     assert typo.stderr.startswith("error: callbacks.early_stopping.patiense is not an argument of")
@@ -144,7 +145,7 @@ def test_a_bad_callback_node_is_refused_in_one_line(tmp_path, shapes):
     assert not (tmp_path / "typo").exists()
 
 
-@pytest.mark.slow  # a second start of torch for a refusal of the same check (the callback node is built)
+@pytest.mark.slow  # a start of torch for a refusal as the typo's above (the callback node is built)
 def test_a_callback_that_cannot_be_built_is_refused_in_one_line(tmp_path, shapes):
     value = run_train(tmp_path / "value", *shapes, *STOPPING, "callbacks.early_stopping.patience=0", expect=2)
     assert re.match(r"error: callbacks\.early_stopping: cannot build .*EarlyStopping: .*patience >= 1", value.stderr)

@@ -171,6 +171,9 @@ BAD = [
     ("optim.param_groups=[{match:x,lr_scale:0}]", "entry 0's lr_scale must be a number > 0"),
     ("optim.param_groups=[{match:nothing}]", "optim.param_groups[0].match='nothing' matches no parameter of SmallCNN"),
     ("init_from=/no/such/file.pth", "init_from=/no/such/file.pth: no checkpoint at"),
+    ("resume=no/such/last.pth", "resume: no checkpoint at"),  # through train.py: EARLY below
+    ("amp=fp8", "amp must be off, bf16 or fp16"),  # through train.py: tests/test_device.py
+    ("log_every_steps=0", "log_every_steps must be an integer >= 1"),
     ("+foo=1", "unknown config key foo"),
     ("+data.per_clas=3", "data.per_clas is not used by data.train or data.val (did you mean data.per_class?)"),
     ("data=imagefolder", "data.num_classes, data.root have no value ('???' in conf/data/imagefolder.yaml)"),
@@ -271,7 +274,8 @@ EARLY = [
         "data folder '/no/such/folder/train' does not",
         marks=pytest.mark.slow,
     ),
-    ("resume=no/such/last.pth", "resume: no checkpoint at"),
+    # in process in the fast tier (BAD above)
+    pytest.param("resume=no/such/last.pth", "resume: no checkpoint at", marks=pytest.mark.slow),
 ]
 
 
@@ -325,6 +329,11 @@ def test_composition_errors_are_one_line(capsys, monkeypatch, tmp_path, override
     [
         (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
         (["+data.train.sizes=3"], "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes"),
+        (  # through train.py: tests/test_callbacks.py
+            ["callbacks=[early_stopping]", "+callbacks.early_stopping.patiense=2"],
+            "callbacks.early_stopping.patiense is not an argument of {{ cookiecutter.package }}.callbacks.EarlyStopping "
+            "(did you mean callbacks.early_stopping.patience?",
+        ),
     ],
 )
 def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):
@@ -335,6 +344,7 @@ def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # two starts of torch; the fast tier keeps the run-folder control (the test below)
 def test_the_checks_above_can_fail(tmp_path):
     """Negative controls for `refused()`: Hydra's own report of a typo is several lines (HYDRA_FULL_ERROR=0: Hydra
     reports as it does by default), and a refusal that comes from train() (the early check removed) leaves the run

@@ -161,8 +161,8 @@ def evaluated(run_dir: Path, ckpt: Path, nproc: int = 1) -> dict:
     return json.loads((run_dir / "eval.json").read_text())
 
 
-@pytest.mark.slow  # a run and two of eval.py; the fast tier: eval.py exact on a checkpoint (above), data=jsonlines
-# through train.py (test_stream_train.py)
+@pytest.mark.slow  # a run and two of eval.py; the fast tier: eval.py exact on a checkpoint (above), a stream through
+# train.py (test_stream_train.py)
 def test_a_json_lines_stream_gives_the_runs_last_figures_exactly(tmp_path, jsonl_root):
     run_train(tmp_path / "run", *jsonl_run(jsonl_root))
     records = read_jsonl(tmp_path / "run/metrics.jsonl")

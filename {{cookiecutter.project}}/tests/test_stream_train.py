@@ -223,6 +223,7 @@ def test_a_stalled_reader_is_named_and_the_run_saved(tmp_path):
     assert (tmp_path / "stall_stacks.txt").exists()
 
 
+@pytest.mark.slow  # a run; the fast tier reads json lines files in test_stream.py and trains a stream in the first test
 def test_json_lines_files_train_through_train_py(tmp_path):
     write_jsonl(tmp_path / "data/train", [30, 12, 21], dim=6)
     write_jsonl(tmp_path / "data/val", [8], dim=6)
