@@ -7,8 +7,16 @@ kernel (pytorch/pytorch#149130).
 
 from __future__ import annotations
 
+{% if cookiecutter.with_fsdp == "yes" %}import math
+
+{% endif %}
 import torch
 from torch import nn
+{% if cookiecutter.with_fsdp == "yes" %}
+from torchvision.models.vision_transformer import Encoder, MLPBlock, VisionTransformer
+{% else %}
+from torchvision.models.vision_transformer import VisionTransformer
+{% endif %}
 
 
 class GlobalAvgPool(nn.Module):
@@ -52,26 +60,49 @@ def resnet18(num_classes: int) -> nn.Module:
     return model
 
 
+{% if cookiecutter.with_fsdp == "yes" %}
+class ViT(VisionTransformer):
+    """torchvision's VisionTransformer. Its `shard_modules` names its encoder block: under parallel=fsdp with
+    shard_modules=null, each block is its own FSDP unit."""
+
+    shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
+
+    def init_weights(self, module: nn.Module) -> None:
+        """One module's share of torchvision's own initialisation, for parallel=fsdp, which builds the model on the
+        meta device and initialises it module by module (children first). torchvision sets some tensors in its
+        constructors, outside any reset_parameters() (the class token, the position embedding, attention's input
+        projection): the same distributions here."""
+        if isinstance(module, VisionTransformer):
+            conv = module.conv_proj
+            nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
+            nn.init.zeros_(conv.bias)
+            nn.init.zeros_(module.class_token)
+            nn.init.zeros_(module.heads.head.weight)
+            nn.init.zeros_(module.heads.head.bias)
+        elif isinstance(module, Encoder):
+            nn.init.normal_(module.pos_embedding, std=0.02)
+        elif isinstance(module, nn.MultiheadAttention):
+            nn.init.xavier_uniform_(module.in_proj_weight)
+            nn.init.zeros_(module.in_proj_bias)
+            nn.init.zeros_(module.out_proj.bias)
+        elif isinstance(module, MLPBlock):
+            for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
+                nn.init.xavier_uniform_(linear.weight)
+                nn.init.normal_(linear.bias, std=1e-6)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+{% endif %}
 def vit(
     num_classes: int, image_size: int, patch_size: int = 4, num_layers: int = 4, num_heads: int = 4,
     hidden_dim: int = 64, mlp_dim: int = 128,
 ) -> nn.Module:  # fmt: skip
-{% if cookiecutter.with_fsdp == "yes" %}
-    """torchvision's VisionTransformer, randomly initialised, sized by the arguments. Its `shard_modules` names its
-    encoder block: under parallel=fsdp with shard_modules=null, each block is its own FSDP unit."""
-{% else %}
     """torchvision's VisionTransformer, randomly initialised, sized by the arguments."""
-{% endif %}
-    from torchvision.models.vision_transformer import VisionTransformer
-
-    model = VisionTransformer(
+    return {% if cookiecutter.with_fsdp == "yes" %}ViT{% else %}VisionTransformer{% endif %}(
         image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
         hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
     )  # fmt: skip
-{% if cookiecutter.with_fsdp == "yes" %}
-    model.shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
-{% endif %}
-    return model
 
 
 class KeepDims(nn.Module):

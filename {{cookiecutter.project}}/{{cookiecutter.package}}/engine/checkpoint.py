@@ -308,18 +308,20 @@ def is_sharded(ckpt: dict) -> bool:
 {% endif %}
 
 
-def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False) -> None:
+def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
     """`init_from=PATH`: start a run from the weights in `path`, and nothing else: fine-tuning, not resuming, so the
     optimizer, schedule, step count, loader position and RNG start fresh from this run's config. PATH is a local
     checkpoint this project wrote (its `model`; `ema` weights are not used{% if cookiecutter.with_fsdp == "yes" %}; a sharded one is gathered whole{% endif %}) or a plain
     `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
     one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
     new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
-    dry step loads them too, to refuse a misfit before any work)."""
+    dry step loads them too, to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" %} `load(fitting)`: how the fitting tensors go into
+    the model instead of its load_state_dict (a sharded model's: fsdp.fill); a sharded save is then read as shapes
+    only.{% endif %} A whole file is memory-mapped: its tensors are read as they are copied."""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")
-    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file"{% if cookiecutter.with_fsdp == "yes" %}, whole=True{% endif %})
+    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file", mmap=True{% if cookiecutter.with_fsdp == "yes" %}, whole=load is None{% endif %})
     for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
         if isinstance(saved, dict) and isinstance(saved.get(key), dict):
             saved = saved[key]
@@ -337,7 +339,14 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = 
         raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
                         "(e.g. a new head)")  # fmt: skip
     fitting = {k: v for k, v in saved.items() if k in own and k not in reshaped}
+{% if cookiecutter.with_fsdp == "yes" %}
+    if load is not None:
+        load(fitting)
+    else:
+        model.load_state_dict(fitting, strict=False)
+{% else %}
     model.load_state_dict(fitting, strict=False)
+{% endif %}
     left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
     if not quiet:
         log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "

@@ -43,14 +43,21 @@ def dry_step(cfg) -> list[str]:
     device = pick_device(cfg.device)
     unexact: list[str] = []
     with kept_rng():
-        model = parts.model(cfg)  # model, optimizer and task first: they cost less than the data
 {% if cookiecutter.with_fsdp == "yes" %}
-        if cfg.parallel.strategy == "fsdp":  # a shard class naming nothing in the model, amp=fp16: refused here
-            fsdp.units(model, fsdp.unit_names(cfg.parallel, model))
+        meta = cfg.parallel.strategy == "fsdp"  # the model on the meta device: forms and shapes, no whole model
+        if meta:  # a shard class naming nothing in the model, amp=fp16, a tensor no initialiser sets: refused here
+            model = fsdp.on_meta(lambda: parts.model(cfg), cfg.channels_last)
+            fsdp.check_init(model, cfg.parallel, cfg.seed)
             fsdp.policy(amp_dtype(cfg.amp, device))
-{% endif %}
+        else:
+            model = parts.model(cfg)  # model, optimizer and task first: they cost less than the data
+        if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
+            init_weights(model, cfg.init_from, cfg.init_strict, quiet=True, load=(lambda _: None) if meta else None)
+{% else %}
+        model = parts.model(cfg)  # model, optimizer and task first: they cost less than the data
         if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
+{% endif %}
         optimizer = parts.optimizer(cfg, model)
         task = parts.task(cfg)
         Callbacks(cfg)  # each built once: a bad argument or value is refused before the run folder is written
@@ -58,12 +65,16 @@ def dry_step(cfg) -> list[str]:
         collate = parts.collate(cfg, train_set) or default_collate
         with stage(cfg, "data.normalize", "to build"):
             prepare = parts.prepare(cfg, device)
-        model.to(device)
-        if cfg.channels_last:
-            with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
-                model = model.to(memory_format=torch.channels_last)
+{% if cookiecutter.with_fsdp == "yes" %}
+        if not meta:
+            model = placed(cfg, model, device)
+        target, where = cfg.task._target_, torch.device("meta") if meta else device
+        batch = to_device(two_prepared(cfg, train_set, collate, prepare, device, "training"), where)
+{% else %}
+        model = placed(cfg, model, device)
         target = cfg.task._target_
         batch = two_prepared(cfg, train_set, collate, prepare, device, "training")
+{% endif %}
         transform = parts.batch_transform(cfg)
         if transform is not None:
             with stage(cfg, "data.batch_transform", "on 2 training samples"):
@@ -71,17 +82,36 @@ def dry_step(cfg) -> list[str]:
         with kernels(cfg.deterministic, device, unexact), _named(cfg, target, "loss", "training"):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
+{% if cookiecutter.with_fsdp == "yes" %}
+            if not meta:  # under FSDP no rank takes a step on the whole model
+                clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
+                optimizer.step()
+{% else %}
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             optimizer.step()
+{% endif %}
             with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not so here
                 warnings.simplefilter("ignore", UserWarning)
                 parts.schedule(cfg, optimizer, 100).step()
+{% if cookiecutter.with_fsdp == "yes" %}
+        batch = to_device(two_prepared(cfg, val_set, collate, prepare, device, "validation"), where)
+        names = None  # stays None when an op of the model or task has no meta kernel: the run's first step checks
+{% else %}
         batch = two_prepared(cfg, val_set, collate, prepare, device, "validation")
+{% endif %}
         with torch.no_grad(), kernels(cfg.deterministic, device, unexact), _named(cfg, target, "metrics", "validation"):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
+{% if cookiecutter.with_fsdp == "yes" %}
+        if names is None:
+            return unexact
+        if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
+            totals = {k: torch.as_tensor(metrics[k]).detach().double() for k in names}
+            totals = {k: torch.ones(v.shape, dtype=v.dtype) if meta else v.cpu() for k, v in totals.items()}
+{% else %}
         if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
             totals = {k: torch.as_tensor(metrics[k]).detach().double().cpu() for k in names}
+{% endif %}
             with _named(cfg, target, "compute", "validation"):
                 names = list(report(task, totals, target))
     reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
@@ -91,6 +121,15 @@ def dry_step(cfg) -> list[str]:
             f"pick one of {', '.join(reported)}"
         )
     return unexact
+
+
+def placed(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on `device`, channels-last when `channels_last` is on (a model that refuses it: one line)."""
+    model = model.to(device)
+    if cfg.channels_last:
+        with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
+            model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 @contextlib.contextmanager
@@ -148,6 +187,10 @@ def _named(cfg, target: str, method: str, split: str):
     except UserError:
         raise
     except Exception as e:
+{% if cookiecutter.with_fsdp == "yes" %}
+        if cfg.parallel.strategy == "fsdp" and "meta" in str(e).lower():
+            return  # an op without a meta kernel (a data-dependent shape, a host read): not checkable here
+{% endif %}
         op = NONDETERMINISTIC.search(str(e))
         if op:
             raise UserError(

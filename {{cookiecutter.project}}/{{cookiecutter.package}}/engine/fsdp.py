@@ -4,19 +4,35 @@
 Every instance of a class in `parallel.shard_modules` becomes its own FSDP unit (its parameters gathered for its
 forward and backward only), then the root takes what is left. The optimizer is built on the sharded parameters, so
 its state is sharded too. Sharded checkpoints are in sharded_checkpoint.py.
+
+No rank ever holds the whole model (`build`): it is built on the meta device (shapes, no memory), sharded, and each
+rank allocates its slices (`to_empty`). Then `initialize` fills them one unit at a time: the unit's own tensors are
+made whole on the CPU, initialised by the model's own initialiser from a generator seeded by the run's seed and the
+unit's name, and each rank keeps its slice. So the same seed gives the same weights on any number of ranks, and at
+most one unit is ever whole in memory, on the CPU, never on a device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
+import itertools
 import logging
+import resource
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from hydra.utils import get_class, instantiate
+import torch.distributed.checkpoint as dcp
+from hydra.utils import get_class
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from . import distributed
 from .errors import UserError
+from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
 
@@ -82,16 +98,137 @@ def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None) -> torc
     return model
 
 
-def twin(model_cfg, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
-    """A second model sharded like `model`, holding a copy of its weights: the EMA's (FSDP modules refuse deepcopy).
-    Built without drawing from the run's generators, so a resumed run draws what the straight one drew."""
-    with torch.random.fork_rng(devices=[]):
-        copy = instantiate(model_cfg).to(device)
-    copy = shard(copy, parallel_cfg, amp)
+def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) -> torch.nn.Module:
+    """The model `make` builds, on the meta device: its shapes and structure, no memory and no random draws."""
+    with torch.device("meta"):
+        model = make()
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
+    """The model `make` builds, sharded without ever being whole: built on the meta device, sharded, each rank's
+    slices allocated on `device`, then initialised unit by unit (`initialize`)."""
+    model = on_meta(make, channels_last)
+    blueprint = copy.deepcopy(model)  # on the meta device: free; where each unit is made whole in turn
+    shard(model, parallel_cfg, amp)
+    model.to_empty(device=device)
+    initialize(blueprint, unit_paths(model), seed, lambda name, whole: put(model, name, whole))
+    return model
+
+
+def check_init(model: torch.nn.Module, parallel_cfg, seed: int) -> None:
+    """The dry step's check of `build` on the meta-device `model`: its units found, each initialised on the CPU in
+    turn and let go; a shard class naming nothing, or a tensor no initialiser sets, refused in one line."""
+    found = units(model, unit_names(parallel_cfg, model))
+    paths = [name for name, m in model.named_modules() if any(m is unit for unit in found)] + [""]
+    initialize(model, paths, seed)
+
+
+def unit_paths(model: torch.nn.Module) -> list[str]:
+    """The qualified names of the model's FSDP units, the root ("") last."""
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and name] + [""]
+
+
+def owned(blueprint: torch.nn.Module, path: str, paths: list[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of unit `path` that no deeper unit takes, by qualified name, parents before children."""
+    deeper = [p for p in paths if p != path and inside(p, path)]
+    return [(n, m) for n, m in blueprint.named_modules() if inside(n, path) and not any(inside(n, d) for d in deeper)]
+
+
+def inside(name: str, unit: str) -> bool:
+    """Whether module `name` is unit `unit` or inside it ("": the root, which holds every module)."""
+    return not unit or name == unit or name.startswith(unit + ".")
+
+
+def own_tensors(module: torch.nn.Module):
+    return itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+
+
+def unit_seed(seed: int, path: str) -> int:
+    """A generator seed for one unit from the run's seed and the unit's name: the same on every rank and world size."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little")
+
+
+def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None) -> None:
+    """Each unit's own tensors made whole on the CPU, one unit at a time, and initialised: by the model's
+    `init_weights(module)` for each of its modules when the model defines it, else by each module's
+    `reset_parameters()`; children before their parent, so a parent's initialiser has the last word. `put(name,
+    whole)` takes each initialised tensor (None: only check, as the dry step does). A tensor no initialiser set is
+    refused in one line: under the meta device the constructor's own initialisation never ran."""
+    init_weights = getattr(blueprint, "init_weights", None)
+    for path in paths:
+        modules = owned(blueprint, path, paths)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for _, module in modules:
+                module.to_empty(device="cpu", recurse=False)
+                for _, t in own_tensors(module):
+                    if not_set(t) is not None:
+                        t.fill_(not_set(t))  # a value no initialiser leaves: what is still so after them was not set
+            torch.manual_seed(unit_seed(seed, path))
+            for _, module in reversed(modules):
+                if callable(init_weights):
+                    init_weights(module)
+                elif callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+        for name, module in modules:
+            for key, t in own_tensors(module):
+                mark, full = not_set(t), f"{name}.{key}" if name else key
+                if mark is not None and (t.isnan().any() if t.is_floating_point() else (t == mark).all()):
+                    raise UserError(
+                        f"parallel=fsdp: {full} ({type(module).__name__}) is not set by any initialiser: the model is "
+                        f"built on the meta device, where its constructor's initialisation never runs: give "
+                        f"{type(module).__name__} a reset_parameters(), or the model an init_weights(module) that sets "
+                        "it (docs/distributed.md)"
+                    )
+                if put is not None:
+                    put(full, t)
+            module.to_empty(device="meta", recurse=False)
+
+
+def not_set(t: torch.Tensor) -> float | int | None:
+    """The mark of a tensor no initialiser has set yet: NaN for floats, the least integer for integers (None: a bool
+    or complex tensor, not checked)."""
+    if t.is_floating_point():
+        return float("nan")
+    return torch.iinfo(t.dtype).min if t.dtype != torch.bool and not t.is_complex() else None
+
+
+def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
+    """The whole tensor `whole` into the model's tensor `name`: a sharded one keeps only this rank's slice."""
+    owner, _, key = name.rpartition(".")
+    live = getattr(model.get_submodule(owner), key)
     with torch.no_grad():
-        for mine, theirs in zip(copy.state_dict().values(), model.state_dict().values(), strict=True):
+        if isinstance(live, DTensor):  # each rank cuts its own slice of the same whole tensor: no communication
+            live.copy_(distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None))
+        else:
+            live.copy_(whole)
+
+
+def twin(make, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device, channels_last: bool = False):
+    """A second model sharded like `model` from the start, holding a copy of each rank's slices: the EMA's (FSDP
+    modules refuse deepcopy). Built on the meta device, so it draws nothing from the run's generators."""
+    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp)
+    copy_.to_empty(device=device)
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(
+            itertools.chain(copy_.named_parameters(), copy_.named_buffers()),
+            itertools.chain(model.named_parameters(), model.named_buffers()),
+            strict=True,
+        ):
             mine.copy_(theirs)
-    return copy
+    return copy_
+
+
+def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:
+    """`init_from` into the sharded model, no rank reading it whole: from a sharded save each rank reads its own
+    slices (DCP reshards), from a whole file (memory-mapped) each rank copies its slice, one tensor at a time."""
+    if not path.is_dir():
+        for name, whole in fitting.items():
+            put(model, name, whole)
+        return
+    live = {k: v for k, v in get_model_state_dict(model).items() if k in fitting}
+    dcp.load({"model": live}, checkpoint_id=path, planner=SafeLoadPlanner())
+    set_model_state_dict(model, live, options=StateDictOptions(strict=False))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -131,13 +268,55 @@ def state_slots(optimizer: torch.optim.Optimizer) -> int:
     return 1 if defaults.get("momentum") else 0
 
 
-def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> str:
-    """What each rank holds of the model: its parameters, their gradients (as large) and the optimizer's state."""
+def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int, ema: bool) -> str:
+    """What each rank holds of the model: its parameters, their gradients (as large), the optimizer's state and the
+    EMA's copy when on; the run's log later sets the measured peak against it (PeakMemory)."""
     params = local_bytes(model.parameters())
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     slots = state_slots(optimizer)
     return (
         f"fsdp: per rank of {world_size}: parameters {params / MIB:.1f} MiB, gradients {params / MIB:.1f} MiB, "
-        f"optimizer state {slots * params / MIB:.1f} MiB ({slots} per parameter); {whole / MIB:.1f} MiB of "
-        "parameters unsharded, besides the loader's batches in flight"
+        f"optimizer state {slots * params / MIB:.1f} MiB ({slots} per parameter)"
+        + (f", EMA {params / MIB:.1f} MiB" if ema else "")
+        + f"; {planned_mib(model, optimizer, ema):.1f} MiB in all ({whole / MIB:.1f} MiB of parameters unsharded), "
+        "besides the loader's batches in flight and the activations"
     )
+
+
+def planned_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> float:
+    """MiB of model state one rank holds: parameters, gradients, optimizer state and the EMA's copy when on."""
+    return (2 + state_slots(optimizer) + ema) * local_bytes(model.parameters()) / MIB
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PeakMemory:
+    """The measured per-rank peak against the plan (`memory_line`), in the run's log at its first log line and at its
+    end: how much the process's peak resident memory grew from before the model was built, and on CUDA the peak of
+    the tensors on the device. Added to the run's callbacks under parallel=fsdp; every rank measures its own."""
+
+    def __init__(self, world):
+        self.world, self.before, self.plan, self.told = world, peak_rss_mib(), 0.0, False
+
+    def on_log(self, run, figures: dict) -> None:
+        if not self.told:
+            self.told = True
+            self.tell(run, "so far")
+
+    def on_run_end(self, run) -> None:
+        self.tell(run, "over the run")
+
+    def tell(self, run, when: str) -> None:
+        device = run.device
+        on_device = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
+        every = distributed.gather_all((peak_rss_mib() - self.before, on_device), self.world)
+        if not self.world.is_main:
+            return
+        grown = ", ".join(f"{rss:.0f}" for rss, _ in every)
+        line = f"fsdp: measured peak per rank {when}: resident memory grew {grown} MiB from before the model was built"
+        if on_device is not None:
+            line += f"; tensors on the device {', '.join(f'{d:.0f}' for _, d in every)} MiB"
+        log.info("%s (planned: %.0f MiB of model state per rank)", line, self.plan)

@@ -22,7 +22,7 @@ from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device, to_device
-from .dry_step import first_samples, quiet
+from .dry_step import first_samples, placed, quiet
 from .ema import EMA
 {% if cookiecutter.with_fsdp == "yes" %}
 from .errors import UserError
@@ -255,18 +255,20 @@ def build(
             f"with parallel=ddp, or start from its weights with init_from={found}"
         )
 {% endif %}
-    model = parts.model(cfg)
+{% if cookiecutter.with_fsdp == "yes" %}
+    peak = fsdp.PeakMemory(world) if sharded else None  # from before the model exists
+    if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
+        model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
+    else:
+        model = placed(cfg, parts.model(cfg), device)
+    load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
+{% else %}
+    model = placed(cfg, parts.model(cfg), device)
+{% endif %}
     if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
-        init_weights(model, cfg.init_from, cfg.init_strict)
+        init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
     elif cfg.init_from:
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
-    model = model.to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-{% if cookiecutter.with_fsdp == "yes" %}
-    if sharded:  # before the optimizer, which must hold the sharded parameters
-        model = fsdp.shard(model, cfg.parallel, amp)
-{% endif %}
     optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
 {% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
@@ -286,8 +288,10 @@ def build(
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
+        peak.plan = fsdp.planned_mib(model, optimizer, ema is not None)
+        callbacks.named.setdefault("fsdp_peak_memory", peak)  # at the first log line and at the end
         if world.is_main:
-            log.info(fsdp.memory_line(model, optimizer, world.world_size))
+            log.info(fsdp.memory_line(model, optimizer, world.world_size, ema is not None))
     elif ckpt and checkpoint.is_sharded(ckpt):
         raise UserError(
             f"resume: {found} is a sharded checkpoint (parallel=fsdp): resume it with parallel=fsdp, or write it "
@@ -362,7 +366,9 @@ def sharded_ema(cfg, model: torch.nn.Module, amp, device) -> EMA | None:
     """`ema.decay` under FSDP: the average kept in a second model sharded like the first (fsdp.twin)."""
     if cfg.ema.decay is None:
         return None
-    return EMA(model, cfg.ema.decay, fsdp.twin(cfg.model, model, cfg.parallel, amp, device))
+    return EMA(
+        model, cfg.ema.decay, fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
+    )
 
 
 {% endif %}
