@@ -1,4 +1,5 @@
-"""parallel=fsdp (engine/fsdp.py, engine/sharded_checkpoint.py): a model of the user's own blocks sharded over
+"""parallel=fsdp (engine/fsdp.py, engine/sharded_checkpoint.py): a model built sharded, the same weights on any number
+of ranks, a tensor no initialiser sets refused, freed memory returned; a model of the user's own blocks sharded over
 torchrun ranks, resumed exactly from a sharded checkpoint with another worker count and closely on another number
 of processes, compared through the export command; a kill mid-save, a metadata file that would run code, refusals;
 model=vit trained sharded, then read by eval.py, init_from and export."""
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.engine import checkpoint
+from {{ cookiecutter.package }}.engine import checkpoint, fsdp
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer
+from tests.blocks import BlockNet
 from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train, torchrun_cmd, wait_for_steps
 
 BLOCKS = [
@@ -96,7 +99,8 @@ def test_sharded_resume_is_exact_with_other_workers_and_close_on_three_processes
 @pytest.mark.slow
 def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shapes_root):
     vit = [f"data.root={shapes_root}", "data.per_class=40", "parallel=fsdp", "model=vit", "optim=adamw",
-           "optim.lr=0.002", "epochs=3", "loader.batch_size=16", "progress=false"]  # fmt: skip
+           "optim.lr=0.002", "epochs=3", "loader.batch_size=8", "accumulate_steps=2", "optim.grad_clip=1.0",
+           "ema.decay=0.5", "progress=false"]  # fmt: skip
     proc = run_torchrun(tmp_path / "vit", *vit)
     assert "fsdp: per rank of 2: parameters" in proc.stdout + proc.stderr
     records = read_jsonl(tmp_path / "vit/metrics.jsonl")
@@ -113,7 +117,7 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
     assert result["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6)
 
     weights = export(last, tmp_path / "vit.pth")
-    assert weights.keys() == {"model"} and weights["model"].keys() == run["model"].keys()
+    assert weights.keys() == {"model", "ema"} and weights["model"].keys() == run["model"].keys()  # ema.decay is on
     proc = run_train(tmp_path / "init", *vit[:2], "model=vit", "optim=adamw", f"init_from={last}", "max_steps=1",
                      "progress=false")  # fmt: skip
     n = len(run["model"])
@@ -121,6 +125,18 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
     proc = run_train(tmp_path / "init_file", *vit[:2], "model=vit", "optim=adamw", f"init_from={tmp_path}/vit.pth",
                      "max_steps=1", "progress=false")  # fmt: skip
     assert f"loaded {n} of {n} tensors" in proc.stdout
+
+    # Into a sharded model, each rank reading only its slices: from the whole file (memory-mapped) and from the
+    # sharded save (DCP). With SGD at lr=1e-30 a step moves no trained weight by a float32 ulp: the weights after one
+    # step are those loaded, bit for bit.
+    still = [*vit[:3], "model=vit", "loader.batch_size=8", "optim=sgd", "optim.lr=1e-30", "max_steps=1",
+             "progress=false"]  # fmt: skip
+    for source, name in ((tmp_path / "vit.pth", "from_file"), (last, "from_save")):
+        run_torchrun(tmp_path / name, *still, f"init_from={source}", nproc=3)
+        assert equal(export(tmp_path / name / "checkpoints/last.pth", tmp_path / f"{name}.pth")["model"],
+                     weights["model"])  # fmt: skip
+    run_torchrun(tmp_path / "fresh", *still, nproc=3)  # the control: without init_from, other weights
+    assert not equal(export(tmp_path / "fresh/checkpoints/last.pth", tmp_path / "fresh.pth")["model"], weights["model"])
 
 
 @pytest.mark.slow
@@ -193,6 +209,123 @@ def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
     assert lines == ["error: parallel.shard_modules: torch.nn.GRU names nothing in SmallCNN: list a class the model "
                      "is built of, or [] to shard the root only"], proc.stderr  # fmt: skip
     assert not (tmp_path / "r").exists()  # refused before the run folder is written
+
+
+# Each rank builds the model through engine/fsdp.py's build (meta device, shards, unit-by-unit initialisation) and
+# rank 0 saves the whole weights; `naive` instead initialises the sharded model in place, each rank drawing its own
+# slices from its own generator, which is what a plain reset_parameters() on the shards does on the CPU.
+INIT = """
+import sys, torch, torch.distributed as dist
+from omegaconf import OmegaConf
+from {{ cookiecutter.package }}.engine import fsdp
+from {{ cookiecutter.package }}.model import vit
+from tests.blocks import BlockNet
+dist.init_process_group("gloo")
+out = {}
+for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3), ["tests.blocks.ResidualBlock"]),
+                          ("vit", lambda: vit(10, 16, num_layers=2, num_heads=2, hidden_dim=12, mlp_dim=20), None)]:
+    cfg = OmegaConf.create({"shard_modules": units})
+    if sys.argv[2] == "naive":
+        model = fsdp.shard(fsdp.on_meta(make), cfg, None)
+        model.to_empty(device="cpu")
+        torch.manual_seed(5)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    else:
+        model = fsdp.build(make, cfg, None, torch.device("cpu"), seed=5)
+    out[name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+if dist.get_rank() == 0:
+    torch.save(out, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # three starts of torchrun
+def test_the_same_seed_gives_the_same_initial_weights_on_one_two_and_three_ranks(tmp_path):
+    """Odd sizes (13, 7, 3 blocks) that three ranks split unevenly; a model of the user's own blocks and model=vit,
+    whose torchvision constructor sets tensors outside any reset_parameters() (ViT.init_weights sets them)."""
+    (tmp_path / "init.py").write_text(INIT)
+    saved = {}
+    for ranks, how in ((1, "build"), (2, "build"), (3, "build"), (1, "naive"), (2, "naive")):
+        out = tmp_path / f"{ranks}-{how}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(tmp_path / "init.py"), str(out), how]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(PROJECT)})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved[ranks, how] = torch.load(out, weights_only=True)
+    for name in ("blocks", "vit"):
+        one = saved[1, "build"][name]
+        assert all(not t.isnan().any() for t in one.values() if t.is_floating_point())
+        assert equal(saved[2, "build"][name], one) and equal(saved[3, "build"][name], one), name
+        assert not equal(saved[2, "naive"][name], saved[1, "naive"][name]), name  # the control: rank-dependent
+    assert saved[1, "build"]["vit"]["class_token"].abs().sum() == 0  # torchvision's zeros, not a Linear's init
+    assert 0.015 < saved[1, "build"]["vit"]["encoder.pos_embedding"].std() < 0.025  # its normal(std=0.02)
+
+
+class Scaled(torch.nn.Module):
+    """A model with a tensor of its own outside any reset_parameters(): under the meta device nothing sets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.linear = torch.nn.Linear(4, 4)
+
+
+class ScaledWithInit(Scaled):
+    def init_weights(self, module: torch.nn.Module) -> None:
+        if module is self:
+            torch.nn.init.ones_(self.scale)
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+
+def test_a_tensor_no_initialiser_sets_is_refused_and_init_weights_sets_it():
+    """The dry step's check (fsdp.check_init) on meta-device models: refused in one line naming the tensor; the same
+    model with an init_weights(module), and a model of Linear and LayerNorm blocks, pass."""
+    root_only = OmegaConf.create({"shard_modules": []})
+    with pytest.raises(UserError, match=r"^parallel=fsdp: scale \(Scaled\) is not set by any initialiser"):
+        fsdp.check_init(fsdp.on_meta(Scaled), root_only, seed=0)
+    fsdp.check_init(fsdp.on_meta(ScaledWithInit), root_only, seed=0)
+    blocks = OmegaConf.create({"shard_modules": ["tests.blocks.ResidualBlock"]})
+    model = fsdp.on_meta(lambda: BlockNet(10, 8))
+    fsdp.check_init(model, blocks, seed=0)
+    assert all(t.is_meta for t in model.state_dict().values())  # checked one unit at a time, let go again
+
+
+# Frees one 16 MiB tensor (glibc then raises its mmap threshold past that size), holds twenty more and a small one
+# after them, frees the twenty, and prints how much resident memory they left behind.
+FREED = """
+import sys, torch
+from {{ cookiecutter.package }}.engine import fsdp
+if sys.argv[1] == "pinned":
+    assert fsdp.return_freed_memory()
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+first = torch.ones(4 * 2**20)
+del first
+before = resident_mib()
+held = [torch.ones(4 * 2**20) for _ in range(20)]
+small = torch.ones(100)
+del held
+print(round(resident_mib() - before))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc (Linux)")
+def test_freed_large_blocks_go_back_to_the_system_once_the_threshold_is_pinned(tmp_path):
+    """fsdp.return_freed_memory (glibc's mallopt, pytorch/pytorch#41486): with it, 320 MiB freed are returned; the
+    control, without it, keeps them."""
+    (tmp_path / "freed.py").write_text(FREED)
+    left = {}
+    for how in ("pinned", "default"):
+        cmd = [sys.executable, str(tmp_path / "freed.py"), how]
+        proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(PROJECT)})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        left[how] = int(proc.stdout.split()[-1])
+    assert left["pinned"] < 40 and left["default"] > 200, left
 
 
 # Saves step 1 sharded in a process group of one, then step 2 with a FIFO planted where rank 0 writes run.pth, once

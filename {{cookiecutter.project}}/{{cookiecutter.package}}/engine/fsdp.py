@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import hashlib
 import itertools
 import logging
@@ -37,6 +39,7 @@ from .sharded_checkpoint import SafeLoadPlanner
 log = logging.getLogger("train")
 
 MIB = 2**20
+M_MMAP_THRESHOLD, GLIBC_DEFAULT = -3, 128 * 1024  # mallopt's parameter number (malloc.h) and glibc's starting value
 
 
 def shard_classes(names: list[str]) -> tuple[type, ...]:
@@ -108,6 +111,8 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
 def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
     """The model `make` builds, sharded without ever being whole: built on the meta device, sharded, each rank's
     slices allocated on `device`, then initialised unit by unit (`initialize`)."""
+    if device.type == "cpu":
+        return_freed_memory()
     model = on_meta(make, channels_last)
     blueprint = copy.deepcopy(model)  # on the meta device: free; where each unit is made whole in turn
     shard(model, parallel_cfg, amp)
@@ -122,6 +127,18 @@ def check_init(model: torch.nn.Module, parallel_cfg, seed: int) -> None:
     found = units(model, unit_names(parallel_cfg, model))
     paths = [name for name, m in model.named_modules() if any(m is unit for unit in found)] + [""]
     initialize(model, paths, seed)
+
+
+def return_freed_memory() -> bool:
+    """On the CPU, under glibc (Linux): malloc's mmap threshold pinned at its starting 128 KiB, so that every large
+    block is a mapping of its own, returned to the system when freed. Left to itself glibc raises the threshold to the
+    size of each large block freed; blocks that size then come from the heap, which keeps them after they are freed
+    (pytorch/pytorch#41486). A sharded run frees a gathered unit and its full gradient at every step: measured here
+    (benchmarks/p8_fsdp_memory.py), the heap then held about twice the run's model state per rank. False where the
+    C library has no mallopt (macOS, musl answers 0)."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT) == 1
 
 
 def unit_paths(model: torch.nn.Module) -> list[str]:
@@ -312,11 +329,13 @@ class PeakMemory:
     def tell(self, run, when: str) -> None:
         device = run.device
         on_device = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
-        every = distributed.gather_all((peak_rss_mib() - self.before, on_device), self.world)
+        every = distributed.gather_all((peak_rss_mib(), self.before, on_device), self.world)
         if not self.world.is_main:
             return
-        grown = ", ".join(f"{rss:.0f}" for rss, _ in every)
-        line = f"fsdp: measured peak per rank {when}: resident memory grew {grown} MiB from before the model was built"
+        line = (
+            f"fsdp: measured peak per rank {when}: resident {', '.join(f'{peak:.0f}' for peak, _, _ in every)} MiB, "
+            f"{', '.join(f'{peak - before:.0f}' for peak, before, _ in every)} MiB more than before the model was built"
+        )
         if on_device is not None:
-            line += f"; tensors on the device {', '.join(f'{d:.0f}' for _, d in every)} MiB"
+            line += f"; tensors on the device {', '.join(f'{d:.0f}' for _, _, d in every)} MiB"
         log.info("%s (planned: %.0f MiB of model state per rank)", line, self.plan)
