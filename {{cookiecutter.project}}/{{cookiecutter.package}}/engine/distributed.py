@@ -81,16 +81,11 @@ def join(device: torch.device) -> World:
     print(f"rank {rank} of {world_size}: joining the process group (attempt {attempt})", file=sys.stderr, flush=True)
     with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
-        store = attempt_store(store, attempt)
+        store = dist.PrefixStore(f"attempt{attempt}/", store)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size
         )
     return World(rank, world_size, local_rank)
-
-
-def attempt_store(store: dist.Store, attempt: str) -> dist.Store:
-    """The rendezvous store as this restart attempt's own namespace (see `join`)."""
-    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
@@ -131,27 +126,23 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
             p.grad = None
 
 
-def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
-    """Element-wise sum over ranks of a 1-d tensor (in place), read to the host; in one process, just the read.
+def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
+    """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
+    read.
 
     The read stays inside the grace window: with NCCL the all-reduce is queued and the read is where a rank
     waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
         return tensor.tolist()
 
 
 {% if cookiecutter.with_fsdp == "yes" %}
 def most(count: int, world: World | None, device: torch.device) -> int:
     """The largest `count` over ranks (read to the host)."""
-    if world is None or not world.distributed:
-        return count
-    value = torch.tensor([count], device=device)
-    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+    return int(all_reduce(torch.tensor([count], device=device), world, dist.ReduceOp.MAX)[0])
 
 
 {% endif %}

@@ -22,18 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 
-from .failures import WorkerDied, exit_status
+from .failures import WorkerDied, ended_worker
 
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-
-
-def _read(proc: psutil.Process) -> tuple[int, int, int]:
-    """(RSS, PSS (else USS), open files) of one process."""
-    info = proc.memory_full_info()
-    fds = proc.num_fds() if hasattr(proc, "num_fds") else proc.num_handles()
-    return info.rss, getattr(info, "pss", getattr(info, "uss", info.rss)), fds
 
 
 def shared_batches(pids) -> int:
@@ -57,14 +50,15 @@ def shared_batches(pids) -> int:
 
 
 def _readings() -> dict[int, tuple[int, int, int]]:
-    """{pid: _read(process)} for this process, then each live child process, all generations; one that exits
-    meanwhile is skipped."""
-    main = psutil.Process()
-    found = {main.pid: _read(main)}
-    for child in main.children(recursive=True):
+    """{pid: (RSS, PSS (else USS), open files)} for this process, then each live child process, all generations; one
+    that exits meanwhile is skipped."""
+    main, found = psutil.Process(), {}
+    for proc in (main, *main.children(recursive=True)):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found[child.pid] = _read(child)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                info = proc.memory_full_info()
+                fds = proc.num_fds() if hasattr(proc, "num_fds") else proc.num_handles()
+                found[proc.pid] = info.rss, getattr(info, "pss", getattr(info, "uss", info.rss)), fds
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
             continue
     return found
@@ -136,9 +130,8 @@ class Monitor:
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
-        for pid in sorted(self.loader.worker_pids):
-            if status := exit_status(pid):
-                raise WorkerDied(f"DataLoader worker (pid {pid}) {status}")
+        if dead := ended_worker(self.loader.worker_pids):
+            raise WorkerDied(dead)
         steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
         self._mark = (step, data_wait, now)
         window = {

@@ -50,7 +50,8 @@ def openmp_wait_policy(argv: list[str], conf_dir: Path):
     """Around train.py's `import torch`: OMP_WAIT_POLICY set from `process.omp_wait_policy` (the command line's
     value, else conf/config.yaml's) while torch loads, then the environment as it was. A value you exported stays."""
     global applied_wait_policy
-    wanted = _command_line_value(argv, "process.omp_wait_policy")
+    given = [m[1].strip("'\"") for arg in argv if (m := re.fullmatch(r"\+{0,2}process\.omp_wait_policy=(.*)", arg))]
+    wanted = given[-1] if given else None  # the last one given wins, as with Hydra
     if wanted is None and (conf_dir / "config.yaml").is_file():
         wanted = OmegaConf.select(OmegaConf.load(conf_dir / "config.yaml"), "process.omp_wait_policy")
     set_here = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and wanted not in (None, "null")
@@ -82,15 +83,6 @@ def long_lived_imports():
         gc.freeze()
         if enabled:
             gc.enable()
-
-
-def _command_line_value(argv: list[str], key: str) -> str | None:
-    found = None
-    for arg in argv:
-        match = re.fullmatch(r"\+{0,2}" + re.escape(key) + r"=(.*)", arg)
-        if match:
-            found = match[1].strip("'\"")
-    return found
 
 
 def apply(cfg) -> None:
