@@ -52,36 +52,36 @@ class LoaderSettings:
     timeout: float
 
 
-def batch_bytes(batch) -> int:
-    """Bytes of every tensor (and numpy array) in a batch, however nested in tuples, lists and dicts."""
-    if isinstance(batch, torch.Tensor):
-        return batch.nelement() * batch.element_size()
+def leaves(batch, key=None):
+    """(its dict key or None, leaf) for every tensor and numpy array{% if cookiecutter.with_photos == "yes" %} (and decode.EncodedBatch){% endif %} in a batch, however
+    nested in tuples, lists and dicts. Strings, ints and other Python objects are left out: small next to the
+    tensors, and not in shared memory."""
     if isinstance(batch, Mapping):
-        return sum(batch_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_bytes(v) for v in batch)
-{% if cookiecutter.with_photos == "yes" %}
-    nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (decode.EncodedBatch)
-{% else %}
-    nbytes = getattr(batch, "nbytes", None)  # a numpy array
-{% endif %}
-    # strings, ints and other Python objects: small next to the tensors, and not in shared memory
-    return nbytes if isinstance(nbytes, int) else 0
+        for k, v in batch.items():
+            yield from leaves(v, k)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from leaves(v, key)
+    elif isinstance(batch, torch.Tensor) or isinstance(getattr(batch, "nbytes", None), int):
+        yield key, batch
+
+
+def batch_bytes(batch) -> int:
+    """Bytes of every tensor (and numpy array) in a batch."""
+    return sum(v.nelement() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes for _, v in leaves(batch))
 
 
 def layout(batch) -> str:
-    """`64x3x32x32 float32, 64 int64`: the tensors of a batch, for the log line."""
-    if isinstance(batch, torch.Tensor):
-        return "x".join(map(str, batch.shape)) + " " + str(batch.dtype).removeprefix("torch.")
+    """`64x3x32x32 float32, 64 int64` (`image: ...` in a dict): the tensors of a batch, for the log line."""
+
+    def describe(v) -> str:
 {% if cookiecutter.with_photos == "yes" %}
-    if hasattr(batch, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
-        return batch.describe()
+        if hasattr(v, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
+            return v.describe()
 {% endif %}
-    if isinstance(batch, Mapping):
-        return ", ".join(f"{k}: {layout(v)}" for k, v in batch.items() if batch_bytes(v))
-    if isinstance(batch, (list, tuple)):
-        return ", ".join(layout(v) for v in batch if batch_bytes(v))
-    return ""
+        return "x".join(map(str, v.shape)) + " " + str(v.dtype).removeprefix("torch.")
+
+    return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in leaves(batch) if batch_bytes(v))
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
@@ -174,34 +174,36 @@ def plan(batch, settings: LoaderSettings) -> Plan:
     return Plan(settings, batch_bytes(batch), layout(batch))
 
 
+def fit(settings: LoaderSettings, need, limit: float, over: str, todo: str, on_budget: str, lowest_workers: int):
+    """Settings whose `need(settings)` (bytes) is at most `limit`, and a sentence saying what changed (None: nothing
+    did). `step_down` lowers prefetch_factor first (fewer batches ahead, same parallelism), then num_workers, down
+    to `lowest_workers`. `on_budget="error"` refuses instead, in one line: `over` (what is over which limit), `todo`."""
+    if need(settings) <= limit:
+        return settings, None
+    after, changed = step_down(settings, lambda s: need(s) <= limit, lowest_workers)
+    if after is None:
+        raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
+    if on_budget == "error":
+        raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
+    where = "; the main process loads each batch" if not after.num_workers else ""
+    return after, f"{over}: {changed} ({need(after) / MiB:.1f} MiB{where})"
+
+
 def fit_budget(
     settings: LoaderSettings, one_batch_bytes: int, max_mib: float | None, on_budget: str = "adjust"
 ) -> tuple[LoaderSettings, str | None]:
-    """Settings whose prefetch plan fits `max_mib` (> 0: the schema's rule), and a sentence saying what changed (None:
-    nothing did).
-
-    prefetch_factor goes down first (fewer batches ahead, same parallelism); only when one batch per
-    worker is still too much does num_workers go down, to 0 if need be (the main process loads; nothing
-    is in flight). `on_budget="error"` refuses instead, in one line naming what to change.
-    """
-    before = Plan(settings, one_batch_bytes)
-    if max_mib is None or before.mib <= max_mib:
+    """`fit` to `loader.max_prefetch_mib` (> 0: the schema's rule; None: no budget), the bytes in flight (the plan),
+    down to 0 workers if need be (the main process loads; nothing is in flight)."""
+    if max_mib is None:
         return settings, None
-    if on_budget == "error":
-        raise UserError(
-            f"loader: the prefetch plan needs {before.mib:.1f} MiB ({settings.num_workers} workers x prefetch_factor "
-            f"{settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
-            f"{', x2 pinned' if settings.pin_memory else ''}), "
-            f"over loader.max_prefetch_mib={max_mib:g}: lower loader.prefetch_factor, loader.num_workers or "
-            "loader.batch_size, raise the budget, or set loader.on_budget=adjust"
-        )
-    after, changed = step_down(settings, lambda s: Plan(s, one_batch_bytes).mib <= max_mib, lowest_workers=0)
-    where = "; the main process loads each batch" if not after.num_workers else ""
-    sentence = (
-        f"the prefetch plan ({before.mib:.1f} MiB) is over loader.max_prefetch_mib={max_mib:g}: "
-        f"{changed} ({Plan(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
+    plan = Plan(settings, one_batch_bytes)
+    over = (
+        f"the prefetch plan needs {plan.mib:.1f} MiB ({settings.num_workers} workers x prefetch_factor "
+        f"{settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
+        f"{', x2 pinned' if settings.pin_memory else ''}), over loader.max_prefetch_mib={max_mib:g}"
     )
-    return after, sentence
+    todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
+    return fit(settings, lambda s: Plan(s, one_batch_bytes).bytes, max_mib * MiB, over, todo, on_budget, 0)
 
 
 def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> tuple[LoaderSettings | None, str]:
@@ -241,26 +243,19 @@ def local_ranks() -> int:
 
 
 def fit_shm(
-    settings: LoaderSettings,
-    one_batch_bytes: int,
-    on_budget: str = "adjust",
-    ranks: int = 1,
-    space: tuple[int, int] | None = None,
+    settings: LoaderSettings, one_batch_bytes: int, on_budget: str = "adjust", ranks: int = 1, space=None
 ) -> tuple[LoaderSettings, str | None]:
-    """Settings whose batches fit in the free space of /dev/shm, and a sentence saying what changed (None: nothing).
-
-    As with `fit_budget`, prefetch_factor goes down first, then num_workers; but not to 0 workers: a machine
-    whose /dev/shm cannot take one batch per rank is refused, with what to do, since loading everything in
-    the main process is rarely what the user wants and is theirs to choose (loader.num_workers=0).
-    """
+    """`fit` to the free space of /dev/shm (`space`, else the measured one), what every rank on this host may put
+    there; but not to 0 workers: a machine whose /dev/shm cannot take one batch per rank is refused, with what to
+    do, since loading everything in the main process is rarely what the user wants and is theirs to choose
+    (loader.num_workers=0)."""
     space = space if space is not None else shm_space()
-    before = Plan(settings, one_batch_bytes)
-    if space is None or before.shm_need(ranks) <= space[0]:  # no workers need nothing
+    if space is None:
         return settings, None
-    free, size = space
-    where = (
+    plan, (free, size) = Plan(settings, one_batch_bytes), space
+    over = (
         f"{SHM_DIR} has {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, and the loaders may put "
-        f"{before.shm_need(ranks) / MiB:.1f} MiB of batches there ({before.shm_batches} batches of "
+        f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
         f"{one_batch_bytes / MiB:.2f} MiB{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a "
         f"{SHM_MARGIN:g}x margin)"
     )
@@ -269,12 +264,7 @@ def fit_shm(
         "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
         "loader.num_workers=0 (no shared memory)"
     )
-    after, changed = step_down(settings, lambda s: Plan(s, one_batch_bytes).shm_need(ranks) <= free, lowest_workers=1)
-    if after is None:
-        raise UserError(f"loader: {where}; even one worker with one batch ahead does not fit: {todo}")
-    if on_budget == "error":
-        raise UserError(f"loader: {where}: {todo}, or set loader.on_budget=adjust")
-    return after, f"{where}: {changed} ({Plan(after, one_batch_bytes).shm_need(ranks) / MiB:.1f} MiB)"
+    return fit(settings, lambda s: Plan(s, one_batch_bytes).shm_need(ranks), free, over, todo, on_budget, 1)
 
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
