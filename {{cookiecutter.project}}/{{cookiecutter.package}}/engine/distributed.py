@@ -157,32 +157,19 @@ def main_buffers(model: torch.nn.Module, world: World | None) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def gather_to_main(obj, world: World) -> list | None:
-    """Every rank's `obj` on rank 0 (a list indexed by rank), None elsewhere."""
+def gather_all(obj, world: World) -> list:
+    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states)."""
     if not world.distributed:
         return [obj]
-    out = [None] * world.world_size if world.is_main else None
+    out = [None] * world.world_size
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.gather_object(obj, out, dst=0)
+        dist.all_gather_object(out, obj)
     return out
 
 
 def from_main(obj, world: World):
     """Rank 0's `obj` on every rank."""
-    if not world.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gather_all(obj, world: World) -> list:
-    """Every rank's `obj` on every rank, indexed by rank."""
-    if not world.distributed:
-        return [obj]
-    out = [None] * world.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    return gather_all(obj, world)[0]
 
 
 def barrier(world: World) -> None:

@@ -104,24 +104,14 @@ def apply(cfg) -> None:
         use_deterministic_kernels()
 
 
-def on_glibc() -> bool:
-    """Whether this process runs on glibc, whose malloc the thresholds are for."""
-    try:
-        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-    except (AttributeError, ValueError):  # no confstr (Windows), a name it does not know (macOS)
-        return False
-
-
 def keep_freed_memory() -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
     of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead."""
     if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    if not on_glibc():
-        return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
+        mallopt = ctypes.CDLL(None).mallopt  # glibc's: musl's does nothing (returns 0), macOS and Windows have none
+    except (AttributeError, OSError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB
