@@ -2,22 +2,17 @@
 
 Each one changes the whole process, not one object, so train.py applies them once, here, and nowhere else.
 Nothing is exported to the environment: processes the run starts do not inherit them (forked loader workers
-share the allocator's settings, which live in the process's memory, and run one thread each).
+share the allocator's settings, which live in the process's memory, and run one thread each). What each key does
+and what it measured: docs/training-step.md (#speed-on-the-cpu).
 
-- `process.omp_wait_policy` (passive | active | null). OpenMP's threads spin while they wait for each other by
-  default; on a CPU training run they spin on the cores the loader workers decode on, and each step waits for both.
-  OpenMP reads OMP_WAIT_POLICY once, as torch loads, so train.py applies this key around its `import torch`
-  (`openmp_wait_policy`), from the command line or conf/config.yaml. Measured (2 CPUs, SmallCNN, 2 workers):
-  train.py 919 samples/s spinning, 1076 passive. Without workers, spinning is faster: `active`. null: OpenMP's own
-  default, or the OMP_WAIT_POLICY you set.
-- `process.keep_freed_memory` (glibc). A step allocates and frees the same activations every time; glibc's malloc
-  hands free memory at the top of its heap back to the kernel past a threshold it tunes as it goes, and the next
-  step faults it in again, page by page. Fixing the thresholds (requests up to 32 MiB from the heap, up to 1 GiB of
-  freed memory kept) ends that: `page_faults_per_batch` in metrics.jsonl went from thousands to a handful, ~10% of
-  a small CPU model's step. MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
-- `process.threads`: torch's intra-op threads (torch.set_num_threads); null: torch's default (one per core, or
-  OMP_NUM_THREADS, which torchrun sets to 1 with several processes per node). The count changes the last bits of
-  CPU kernels' results: keep it when you resume on the CPU.
+- `process.omp_wait_policy`: OpenMP's threads spin while they wait by default, on the cores the loader workers
+  decode on. OpenMP reads OMP_WAIT_POLICY once, as torch loads: train.py applies the key around its `import torch`
+  (`openmp_wait_policy`). null: OpenMP's own default, or the OMP_WAIT_POLICY you set.
+- `process.keep_freed_memory` (glibc): malloc hands free memory at its heap's top back to the kernel past a
+  threshold it tunes as it goes, and the next step faults it in again, page by page; fixed thresholds end that.
+  MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
+- `process.threads`: torch's intra-op threads; null: torch's default. The count changes the last bits of CPU
+  kernels' results: keep it when you resume on the CPU.
 
 And one setting no key changes: the objects an entry point's imports make are frozen (`long_lived_imports`).
 """
