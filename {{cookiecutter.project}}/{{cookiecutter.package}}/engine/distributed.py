@@ -97,20 +97,13 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
 
 def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
-    resumed, all-reduces each step's gradients in the same layout. A collective: every rank calls it.
+    resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
+    bits of the averaged gradients: docs/distributed.md, "Exact with any number of ranks"). A collective: every
+    rank calls it.
 
-    DDP starts with buckets in parameter order and, at the forward after its first backward, rebuilds them once in
-    the order the gradients became ready in that backward. A resumed process takes its first step in the start
-    layout where the uninterrupted one has rebuilt already. With 3 or more ranks gloo's ring all-reduce (NCCL's too
-    splits a bucket into chunks) adds the ranks' values in an order that depends on an element's place in the flat
-    bucket, so the layout changes the last bits of the averaged gradients (pytorch/pytorch#30509: the bucket size
-    changes the gradients' bits); with 2 ranks a + b == b + a.
-
-    So every process first runs one throwaway step through DDP's public path, `throwaway_loss()` (the task's loss on
-    two training samples) and its backward, and undoes its effects: gradients back to None, buffers (BatchNorm's
-    running statistics) copied back, every generator it may draw from restored. No optimizer step runs, so the
-    weights never change. DDP's next forward, the run's first real one, rebuilds the buckets in the order a real
-    backward makes the gradients ready. It costs one forward, backward and all-reduce, once per process."""
+    DDP rebuilds its buckets once, at the forward after its first backward. So every process first runs one
+    throwaway step, `throwaway_loss()` (the task's loss on two training samples) and its backward, and undoes its
+    effects: gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]

@@ -1,22 +1,12 @@
 """The train loader's failures mid-run, as the user meets them: one line, a checkpoint of the last finished step,
-and an exit code that says what comes next.
+and an exit code that says what comes next (docs/failures.md has the table): 2 for bad input (errors.UserError),
+`EXIT_BAD_SAMPLE` for a sample that cannot be read or transformed, `EXIT_RETRY` for what `resume=latest` goes on
+from (a stalled worker, /dev/shm full mid-run): what torchrun's restarts and a SLURM requeue run.
 
-Exit codes (train.py):
-- 2: bad input (errors.UserError): config, paths, a refused resume. Fix the command.
-- 3 (`EXIT_BAD_SAMPLE`): a sample that cannot be read or transformed, with `data.on_bad_sample=error`. Fix or
-  remove the file, or set `data.on_bad_sample=skip`; then `resume=latest`.
-- 75 (`EXIT_RETRY`, sysexits' EX_TEMPFAIL): a stalled worker (`loader.timeout`), or /dev/shm full mid-run.
-  `resume=latest` goes on: what torchrun's restarts and a SLURM requeue run.
-
-Why each one needs help (pytorch/pytorch#5040, #96629, #108861):
-- A worker that blocks (a dead NFS mount, a deadlocked decoder) blocks the loop forever with `timeout=0`, and
-  PyTorch's own timeout raises a bare RuntimeError that names neither the worker nor where it stands. The
-  train loader's own batch order says which worker holds the missing batch (`stalled`), and `faulthandler`,
-  armed in each worker on a signal of its own, writes that worker's Python stack.
-- A sample that raises inside a worker comes back as a traceback of the worker that never names the data set
-  index or the file. `fetch_guarded` (in the worker) fetches each sample under a try and names both.
-- A batch that cannot get shared memory fails in the worker ("unable to allocate shared memory(shm)"), or kills
-  it with SIGBUS; the line names /dev/shm and how full it is.
+Why each one needs help (pytorch/pytorch#5040, #96629, #108861): a worker that blocks (a dead NFS mount, a
+deadlocked decoder) gets PyTorch's bare "DataLoader timed out" naming neither the worker nor where it stands
+(`stalled`); a sample that raises comes back as the worker's traceback without the data set index or the file
+(`fetch_guarded`); a batch without shared memory fails in the worker, or kills it with SIGBUS (`shm_full`).
 
 Every failure here is raised by the train loader between two steps: the model, the optimizer and the loader's
 position all stand at the last finished step, so `save_on_failure` writes a checkpoint that resumes exactly.

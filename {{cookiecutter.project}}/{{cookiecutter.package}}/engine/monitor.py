@@ -110,7 +110,7 @@ class Monitor:
         self._pending: list[tuple[int, dict, Future, str]] = []  # (step, window figures, reading, what for)
         self._epoch_sample: dict | None = None
         self._steps_seen = 0
-        self._measured_logged = False
+        self._measured = False  # the plan against a reading, logged once
 
     def set_plan(self, plan) -> None:
         self.plan = plan
@@ -124,9 +124,18 @@ class Monitor:
         self._steps_seen += 1
         self._write_done()
         last = self.loader.at_epoch_end
-        if self._measure_now():
-            self._measured_logged = True
-            self._pending.append((step, {}, self._reading(), "measured"))
+        if self.plan is not None and not self._measured and self.runlog.enabled:
+            # once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left
+            in_flight = self.plan.in_flight
+{% if cookiecutter.with_streams == "yes" %}
+            known = self.loader.batches_per_epoch  # None: a stream without sizes
+            left = in_flight if known is None else known - self.loader.position
+{% else %}
+            left = self.loader.batches_per_epoch - self.loader.position
+{% endif %}
+            if self._steps_seen >= 2 * in_flight + 2 and left >= in_flight:
+                self._measured = True
+                self._pending.append((step, {}, self._reading(), "measured"))
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
@@ -169,18 +178,6 @@ class Monitor:
             else:
                 self.runlog.scalars("health", figures, step)
         self._pending = still
-
-    def _measure_now(self) -> bool:
-        """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
-        if self.plan is None or self._measured_logged or not self.runlog.enabled:
-            return False
-{% if cookiecutter.with_streams == "yes" %}
-        known = self.loader.batches_per_epoch  # None: a stream without sizes
-        left = self.plan.in_flight if known is None else known - self.loader.position
-{% else %}
-        left = self.loader.batches_per_epoch - self.loader.position
-{% endif %}
-        return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main
