@@ -48,12 +48,12 @@ def test_fit_shm_lowers_prefetch_then_workers_and_refuses_below_one_batch():
     batch = MiB
     roomy = (100 * MiB, 100 * MiB)
     settings = loader_settings(16, 4, prefetch=4)  # 16 in flight + 16 validation + 1 in training = 33 batches
-    assert memory.shm_batches(settings) == 33
+    assert memory.Plan(settings, batch).shm_batches == 33
     assert memory.fit_shm(settings, batch, space=roomy) == (settings, None)  # negative control: room to spare
-    assert memory.shm_need(settings, batch, ranks=2) == int(2 * 33 * MiB * memory.SHM_MARGIN)
+    assert memory.Plan(settings, batch).shm_need(ranks=2) == int(2 * 33 * MiB * memory.SHM_MARGIN)
 
     fitted, note = memory.fit_shm(settings, batch, space=(30 * MiB, 64 * MiB))  # 2x2 + 2x2 ... 30 / 1.25 = 24 batches
-    assert (fitted.num_workers, fitted.prefetch_factor) == (4, 2) and memory.shm_need(fitted, batch) <= 30 * MiB
+    assert (fitted.num_workers, fitted.prefetch_factor) == (4, 2) and memory.Plan(fitted, batch).shm_need() <= 30 * MiB
     assert note.startswith("/dev/shm has 30.0 MiB free of 64.0 MiB") and "prefetch_factor 4 -> 2" in note
 
     fitted, note = memory.fit_shm(settings, batch, space=(5 * MiB, 64 * MiB))  # 4 batches: 1 worker, 1 ahead

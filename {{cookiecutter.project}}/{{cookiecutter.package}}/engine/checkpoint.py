@@ -167,7 +167,7 @@ class CheckpointPolicy:
         """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line. `ranks`:
         what differs between data-parallel processes, each one's main RNG and train loader (its worker streams)."""
         mine = {"rng": rng.capture_main(), "loader": run.train_loader.state_dict()}
-        ranks = distributed.gather_to_main(mine, self.world)
+        ranks = distributed.gather_all(mine, self.world)
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
         epoch_done = record is not None and not record.get("mid_epoch")
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)

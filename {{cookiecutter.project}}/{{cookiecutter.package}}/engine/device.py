@@ -158,7 +158,7 @@ def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[flo
     A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
     parts = [torch.as_tensor(v, dtype=torch.float64).detach().reshape(-1).to(device, non_blocking=True) for v in values]
     # a rank told to stop while its peers are gone exits (preempt.py)
-    return distributed.sum_all(torch.cat(parts), world)
+    return distributed.all_reduce(torch.cat(parts), world)
 
 
 AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}

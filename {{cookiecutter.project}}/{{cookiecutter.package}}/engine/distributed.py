@@ -81,16 +81,11 @@ def join(device: torch.device) -> World:
     print(f"rank {rank} of {world_size}: joining the process group (attempt {attempt})", file=sys.stderr, flush=True)
     with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
-        store = attempt_store(store, attempt)
+        store = dist.PrefixStore(f"attempt{attempt}/", store)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size
         )
     return World(rank, world_size, local_rank)
-
-
-def attempt_store(store: dist.Store, attempt: str) -> dist.Store:
-    """The rendezvous store as this restart attempt's own namespace (see `join`)."""
-    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
@@ -102,20 +97,13 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
 
 def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
-    resumed, all-reduces each step's gradients in the same layout. A collective: every rank calls it.
+    resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
+    bits of the averaged gradients: docs/distributed.md, "Exact with any number of ranks"). A collective: every
+    rank calls it.
 
-    DDP starts with buckets in parameter order and, at the forward after its first backward, rebuilds them once in
-    the order the gradients became ready in that backward. A resumed process takes its first step in the start
-    layout where the uninterrupted one has rebuilt already. With 3 or more ranks gloo's ring all-reduce (NCCL's too
-    splits a bucket into chunks) adds the ranks' values in an order that depends on an element's place in the flat
-    bucket, so the layout changes the last bits of the averaged gradients (pytorch/pytorch#30509: the bucket size
-    changes the gradients' bits); with 2 ranks a + b == b + a.
-
-    So every process first runs one throwaway step through DDP's public path, `throwaway_loss()` (the task's loss on
-    two training samples) and its backward, and undoes its effects: gradients back to None, buffers (BatchNorm's
-    running statistics) copied back, every generator it may draw from restored. No optimizer step runs, so the
-    weights never change. DDP's next forward, the run's first real one, rebuilds the buckets in the order a real
-    backward makes the gradients ready. It costs one forward, backward and all-reduce, once per process."""
+    DDP rebuilds its buckets once, at the forward after its first backward. So every process first runs one
+    throwaway step, `throwaway_loss()` (the task's loss on two training samples) and its backward, and undoes its
+    effects: gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]
@@ -131,27 +119,23 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
             p.grad = None
 
 
-def sum_all(tensor: torch.Tensor, world: World | None) -> list[float]:
-    """Element-wise sum over ranks of a 1-d tensor (in place), read to the host; in one process, just the read.
+def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
+    """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
+    read.
 
     The read stays inside the grace window: with NCCL the all-reduce is queued and the read is where a rank
     waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
         return tensor.tolist()
 
 
 {% if cookiecutter.with_fsdp == "yes" %}
 def most(count: int, world: World | None, device: torch.device) -> int:
     """The largest `count` over ranks (read to the host)."""
-    if world is None or not world.distributed:
-        return count
-    value = torch.tensor([count], device=device)
-    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+    return int(all_reduce(torch.tensor([count], device=device), world, dist.ReduceOp.MAX)[0])
 
 
 {% endif %}
@@ -166,32 +150,19 @@ def main_buffers(model: torch.nn.Module, world: World | None) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def gather_to_main(obj, world: World) -> list | None:
-    """Every rank's `obj` on rank 0 (a list indexed by rank), None elsewhere."""
+def gather_all(obj, world: World) -> list:
+    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states)."""
     if not world.distributed:
         return [obj]
-    out = [None] * world.world_size if world.is_main else None
+    out = [None] * world.world_size
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-        dist.gather_object(obj, out, dst=0)
+        dist.all_gather_object(out, obj)
     return out
 
 
 def from_main(obj, world: World):
     """Rank 0's `obj` on every rank."""
-    if not world.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gather_all(obj, world: World) -> list:
-    """Every rank's `obj` on every rank, indexed by rank."""
-    if not world.distributed:
-        return [obj]
-    out = [None] * world.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    return gather_all(obj, world)[0]
 
 
 def barrier(world: World) -> None:

@@ -1,22 +1,12 @@
 """The train loader's failures mid-run, as the user meets them: one line, a checkpoint of the last finished step,
-and an exit code that says what comes next.
+and an exit code that says what comes next (docs/failures.md has the table): 2 for bad input (errors.UserError),
+`EXIT_BAD_SAMPLE` for a sample that cannot be read or transformed, `EXIT_RETRY` for what `resume=latest` goes on
+from (a stalled worker, /dev/shm full mid-run): what torchrun's restarts and a SLURM requeue run.
 
-Exit codes (train.py):
-- 2: bad input (errors.UserError): config, paths, a refused resume. Fix the command.
-- 3 (`EXIT_BAD_SAMPLE`): a sample that cannot be read or transformed, with `data.on_bad_sample=error`. Fix or
-  remove the file, or set `data.on_bad_sample=skip`; then `resume=latest`.
-- 75 (`EXIT_RETRY`, sysexits' EX_TEMPFAIL): a stalled worker (`loader.timeout`), or /dev/shm full mid-run.
-  `resume=latest` goes on: what torchrun's restarts and a SLURM requeue run.
-
-Why each one needs help (pytorch/pytorch#5040, #96629, #108861):
-- A worker that blocks (a dead NFS mount, a deadlocked decoder) blocks the loop forever with `timeout=0`, and
-  PyTorch's own timeout raises a bare RuntimeError that names neither the worker nor where it stands. The
-  train loader's own batch order says which worker holds the missing batch (`stalled`), and `faulthandler`,
-  armed in each worker on a signal of its own, writes that worker's Python stack.
-- A sample that raises inside a worker comes back as a traceback of the worker that never names the data set
-  index or the file. `fetch_guarded` (in the worker) fetches each sample under a try and names both.
-- A batch that cannot get shared memory fails in the worker ("unable to allocate shared memory(shm)"), or kills
-  it with SIGBUS; the line names /dev/shm and how full it is.
+Why each one needs help (pytorch/pytorch#5040, #96629, #108861): a worker that blocks (a dead NFS mount, a
+deadlocked decoder) gets PyTorch's bare "DataLoader timed out" naming neither the worker nor where it stands
+(`stalled`); a sample that raises comes back as the worker's traceback without the data set index or the file
+(`fetch_guarded`); a batch without shared memory fails in the worker, or kills it with SIGBUS (`shm_full`).
 
 Every failure here is raised by the train loader between two steps: the model, the optimizer and the loader's
 position all stand at the last finished step, so `save_on_failure` writes a checkpoint that resumes exactly.
@@ -30,6 +20,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -50,14 +41,10 @@ class LoaderFailure(UserError):
     """The train loader cannot go on. `str()` is the one line; it names the checkpoint once one is saved."""
 
     exit_code = EXIT_RETRY
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-        self.saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
+    saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
 
     def __str__(self) -> str:
-        return self.message + (f"; {self.saved}" if self.saved else "")
+        return self.args[0] + (f"; {self.saved}" if self.saved else "")
 
 
 class Stalled(LoaderFailure):
@@ -82,22 +69,15 @@ class BadSample(LoaderFailure):
 # --- bad samples (in the worker) --------------------------------------------------------------------------------
 
 
-def sample_source(dataset, index: int) -> str:
-    """Where sample `index` comes from, when the data set says (`sample_source(index)`: ImageFiles gives the
-    file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}); else ''."""
-    describe = getattr(dataset, "sample_source", None)
-    try:
-        return f" ({describe(index)})" if describe else ""
-    except Exception:  # a description that fails must not hide the sample's own error
-        return ""
-
-
 def describe_error(dataset, index: int, error: BaseException) -> str:
-    """`data set index 17 (file a/b.png): OSError: image file is truncated`, on one line."""
-    text = str(error).strip().splitlines()
-    return f"data set index {index}{sample_source(dataset, index)}: {type(error).__name__}: {text[0] if text else ''}"[
-        :500
-    ]
+    """`data set index 17 (file a/b.png): OSError: image file is truncated`, on one line. Where the sample comes from
+    is the data set's to say (`sample_source(index)`: ImageFiles gives the file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and
+    member{% endif %})."""
+    describe, source = getattr(dataset, "sample_source", None), ""
+    with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
+        source = f" ({describe(index)})" if describe else ""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"data set index {index}{source}: {type(error).__name__}: {text}"[:500]
 
 
 class Samples(list):
@@ -133,8 +113,7 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
 def from_worker(exc: UserError) -> UserError:
     """A UserError or BadSample PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process 1.
     Original Traceback ..."), reduced to the worker's own line, the last line of that traceback, in its own type."""
-    kind = type(exc)
-    text = exc.message if isinstance(exc, LoaderFailure) else str(exc)
+    kind, text = type(exc), str(exc)
     if f"Caught {kind.__name__}" not in text:
         return exc
     found = re.findall(rf"{kind.__name__}: (.*)", text)
@@ -159,36 +138,31 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
 _ARMED: list = []
 
 
-def armed_workers(stack_dir: str | None) -> dict[int, tuple[int, Path]]:
-    """Main side: {worker id: (pid, its stack file)} for the live children of this process that armed a stack dump (a
-    worker of an earlier generation left a file too, but is gone). Only these may get STACK_SIGNAL: for any other
-    process a real-time signal's default action is to terminate it."""
+def dump_stacks(stack_dir: str | None, wait_s: float = 3.0) -> dict[int, tuple[int, str]]:
+    """Main side: {worker id: (pid, its Python stack)} of each live child of this process that armed a stack dump.
+    Only these get STACK_SIGNAL (for any other process a real-time signal's default action is to terminate it); a
+    worker of an earlier generation left a file too, but is gone."""
     if stack_dir is None or STACK_SIGNAL is None:
         return {}
     live = {child.pid for child in psutil.Process().children()}
     named = ((path, *map(int, path.stem.split("-"))) for path in Path(stack_dir).glob("*-*.txt"))
-    return {worker_id: (pid, path) for path, worker_id, pid in named if pid in live}
-
-
-def dump_stacks(armed: dict[int, tuple[int, Path]], wait_s: float = 3.0) -> dict[int, str]:
-    """Ask each armed worker for its stack and collect what they wrote (pid -> text)."""
     asked = {}
-    for pid, path in armed.values():
+    for path, worker_id, pid in named:
         with contextlib.suppress(ProcessLookupError):  # gone meanwhile
-            os.kill(pid, STACK_SIGNAL)
-            asked[pid] = path
+            if pid in live:
+                os.kill(pid, STACK_SIGNAL)
+                asked[worker_id] = (pid, path)
     # faulthandler writes in one go but marks no end: a file that stopped growing for a moment is complete
     deadline, stacks, sizes = time.monotonic() + wait_s, {}, {}
-    while asked and time.monotonic() < deadline:
+    while len(stacks) < len(asked) and time.monotonic() < deadline:
         time.sleep(0.1)
-        for pid, path in list(asked.items()):
+        for worker_id, (pid, path) in asked.items():
             size = path.stat().st_size
-            if size and sizes.get(pid) == size:
-                stacks[pid] = path.read_text()
-                del asked[pid]
-            sizes[pid] = size
-    for pid, path in asked.items():  # slow to answer: what there is
-        stacks[pid] = path.read_text() or f"(no stack written within {wait_s:g} s)\n"
+            if worker_id not in stacks and size and sizes.get(worker_id) == size:
+                stacks[worker_id] = (pid, path.read_text())
+            sizes[worker_id] = size
+    for worker_id, (pid, path) in asked.items():  # slow to answer: what there is
+        stacks.setdefault(worker_id, (pid, path.read_text() or f"(no stack written within {wait_s:g} s)\n"))
     return stacks
 
 
@@ -197,22 +171,17 @@ def stalled(loader) -> Stalled:
     its next batch.
 
     Which worker holds that batch follows from the loader's own order (`worker_due()`): batches go to the workers
-    round-robin (torch/utils/data/dataloader.py). The workers' stacks come first; the stuck worker is
-    ended with the others as the process exits (its parent's SIGTERM)."""
+    round-robin (torch/utils/data/dataloader.py). The workers' stacks come first, the stuck one's at the top; the
+    stuck worker is ended with the others as the process exits (its parent's SIGTERM)."""
     worker_id = loader.worker_due()
-    armed = armed_workers(loader.stack_dir)
-    stacks = dump_stacks(armed)
-    holder = f"DataLoader worker {worker_id}"
-    if worker_id in armed:
-        pid = armed[worker_id][0]
-        holder += f" (pid {pid})"
-        if pid in stacks:
-            stacks = {pid: stacks.pop(pid), **stacks}
+    stacks = dump_stacks(loader.stack_dir)
+    stuck = [stacks.pop(worker_id)] if worker_id in stacks else []
+    holder = f"DataLoader worker {worker_id}" + "".join(f" (pid {pid})" for pid, _ in stuck)
     return Stalled(
         f"loader.timeout: no batch for {loader.settings.timeout:g} s: batch {loader.position} of epoch "
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)",
-        stacks,
+        dict(stuck + list(stacks.values())),
     )
 
 
@@ -283,17 +252,15 @@ def _ended(pid: int, chain: str) -> str | None:
     return f"killed by signal {named[0].value} ({named[0].name})" if named else None
 
 
-def _ended_child(wait_s: float = 2.0) -> str | None:
-    """The line for a child of this process that has ended, not reaped yet ("DataLoader worker (pid N) killed by
-    signal 9 (SIGKILL)"), waiting up to `wait_s` for one on its way out; None if none has. A worker killed while the
-    main process takes its batch's shared memory (a descriptor passed over a socket) fails that read with a bare
-    ConnectionResetError or EOFError: PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)."""
+def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
+    """The line for a process of `pids` (default: every child of this process) that has ended, not reaped yet
+    ("DataLoader worker (pid N) killed by signal 9 (SIGKILL)"), waiting up to `wait_s` for one on its way out; None if
+    none has."""
     deadline = time.monotonic() + wait_s
     while True:
-        for child in psutil.Process().children():
-            status = exit_status(child.pid)
-            if status is not None:
-                return f"DataLoader worker (pid {child.pid}) {status}"
+        for pid in sorted(pids) if pids is not None else [child.pid for child in psutil.Process().children()]:
+            if status := exit_status(pid):
+                return f"DataLoader worker (pid {pid}) {status}"
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
@@ -309,8 +276,10 @@ def worker_death(exc: BaseException) -> str | None:
     for link in causes(exc):
         text = (str(link).strip().splitlines() or [""])[0]
         found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
-        if isinstance(link, (ConnectionError, EOFError)):  # the worker died while handing over a batch's memory
-            text = _ended_child()
+        if isinstance(link, (ConnectionError, EOFError)):
+            # a worker killed while the main process takes its batch's shared memory (a descriptor passed over a
+            # socket): the read fails bare, PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)
+            text = ended_worker(wait_s=2.0)
         elif found:
             ends = [(pid, _ended(pid, chain)) for pid in map(int, found[1].split(","))]
             if all(how for _, how in ends):
@@ -351,18 +320,13 @@ def from_loader_error(error: BaseException, loader=None, what: str = "") -> User
 def named(batches, what: str):
     """`batches` (a loader other than the train loader: validation, eval.py), a loader failure in it (from_loader_error)
     turned into its one line. No checkpoint from here: the last one stays as it is."""
-    iterator = iter(batches)
-    while True:
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        except Exception as e:
-            failure = from_loader_error(e, what=what)
-            if failure is None or failure is e:
-                raise
-            raise failure from e
-        yield batch
+    try:
+        yield from batches  # what the loop's body raises stays out there: only the loader's own errors come here
+    except Exception as e:
+        failure = from_loader_error(e, what=what)
+        if failure is None or failure is e:
+            raise
+        raise failure from e
 
 
 @contextlib.contextmanager
@@ -392,13 +356,15 @@ def save_on_failure(run):
         raise
 
 
+@dataclass
 class BadSampleLog:
     """`bad_samples.txt` in the run folder: one line per skipped sample, `epoch<TAB>rank<TAB>what`, written when the
     loop consumes its batch (not when a worker makes it ahead), each (epoch, rank, sample) once: a resumed run
     that consumes the batch again does not list it twice."""
 
-    def __init__(self, path: Path, rank: int = 0):
-        self.path, self.rank, self.seen = Path(path), rank, None
+    path: Path
+    rank: int = 0
+    seen: set | None = None  # the file's lines, read at the first add
 
     def add(self, epoch: int, lines: list[str]) -> None:
         if self.seen is None:

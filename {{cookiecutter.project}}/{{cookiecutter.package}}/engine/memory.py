@@ -52,36 +52,36 @@ class LoaderSettings:
     timeout: float
 
 
-def batch_bytes(batch) -> int:
-    """Bytes of every tensor (and numpy array) in a batch, however nested in tuples, lists and dicts."""
-    if isinstance(batch, torch.Tensor):
-        return batch.nelement() * batch.element_size()
+def leaves(batch, key=None):
+    """(its dict key or None, leaf) for every tensor and numpy array{% if cookiecutter.with_photos == "yes" %} (and decode.EncodedBatch){% endif %} in a batch, however
+    nested in tuples, lists and dicts. Strings, ints and other Python objects are left out: small next to the
+    tensors, and not in shared memory."""
     if isinstance(batch, Mapping):
-        return sum(batch_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_bytes(v) for v in batch)
-{% if cookiecutter.with_photos == "yes" %}
-    nbytes = getattr(batch, "nbytes", None)  # a numpy array; data.decode=gpu's JPEG files (decode.EncodedBatch)
-{% else %}
-    nbytes = getattr(batch, "nbytes", None)  # a numpy array
-{% endif %}
-    # strings, ints and other Python objects: small next to the tensors, and not in shared memory
-    return nbytes if isinstance(nbytes, int) else 0
+        for k, v in batch.items():
+            yield from leaves(v, k)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from leaves(v, key)
+    elif isinstance(batch, torch.Tensor) or isinstance(getattr(batch, "nbytes", None), int):
+        yield key, batch
+
+
+def batch_bytes(batch) -> int:
+    """Bytes of every tensor (and numpy array) in a batch."""
+    return sum(v.nelement() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes for _, v in leaves(batch))
 
 
 def layout(batch) -> str:
-    """`64x3x32x32 float32, 64 int64`: the tensors of a batch, for the log line."""
-    if isinstance(batch, torch.Tensor):
-        return "x".join(map(str, batch.shape)) + " " + str(batch.dtype).removeprefix("torch.")
+    """`64x3x32x32 float32, 64 int64` (`image: ...` in a dict): the tensors of a batch, for the log line."""
+
+    def describe(v) -> str:
 {% if cookiecutter.with_photos == "yes" %}
-    if hasattr(batch, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
-        return batch.describe()
+        if hasattr(v, "describe"):  # data.decode=gpu's JPEG files: `60 JPEG files 5.12 MiB + 4x3x64x64 uint8`
+            return v.describe()
 {% endif %}
-    if isinstance(batch, Mapping):
-        return ", ".join(f"{k}: {layout(v)}" for k, v in batch.items() if batch_bytes(v))
-    if isinstance(batch, (list, tuple)):
-        return ", ".join(layout(v) for v in batch if batch_bytes(v))
-    return ""
+        return "x".join(map(str, v.shape)) + " " + str(v.dtype).removeprefix("torch.")
+
+    return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in leaves(batch) if batch_bytes(v))
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
@@ -109,21 +109,20 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
 
 @dataclass(frozen=True)
 class Plan:
+    """What a loader profile holds in flight (the prefetch plan) and in /dev/shm, for batches of `batch_bytes`."""
+
+    settings: LoaderSettings
     batch_bytes: int
-    num_workers: int
-    prefetch_factor: int | None
-    pinned: bool
-    layout: str = ""
-    persistent: bool = False  # workers outlive the epoch: validation's queue then adds to /dev/shm (shm_batches)
+    layout: str = ""  # the tensors of a real batch, for the line
 
     @property
     def in_flight(self) -> int:
         """Batches made ahead of the loop: num_workers x prefetch_factor (0 when the main process loads)."""
-        return self.num_workers * (self.prefetch_factor or 0)
+        return self.settings.num_workers * (self.settings.prefetch_factor or 0)
 
     @property
     def pinned_copies(self) -> int:
-        return self.in_flight if self.pinned else 0
+        return self.in_flight if self.settings.pin_memory else 0
 
     @property
     def bytes(self) -> int:
@@ -133,79 +132,92 @@ class Plan:
     def mib(self) -> float:
         return self.bytes / MiB
 
+    @property
+    def shm_batches(self) -> int:
+        """Batches one rank's loaders can hold in /dev/shm at once.
+
+        The plan (in flight, and the pinned copies as the plan counts them), the batch in training, and with
+        persistent workers the validation loader's queue on top: validation runs while the train workers
+        already hold the next epoch's first batches (TrainLoader.start_next_epoch).
+        """
+        if not self.settings.num_workers:
+            return 0  # the main process loads: nothing goes through shared memory
+        validation = self.in_flight if self.settings.persistent_workers else 0
+        return self.in_flight + self.pinned_copies + validation + 1
+
+    def shm_need(self, ranks: int = 1) -> int:
+        """Bytes this run's loaders can hold in /dev/shm: `shm_batches` per rank, every rank on the host, and
+        SHM_MARGIN."""
+        return int(self.shm_batches * self.batch_bytes * ranks * SHM_MARGIN)
+
     def line(self) -> str:
-        what = f" ({self.layout})" if self.layout else ""
+        """The log line: one batch's bytes and layout, the batches in flight, and /dev/shm's room for them."""
+        s, what = self.settings, f" ({self.layout})" if self.layout else ""
         head = f"prefetch plan: one batch {self.batch_bytes / MiB:.2f} MiB{what}"
-        if not self.num_workers:
+        if not s.num_workers:
             return f"{head}; num_workers=0 loads in the main process: 0 batches in flight = 0.0 MiB"
-        pinned = f" + {self.pinned_copies} pinned copies" if self.pinned else ""
+        pinned = f" + {self.pinned_copies} pinned copies" if s.pin_memory else ""
+        space, need = shm_space(), self.shm_need(local_ranks())
+        if space is None:
+            shm = "no /dev/shm on this system"
+        else:
+            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need / MiB:.1f} MiB"
+            shm += " of it for batches"
         return (
-            f"{head} x {self.in_flight} batches in flight ({self.num_workers} workers x prefetch_factor "
-            f"{self.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm_line(self)}"
+            f"{head} x {self.in_flight} batches in flight ({s.num_workers} workers x prefetch_factor "
+            f"{s.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm}"
         )
 
 
 def plan(batch, settings: LoaderSettings) -> Plan:
     """The plan for a real batch (as the loop received it) under these loader settings."""
-    s = settings
-    return Plan(batch_bytes(batch), s.num_workers, s.prefetch_factor, s.pin_memory, layout(batch), s.persistent_workers)
+    return Plan(settings, batch_bytes(batch), layout(batch))
 
 
-def plan_for(settings: LoaderSettings, one_batch_bytes: int) -> Plan:
-    s = settings
-    return Plan(one_batch_bytes, s.num_workers, s.prefetch_factor, s.pin_memory, persistent=s.persistent_workers)
+def fit(settings: LoaderSettings, need, limit: float, over: str, todo: str, on_budget: str, lowest_workers: int):
+    """Settings whose `need(settings)` (bytes) is at most `limit`, and a sentence saying what changed (None: nothing
+    did). `step_down` lowers prefetch_factor first (fewer batches ahead, same parallelism), then num_workers, down
+    to `lowest_workers`. `on_budget="error"` refuses instead, in one line: `over` (what is over which limit), `todo`."""
+    if need(settings) <= limit:
+        return settings, None
+    after, changed = step_down(settings, lambda s: need(s) <= limit, lowest_workers)
+    if after is None:
+        raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
+    if on_budget == "error":
+        raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
+    where = "; the main process loads each batch" if not after.num_workers else ""
+    return after, f"{over}: {changed} ({need(after) / MiB:.1f} MiB{where})"
 
 
 def fit_budget(
     settings: LoaderSettings, one_batch_bytes: int, max_mib: float | None, on_budget: str = "adjust"
 ) -> tuple[LoaderSettings, str | None]:
-    """Settings whose prefetch plan fits `max_mib`, and a sentence saying what changed (None: nothing did).
-
-    prefetch_factor goes down first (fewer batches ahead, same parallelism); only when one batch per
-    worker is still too much does num_workers go down, to 0 if need be (the main process loads; nothing
-    is in flight). `on_budget="error"` refuses instead, in one line naming what to change.
-    """
+    """`fit` to `loader.max_prefetch_mib` (> 0: the schema's rule; None: no budget), the bytes in flight (the plan),
+    down to 0 workers if need be (the main process loads; nothing is in flight)."""
     if max_mib is None:
         return settings, None
-    if max_mib <= 0:
-        raise UserError(
-            f"loader.max_prefetch_mib must be a positive number of MiB (or null for no budget), got {max_mib}"
-        )
-    before = plan_for(settings, one_batch_bytes)
-    if before.mib <= max_mib:
-        return settings, None
-    if on_budget == "error":
-        raise UserError(
-            f"loader: the prefetch plan needs {before.mib:.1f} MiB ({before.num_workers} workers x prefetch_factor "
-            f"{before.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
-            f"{', x2 pinned' if before.pinned else ''}), "
-            f"over loader.max_prefetch_mib={max_mib:g}: lower loader.prefetch_factor, loader.num_workers or "
-            "loader.batch_size, raise the budget, or set loader.on_budget=adjust"
-        )
-    after = step_down(settings, lambda s: plan_for(s, one_batch_bytes).mib <= max_mib, lowest_workers=0)
-    where = "; the main process loads each batch" if not after.num_workers else ""
-    sentence = (
-        f"the prefetch plan ({before.mib:.1f} MiB) is over loader.max_prefetch_mib={max_mib:g}: "
-        f"{changes(settings, after)} ({plan_for(after, one_batch_bytes).mib:.1f} MiB in flight{where})"
+    plan = Plan(settings, one_batch_bytes)
+    over = (
+        f"the prefetch plan needs {plan.mib:.1f} MiB ({settings.num_workers} workers x prefetch_factor "
+        f"{settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
+        f"{', x2 pinned' if settings.pin_memory else ''}), over loader.max_prefetch_mib={max_mib:g}"
     )
-    return after, sentence
+    todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
+    return fit(settings, lambda s: Plan(s, one_batch_bytes).bytes, max_mib * MiB, over, todo, on_budget, 0)
 
 
-def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> LoaderSettings | None:
+def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> tuple[LoaderSettings | None, str]:
     """The first settings that `fits`: prefetch_factor lowered first (fewer batches ahead, the same parallelism),
-    then num_workers with one batch ahead each, down to `lowest_workers` (0: the main process loads); None: none."""
+    then num_workers with one batch ahead each, down to `lowest_workers` (0: the main process loads); and what
+    changed (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). (None, ""): none fits."""
     candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor, 0, -1)]
     workers = range(settings.num_workers - 1, max(lowest_workers, 1) - 1, -1)
     candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in workers]
     if lowest_workers == 0:
         candidates.append(replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
-    return next((c for c in candidates if fits(c)), None)
-
-
-def changes(before: LoaderSettings, after: LoaderSettings) -> str:
-    """What `step_down` changed: `prefetch_factor 4 -> 2, num_workers 4 -> 3`."""
-    names = [n for n in ("prefetch_factor", "num_workers") if getattr(before, n) != getattr(after, n)]
-    return ", ".join(f"{n} {getattr(before, n)} -> {getattr(after, n)}" for n in names)
+    after = next((c for c in candidates if fits(c)), None)
+    names = [n for n in ("prefetch_factor", "num_workers") if after and getattr(settings, n) != getattr(after, n)]
+    return after, ", ".join(f"{n} {getattr(settings, n)} -> {getattr(after, n)}" for n in names)
 
 
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
@@ -230,73 +242,29 @@ def local_ranks() -> int:
     return 1
 
 
-def shm_batches(settings: LoaderSettings) -> int:
-    """Batches one rank's loaders can hold in /dev/shm at once.
-
-    The plan (in flight, and the pinned copies as the plan counts them), the batch in training, and with
-    persistent workers the validation loader's queue on top: validation runs while the train workers
-    already hold the next epoch's first batches (TrainLoader.start_next_epoch).
-    """
-    plan = plan_for(settings, 0)
-    if not plan.num_workers:
-        return 0  # the main process loads: nothing goes through shared memory
-    validation = plan.in_flight if settings.persistent_workers else 0
-    return plan.in_flight + plan.pinned_copies + validation + 1
-
-
-def shm_need(settings: LoaderSettings, one_batch_bytes: int, ranks: int = 1) -> int:
-    """Bytes this run's loaders can hold in /dev/shm: `shm_batches` per rank, every rank on the host, and
-    SHM_MARGIN."""
-    return int(shm_batches(settings) * one_batch_bytes * ranks * SHM_MARGIN)
-
-
-def shm_line(plan: Plan, space: tuple[int, int] | None = None) -> str:
-    """The /dev/shm figure for the plan line: its free space and size, and what this rank's loaders may put there."""
-    space = space or shm_space()
-    if space is None:
-        return "no /dev/shm on this system"
-    free, size = space
-    settings = LoaderSettings(1, plan.num_workers, plan.prefetch_factor, plan.pinned, plan.persistent, 0.0)
-    need = shm_need(settings, plan.batch_bytes, local_ranks())
-    return f"{SHM_DIR} {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, up to {need / MiB:.1f} MiB of it for batches"
-
-
 def fit_shm(
-    settings: LoaderSettings,
-    one_batch_bytes: int,
-    on_budget: str = "adjust",
-    ranks: int = 1,
-    space: tuple[int, int] | None = None,
+    settings: LoaderSettings, one_batch_bytes: int, on_budget: str = "adjust", ranks: int = 1, space=None
 ) -> tuple[LoaderSettings, str | None]:
-    """Settings whose batches fit in the free space of /dev/shm, and a sentence saying what changed (None: nothing).
-
-    As with `fit_budget`, prefetch_factor goes down first, then num_workers; but not to 0 workers: a machine
-    whose /dev/shm cannot take one batch per rank is refused, with what to do, since loading everything in
-    the main process is rarely what the user wants and is theirs to choose (loader.num_workers=0).
-    """
+    """`fit` to the free space of /dev/shm (`space`, else the measured one), what every rank on this host may put
+    there; but not to 0 workers: a machine whose /dev/shm cannot take one batch per rank is refused, with what to
+    do, since loading everything in the main process is rarely what the user wants and is theirs to choose
+    (loader.num_workers=0)."""
     space = space if space is not None else shm_space()
-    if space is None or not settings.num_workers:
+    if space is None:
         return settings, None
-    free, size = space
-    need = shm_need(settings, one_batch_bytes, ranks)
-    if need <= free:
-        return settings, None
-    where = (
+    plan, (free, size) = Plan(settings, one_batch_bytes), space
+    over = (
         f"{SHM_DIR} has {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, and the loaders may put "
-        f"{need / MiB:.1f} MiB of batches there ({shm_batches(settings)} batches of {one_batch_bytes / MiB:.2f} MiB"
-        f"{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a {SHM_MARGIN:g}x margin)"
+        f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
+        f"{one_batch_bytes / MiB:.2f} MiB{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a "
+        f"{SHM_MARGIN:g}x margin)"
     )
     todo = (
         "give it more room (docker run --shm-size=1g, or a larger tmpfs on /dev/shm), lower "
         "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
         "loader.num_workers=0 (no shared memory)"
     )
-    after = step_down(settings, lambda s: shm_need(s, one_batch_bytes, ranks) <= free, lowest_workers=1)
-    if after is None:
-        raise UserError(f"loader: {where}; even one worker with one batch ahead does not fit: {todo}")
-    if on_budget == "error":
-        raise UserError(f"loader: {where}: {todo}, or set loader.on_budget=adjust")
-    return after, f"{where}: {changes(settings, after)} ({shm_need(after, one_batch_bytes, ranks) / MiB:.1f} MiB)"
+    return fit(settings, lambda s: Plan(s, one_batch_bytes).shm_need(ranks), free, over, todo, on_budget, 1)
 
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
@@ -305,10 +273,7 @@ def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -
     space = shm_space() if settings.num_workers else None
     if loader_cfg.max_prefetch_mib is None and space is None:
         return settings, []
-    one_batch = sample_batch_bytes(dataset, settings.batch_size, **({"collate_fn": collate_fn} if collate_fn else {}))
-    changes = []
-    settings, change = fit_budget(settings, one_batch, loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
-    changes += [change] if change else []
-    settings, change = fit_shm(settings, one_batch, loader_cfg.on_budget, local_ranks(), space)
-    changes += [change] if change else []
-    return settings, changes
+    one_batch = sample_batch_bytes(dataset, settings.batch_size, collate_fn or default_collate)
+    settings, budget = fit_budget(settings, one_batch, loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
+    settings, shm = fit_shm(settings, one_batch, loader_cfg.on_budget, local_ranks(), space)
+    return settings, [change for change in (budget, shm) if change]

@@ -22,18 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 
-from .failures import WorkerDied, exit_status
+from .failures import WorkerDied, ended_worker
 
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-
-
-def _read(proc: psutil.Process) -> tuple[int, int, int]:
-    """(RSS, PSS (else USS), open files) of one process."""
-    info = proc.memory_full_info()
-    fds = proc.num_fds() if hasattr(proc, "num_fds") else proc.num_handles()
-    return info.rss, getattr(info, "pss", getattr(info, "uss", info.rss)), fds
 
 
 def shared_batches(pids) -> int:
@@ -57,14 +50,15 @@ def shared_batches(pids) -> int:
 
 
 def _readings() -> dict[int, tuple[int, int, int]]:
-    """{pid: _read(process)} for this process, then each live child process, all generations; one that exits
-    meanwhile is skipped."""
-    main = psutil.Process()
-    found = {main.pid: _read(main)}
-    for child in main.children(recursive=True):
+    """{pid: (RSS, PSS (else USS), open files)} for this process, then each live child process, all generations; one
+    that exits meanwhile is skipped."""
+    main, found = psutil.Process(), {}
+    for proc in (main, *main.children(recursive=True)):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found[child.pid] = _read(child)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                info = proc.memory_full_info()
+                fds = proc.num_fds() if hasattr(proc, "num_fds") else proc.num_handles()
+                found[proc.pid] = info.rss, getattr(info, "pss", getattr(info, "uss", info.rss)), fds
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between the listing and the reading
             continue
     return found
@@ -116,7 +110,7 @@ class Monitor:
         self._pending: list[tuple[int, dict, Future, str]] = []  # (step, window figures, reading, what for)
         self._epoch_sample: dict | None = None
         self._steps_seen = 0
-        self._measured_logged = False
+        self._measured = False  # the plan against a reading, logged once
 
     def set_plan(self, plan) -> None:
         self.plan = plan
@@ -130,15 +124,23 @@ class Monitor:
         self._steps_seen += 1
         self._write_done()
         last = self.loader.at_epoch_end
-        if self._measure_now():
-            self._measured_logged = True
-            self._pending.append((step, {}, self._reading(), "measured"))
+        if self.plan is not None and not self._measured and self.runlog.enabled:
+            # once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left
+            in_flight = self.plan.in_flight
+{% if cookiecutter.with_streams == "yes" %}
+            known = self.loader.batches_per_epoch  # None: a stream without sizes
+            left = in_flight if known is None else known - self.loader.position
+{% else %}
+            left = self.loader.batches_per_epoch - self.loader.position
+{% endif %}
+            if self._steps_seen >= 2 * in_flight + 2 and left >= in_flight:
+                self._measured = True
+                self._pending.append((step, {}, self._reading(), "measured"))
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
-        for pid in sorted(self.loader.worker_pids):
-            if status := exit_status(pid):
-                raise WorkerDied(f"DataLoader worker (pid {pid}) {status}")
+        if dead := ended_worker(self.loader.worker_pids):
+            raise WorkerDied(dead)
         steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
         self._mark = (step, data_wait, now)
         window = {
@@ -176,18 +178,6 @@ class Monitor:
             else:
                 self.runlog.scalars("health", figures, step)
         self._pending = still
-
-    def _measure_now(self) -> bool:
-        """Once, after warm-up: the queue has turned over twice and a full queue's worth of the epoch is left."""
-        if self.plan is None or self._measured_logged or not self.runlog.enabled:
-            return False
-{% if cookiecutter.with_streams == "yes" %}
-        known = self.loader.batches_per_epoch  # None: a stream without sizes
-        left = self.plan.in_flight if known is None else known - self.loader.position
-{% else %}
-        left = self.loader.batches_per_epoch - self.loader.position
-{% endif %}
-        return self._steps_seen >= 2 * self.plan.in_flight + 2 and left >= self.plan.in_flight
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main

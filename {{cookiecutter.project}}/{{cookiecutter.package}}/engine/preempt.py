@@ -15,6 +15,7 @@ arrive by then and the stop goes on normally), at once on a second SIGTERM. See 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -25,13 +26,14 @@ from contextlib import contextmanager
 
 
 class StopRequest:
+    """The stop signals' handlers for this process (see the module's docstring); `requested` once one came."""
+
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-    active: StopRequest | None = None  # the one installed in this process, for waiting_on_peers
+    waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers (process-wide)
 
     def __init__(self):
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
-        self.waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -39,7 +41,6 @@ class StopRequest:
             os.set_blocking(write, False)
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             threading.Thread(target=self._watch, args=(read,), name="sigterm-while-waiting", daemon=True).start()
-            StopRequest.active = self
 
     def _watch(self, fd: int) -> None:
         """Watcher thread: the signal numbers arrive as bytes on `fd` even while the main thread is stuck in C++."""
@@ -72,16 +73,13 @@ class StopRequest:
     @staticmethod
     @contextmanager
     def waiting_on_peers(grace: float):
-        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s."""
-        stop = StopRequest.active
-        if stop is None:
-            yield
-            return
-        stop.waiting = (time.monotonic(), grace)
+        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (once a
+        StopRequest watches)."""
+        StopRequest.waiting = (time.monotonic(), grace)
         try:
             yield
         finally:
-            stop.waiting = None
+            StopRequest.waiting = None
 
     @staticmethod
     def shield_worker(worker_id: int = 0) -> None:
@@ -98,7 +96,16 @@ class StopRequest:
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
-        _die_with_parent()
+        # Linux: the kernel kills this worker (SIGKILL) when the process that forked it dies. Otherwise a worker whose
+        # parent was killed with SIGKILL notices within 5 s (PyTorch's watchdog) and exits, but its exit joins the
+        # result queue's feeder thread, and that thread waits for ever to write batches nobody reads once the pipe is
+        # full: the worker itself holds the pipe's read end, inherited at fork, so the write never fails. The worker
+        # would live on as an orphan, holding its parent's stdout (a job runner then waits for ever).
+        if sys.platform.startswith("linux"):
+            parent = os.getppid()
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the call: no death signal will come
+                os._exit(0)
 
     @staticmethod
     @contextmanager
@@ -131,23 +138,6 @@ def _exit_now(why: str) -> None:
     sys.stderr.write(f"rank {os.environ.get('RANK', 0)}: {why}: exiting now\n")
     sys.stderr.flush()
     os._exit(128 + signal.SIGTERM)  # what a SIGTERM left to its default would give
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker (SIGKILL) when the process that forked it dies.
-
-    Otherwise a worker whose parent was killed with SIGKILL notices within 5 s (PyTorch's watchdog) and exits, but
-    its exit joins the result queue's feeder thread, and that thread waits for ever to write batches nobody reads
-    once the pipe is full: the worker itself holds the pipe's read end, inherited at fork, so the write never
-    fails. The worker would live on as an orphan, holding its parent's stdout (a job runner then waits for ever)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the call: no death signal will come
-        os._exit(0)
 
 
 def _exit_on_sigterm_from_parent() -> None:

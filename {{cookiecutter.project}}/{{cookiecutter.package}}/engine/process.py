@@ -2,22 +2,17 @@
 
 Each one changes the whole process, not one object, so train.py applies them once, here, and nowhere else.
 Nothing is exported to the environment: processes the run starts do not inherit them (forked loader workers
-share the allocator's settings, which live in the process's memory, and run one thread each).
+share the allocator's settings, which live in the process's memory, and run one thread each). What each key does
+and what it measured: docs/training-step.md (#speed-on-the-cpu).
 
-- `process.omp_wait_policy` (passive | active | null). OpenMP's threads spin while they wait for each other by
-  default; on a CPU training run they spin on the cores the loader workers decode on, and each step waits for both.
-  OpenMP reads OMP_WAIT_POLICY once, as torch loads, so train.py applies this key around its `import torch`
-  (`openmp_wait_policy`), from the command line or conf/config.yaml. Measured (2 CPUs, SmallCNN, 2 workers):
-  train.py 919 samples/s spinning, 1076 passive. Without workers, spinning is faster: `active`. null: OpenMP's own
-  default, or the OMP_WAIT_POLICY you set.
-- `process.keep_freed_memory` (glibc). A step allocates and frees the same activations every time; glibc's malloc
-  hands free memory at the top of its heap back to the kernel past a threshold it tunes as it goes, and the next
-  step faults it in again, page by page. Fixing the thresholds (requests up to 32 MiB from the heap, up to 1 GiB of
-  freed memory kept) ends that: `page_faults_per_batch` in metrics.jsonl went from thousands to a handful, ~10% of
-  a small CPU model's step. MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
-- `process.threads`: torch's intra-op threads (torch.set_num_threads); null: torch's default (one per core, or
-  OMP_NUM_THREADS, which torchrun sets to 1 with several processes per node). The count changes the last bits of
-  CPU kernels' results: keep it when you resume on the CPU.
+- `process.omp_wait_policy`: OpenMP's threads spin while they wait by default, on the cores the loader workers
+  decode on. OpenMP reads OMP_WAIT_POLICY once, as torch loads: train.py applies the key around its `import torch`
+  (`openmp_wait_policy`). null: OpenMP's own default, or the OMP_WAIT_POLICY you set.
+- `process.keep_freed_memory` (glibc): malloc hands free memory at its heap's top back to the kernel past a
+  threshold it tunes as it goes, and the next step faults it in again, page by page; fixed thresholds end that.
+  MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
+- `process.threads`: torch's intra-op threads; null: torch's default. The count changes the last bits of CPU
+  kernels' results: keep it when you resume on the CPU.
 
 And one setting no key changes: the objects an entry point's imports make are frozen (`long_lived_imports`).
 """
@@ -50,7 +45,8 @@ def openmp_wait_policy(argv: list[str], conf_dir: Path):
     """Around train.py's `import torch`: OMP_WAIT_POLICY set from `process.omp_wait_policy` (the command line's
     value, else conf/config.yaml's) while torch loads, then the environment as it was. A value you exported stays."""
     global applied_wait_policy
-    wanted = _command_line_value(argv, "process.omp_wait_policy")
+    given = [m[1].strip("'\"") for arg in argv if (m := re.fullmatch(r"\+{0,2}process\.omp_wait_policy=(.*)", arg))]
+    wanted = given[-1] if given else None  # the last one given wins, as with Hydra
     if wanted is None and (conf_dir / "config.yaml").is_file():
         wanted = OmegaConf.select(OmegaConf.load(conf_dir / "config.yaml"), "process.omp_wait_policy")
     set_here = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and wanted not in (None, "null")
@@ -84,15 +80,6 @@ def long_lived_imports():
             gc.enable()
 
 
-def _command_line_value(argv: list[str], key: str) -> str | None:
-    found = None
-    for arg in argv:
-        match = re.fullmatch(r"\+{0,2}" + re.escape(key) + r"=(.*)", arg)
-        if match:
-            found = match[1].strip("'\"")
-    return found
-
-
 def apply(cfg) -> None:
     """The `process` keys that can be set once the config is composed; says when the wait policy came too late."""
     wanted = cfg.process.omp_wait_policy
@@ -112,24 +99,14 @@ def apply(cfg) -> None:
         use_deterministic_kernels()
 
 
-def on_glibc() -> bool:
-    """Whether this process runs on glibc, whose malloc the thresholds are for."""
-    try:
-        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-    except (AttributeError, ValueError):  # no confstr (Windows), a name it does not know (macOS)
-        return False
-
-
 def keep_freed_memory() -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
     of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead."""
     if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    if not on_glibc():
-        return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
+        mallopt = ctypes.CDLL(None).mallopt  # glibc's: musl's does nothing (returns 0), macOS and Windows have none
+    except (AttributeError, OSError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB
