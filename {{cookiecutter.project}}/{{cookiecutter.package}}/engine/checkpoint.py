@@ -315,9 +315,9 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = 
     `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
     one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
     new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
-    dry step loads them too, to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" %} `load(fitting)`: how the fitting tensors go into
-    the model instead of its load_state_dict (a sharded model's: fsdp.fill); a sharded save is then read as shapes
-    only.{% endif %} A whole file is memory-mapped: its tensors are read as they are copied."""
+    dry step loads them too, to refuse a misfit before any work). A whole file is memory-mapped: its tensors are read
+    as they are copied.{% if cookiecutter.with_fsdp == "yes" %} `load(fitting)`: how the fitting tensors go into the model instead of its
+    load_state_dict (a sharded model's: fsdp.fill); a sharded save is then read as shapes only.{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")

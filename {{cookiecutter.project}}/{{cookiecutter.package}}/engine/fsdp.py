@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import hashlib
 import itertools
 import logging
@@ -32,14 +30,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import distributed
+from . import distributed, process
 from .errors import UserError
 from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
 
 MIB = 2**20
-M_MMAP_THRESHOLD, GLIBC_DEFAULT = -3, 128 * 1024  # mallopt's parameter number (malloc.h) and glibc's starting value
 
 
 def shard_classes(names: list[str]) -> tuple[type, ...]:
@@ -130,15 +127,13 @@ def check_init(model: torch.nn.Module, parallel_cfg, seed: int) -> None:
 
 
 def return_freed_memory() -> bool:
-    """On the CPU, under glibc (Linux): malloc's mmap threshold pinned at its starting 128 KiB, so that every large
-    block is a mapping of its own, returned to the system when freed. Left to itself glibc raises the threshold to the
-    size of each large block freed; blocks that size then come from the heap, which keeps them after they are freed
-    (pytorch/pytorch#41486). A sharded run frees a gathered unit and its full gradient at every step: measured here
-    (benchmarks/p8_fsdp_memory.py), the heap then held about twice the run's model state per rank. False where the
-    C library has no mallopt (macOS, musl answers 0)."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT) == 1
+    """On the CPU under glibc: every large block a mapping of its own, returned to the system when freed (both malloc
+    thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
+    heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
+    A sharded run frees a gathered unit and its whole gradient at every step: kept, the heap held about twice the
+    run's model state per rank (benchmarks/p8_fsdp_memory.py). False where that is not so (another C library, or
+    MALLOC_*_ settings of yours)."""
+    return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
 def unit_paths(model: torch.nn.Module) -> list[str]:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 2**30  # free memory at the heap's top beyond this still goes back to the kernel
+GLIBC_START = 128 * 2**10  # both thresholds' starting values in glibc
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -99,9 +100,10 @@ def apply(cfg) -> None:
         use_deterministic_kernels()
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(mmap: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
-    of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead."""
+    of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead. parallel=fsdp on the CPU
+    asks for glibc's starting values instead (fsdp.return_freed_memory)."""
     if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
@@ -110,7 +112,7 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap) and mallopt(_M_TRIM_THRESHOLD, trim))
 
 
 def use_deterministic_kernels(fill_uninitialized: bool = False) -> None:
