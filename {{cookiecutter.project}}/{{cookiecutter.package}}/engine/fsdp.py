@@ -131,7 +131,7 @@ def return_freed_memory() -> bool:
     thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
     heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
     A sharded run frees a gathered unit and its whole gradient at every step: kept, the heap held about twice the
-    run's model state per rank (benchmarks/p8_fsdp_memory.py). False where that is not so (another C library, or
+    run's model state per rank (docs/distributed.md). False where that is not so (another C library, or
     MALLOC_*_ settings of yours)."""
     return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
