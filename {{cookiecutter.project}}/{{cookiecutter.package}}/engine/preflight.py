@@ -1,9 +1,8 @@
 """What a command checks before any work, once: `check_run`, and where it runs.
 
-- `check_keys`, `precheck_data`: the checks that build nothing: every key known and in range, required values set,
-  every `_target_` importable and given only arguments it takes, and what the data sets can tell without being
-  opened (`precheck`). Each refusal is one line (UserError) naming the key; the dry step (dry_step.py) then builds
-  and runs what the run will build.
+- `check_keys`, `precheck_data`: the checks that build nothing (every key known and in range, required values set,
+  every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
+  one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
 - `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
   the run folder, and for each job of a multirun as it starts (`-m`, sweeps, SLURM jobs).
 - `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
