@@ -23,13 +23,13 @@ from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import SHAPES, ImageFiles, make_shapes, shapes
 {% if cookiecutter.with_photos == "yes" %}
-from {{ cookiecutter.package }}.engine import checks, failures, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}rng, schema
+from {{ cookiecutter.package }}.engine import failures, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}preflight, rng, schema
 from {{ cookiecutter.package }}.engine.decode import CropDecoder
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from tests.helpers import PROJECT, end_workers, loader_settings, read_jsonl, run_train
 {% else %}
-from {{ cookiecutter.package }}.engine import checks, {% if cookiecutter.with_streams == "no" %}parts, {% endif %}schema
+from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_streams == "no" %}parts, {% endif %}preflight, schema
 from {{ cookiecutter.package }}.engine.errors import UserError
 from tests.helpers import PROJECT{% if cookiecutter.with_streams == "no" %}, run_train{% endif +%}
 {% endif %}
@@ -80,7 +80,7 @@ def data_root(*overrides) -> str:
 
 
 def shapes_config(root, per_class: int) -> OmegaConf:
-    """The part of a run's config that checks.precheck_data reads, for data=shapes in `root`."""
+    """The part of a run's config that preflight.precheck_data reads, for data=shapes in `root`."""
     train = {"_target_": "{{ cookiecutter.package }}.data.shapes", "root": str(root), "split": "train"}
     return OmegaConf.create({"data": {"num_classes": 4, "train": {**train, "per_class": per_class, "image_size": 8}}})
 
@@ -97,9 +97,9 @@ def test_each_recipe_draws_its_own_folder(tmp_path):
     assert roots == {"data/shapes-600-32", "data/shapes-40-32", "data/shapes-100-32", "data/shapes-600-48"}
     # negative control: one folder for two recipes, what the default root was, is refused before the run
     make_shapes(tmp_path / "one", per_class=2, image_size=8, data_seed=2026)
-    checks.precheck_data(shapes_config(tmp_path / "one", per_class=2))
+    preflight.precheck_data(shapes_config(tmp_path / "one", per_class=2))
     with pytest.raises(UserError, match="drawn with other settings"):
-        checks.precheck_data(shapes_config(tmp_path / "one", per_class=3))
+        preflight.precheck_data(shapes_config(tmp_path / "one", per_class=3))
 
 
 {% if cookiecutter.with_photos == "yes" %}

@@ -13,12 +13,19 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from {{ cookiecutter.package }}.engine import parts
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.optim import build_optimizer
 from {{ cookiecutter.package }}.engine.resume import load_optimizer
 from {{ cookiecutter.package }}.model import SmallCNN
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
+
+
+def built_optimizer(optim: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a run builds (parts.optimizer) from the optim config `optim`."""
+    return parts.optimizer(OmegaConf.create({"optim": optim}), model)
+
 
 BASE = [*RNG_DATA, "+data.val.draws=false", "epochs=2", "loader=balanced", "loader.num_workers=2"]
 MIXUP = "+data.batch_transform={_target_: torchvision.transforms.v2.MixUp, num_classes: 4, alpha: 0.4}"
@@ -215,11 +222,11 @@ def test_a_diverging_loss_stops_in_one_line_and_keeps_finite_checkpoints(tmp_pat
 def test_no_weight_decay_on_biases_and_norm_weights_unless_asked():
     model = SmallCNN(num_classes=3, width=4)
     sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "weight_decay": 0.01}
-    decay, no_decay = build_optimizer({**sgd, "decay_norm_and_bias": False}, model).param_groups
+    decay, no_decay = built_optimizer({**sgd, "decay_norm_and_bias": False}, model).param_groups
     assert all(p.ndim >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.01
     assert all(p.ndim < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    (every,) = build_optimizer({**sgd, "decay_norm_and_bias": True}, model).param_groups  # the control: one group
+    (every,) = built_optimizer({**sgd, "decay_norm_and_bias": True}, model).param_groups  # the control: one group
     assert every["weight_decay"] == 0.01
 
 
@@ -232,8 +239,8 @@ def test_param_groups_scale_the_lr_and_keep_no_decay_inside():
     sgd["decay_norm_and_bias"] = False
     groups = [{"match": "head.*", "lr_scale": 10}, {"match": "head.*", "weight_decay": 0.5}, {"match": "*.0.weight"}]
     with pytest.raises(UserError, match=r"param_groups\[1\].match='head.\*' matches no parameter"):
-        build_optimizer({**sgd, "param_groups": groups}, model)  # the first entry took the head
-    optimizer = build_optimizer({**sgd, "param_groups": groups[::2]}, model)
+        built_optimizer({**sgd, "param_groups": groups}, model)  # the first entry took the head
+    optimizer = built_optimizer({**sgd, "param_groups": groups[::2]}, model)
     rest, rest_no_decay, head, head_no_decay, first, first_no_decay = optimizer.param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert [names[id(p)] for p in head["params"] + head_no_decay["params"]] == ["head.weight", "head.bias"]
@@ -248,7 +255,7 @@ def test_param_groups_scale_the_lr_and_keep_no_decay_inside():
     assert rest["lr"] == rest_no_decay["lr"] == 0.1 and rest_no_decay["weight_decay"] == 0.0
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
     # the control: without entries, the one or two groups of before
-    assert len(build_optimizer({**sgd, "param_groups": []}, model).param_groups) == 2
+    assert len(built_optimizer({**sgd, "param_groups": []}, model).param_groups) == 2
 
 
 def test_a_resume_with_other_param_groups_carries_each_parameters_state():
@@ -256,14 +263,14 @@ def test_a_resume_with_other_param_groups_carries_each_parameters_state():
     model = SmallCNN(num_classes=3, width=4)
     adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01, "weight_decay": 0.01}
     adamw |= {"decay_norm_and_bias": False, "param_groups": []}
-    before = build_optimizer(adamw, model)
+    before = built_optimizer(adamw, model)
     model(torch.rand(2, 3, 16, 16)).sum().backward()
     before.step()
     ckpt = {"optimizer": before.state_dict(), "config": {"optim": adamw}}
     regrouped = {**adamw, "param_groups": [{"match": "head.*", "lr_scale": 10}]}
     with pytest.raises(ValueError, match="different number of parameter groups"):  # the control: torch's own load
-        build_optimizer(regrouped, model).load_state_dict(ckpt["optimizer"])
-    after = build_optimizer(regrouped, model)
+        built_optimizer(regrouped, model).load_state_dict(ckpt["optimizer"])
+    after = built_optimizer(regrouped, model)
     load_optimizer(ckpt, model, after)
     for p in model.parameters():
         assert torch.equal(after.state[p]["exp_avg"], before.state[p]["exp_avg"]) and after.state[p] is not None

@@ -6,13 +6,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.engine.schedule import WarmupCosine, build_schedule, warmup_cosine
+from {{ cookiecutter.package }}.engine.parts import schedule
+from {{ cookiecutter.package }}.engine.schedule import WarmupCosine, warmup_cosine
 
 
 def test_warmup_rises_linearly_to_the_peak():
     factor = WarmupCosine(warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert factor(4) == pytest.approx(1.0)  # the cosine starts at the top
+    assert [WarmupCosine(warmup_steps=2)(s) for s in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]  # constant's: then flat
 
 
 def test_cosine_halfway_and_floor():
@@ -41,7 +43,8 @@ def test_scheduler_steps_the_optimizer_and_round_trips():
 
 def lr_after(schedule_cfg, steps: int) -> float:
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
-    scheduler = build_schedule(OmegaConf.create(schedule_cfg), optimizer, total_steps=100)  # the planned epochs'
+    cfg = OmegaConf.create({"schedule": schedule_cfg})
+    scheduler = schedule(cfg, optimizer, total_steps=100)  # the planned epochs'
     for _ in range(steps):
         optimizer.step()
         scheduler.step()

@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import IGNORE, SegmentationFolder, ignore_edge
-from {{ cookiecutter.package }}.engine import checks, schema
+from {{ cookiecutter.package }}.engine import preflight, schema
 from {{ cookiecutter.package }}.engine.device import input_transform
 from {{ cookiecutter.package }}.engine.errors import UserError
 from {{ cookiecutter.package }}.tasks import Segmentation
@@ -160,7 +160,7 @@ def test_a_folder_missing_a_piece_is_refused_in_one_line(tmp_path):
     def refused(root) -> str:
         cfg = compose_cfg(f"data.root={root}", "data.generate=false")
         with pytest.raises(UserError) as e:
-            checks.precheck_data(cfg)
+            preflight.precheck_data(cfg)
         return str(e.value)
 
     assert "does not exist" in refused(tmp_path / "nothing")
@@ -169,7 +169,7 @@ def test_a_folder_missing_a_piece_is_refused_in_one_line(tmp_path):
     (tmp_path / "pairs/val/images").mkdir(parents=True)
     assert f"no masks/ folder in '{tmp_path / 'pairs/val'}'" in refused(tmp_path / "pairs")
     write_pairs(tmp_path / "pairs", "val", count=2)
-    checks.precheck_data(compose_cfg(f"data.root={tmp_path / 'pairs'}", "data.generate=false"))  # complete: passes
+    preflight.precheck_data(compose_cfg(f"data.root={tmp_path / 'pairs'}", "data.generate=false"))  # complete: passes
     (tmp_path / "pairs/val/masks/p1.png").unlink()
     assert refused(tmp_path / "pairs") == (
         f"1 of the 2 images in '{tmp_path / 'pairs/val/images'}' have no mask (first: "
@@ -196,7 +196,7 @@ def test_train_py_refuses_an_image_without_its_mask_in_one_line(tmp_path):
 
 def refused_generate(root) -> str:
     with pytest.raises(UserError) as e:
-        checks.precheck_data(compose_cfg(f"data.root={root}"))
+        preflight.precheck_data(compose_cfg(f"data.root={root}"))
     return str(e.value)
 
 

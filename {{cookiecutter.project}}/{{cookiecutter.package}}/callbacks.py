@@ -18,6 +18,7 @@ from .engine import rng
 from .engine.device import to_device
 from .engine.dry_step import first_samples, kept_rng
 from .engine.errors import UserError
+from .engine.schema import flatten
 
 
 class EarlyStopping:
@@ -104,38 +105,25 @@ class HParams:
     def on_run_end(self, run) -> None:
         if self.last is None:
             return
-        config = flat(OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True))
+        # each key as a number, bool or word; lists and None as words (what the HParams tab takes)
+        config = flatten(OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True))
+        config = {k: v if isinstance(v, (int, float, bool, str)) else str(v) for k, v in config.items() if v != {}}
         figures = {k: v for k, v in self.last.items() if k == "train_loss" or k.startswith("val_")}
         run.runlog.hparams(config, {f"hparams/{k}": v for k, v in figures.items()})
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    """{dotted key: number, bool or word} of a config; lists and None as words (what the HParams tab takes)."""
-    out = {}
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{name}."))
-        else:
-            out[prefix + name] = value if isinstance(value, (int, float, bool, str)) else str(value)
-    return out
-
-
 def picture_parts(batch, key) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the images (N, C, H, W) with 1 or 3 channels, an integer mask (N, H, W) beside them or None)."""
-    if isinstance(batch, dict):
-        items = list(batch.values())
-    else:
-        items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-    images = batch[key] if isinstance(batch, (dict, list, tuple)) and _has(batch, key) else items[0]
+    if not isinstance(batch, (dict, list, tuple)):
+        batch = [batch]
+    items = list(batch.values()) if isinstance(batch, dict) else list(batch)
+    has = key in batch if isinstance(batch, dict) else isinstance(key, int) and key < len(batch)
+    images = batch[key] if has else items[0]
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None, None
     masks = [t for t in items if torch.is_tensor(t) and t.dim() == 3 and not t.is_floating_point()
              and t.shape == images.shape[:1] + images.shape[2:]]  # fmt: skip
     return images, masks[0] if masks else None
-
-
-def _has(batch, key) -> bool:
-    return key in batch if isinstance(batch, dict) else isinstance(key, int) and key < len(batch)
 
 
 def undo_normalize(images: torch.Tensor, normalize) -> torch.Tensor:

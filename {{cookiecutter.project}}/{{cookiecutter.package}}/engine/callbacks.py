@@ -21,7 +21,6 @@ from . import parts
 from .errors import UserError
 
 log = logging.getLogger("train")
-HOOKS = ("on_run_start", "on_log", "on_validation_end", "on_run_end")
 
 
 def stateful(obj) -> bool:
@@ -36,17 +35,14 @@ class Callbacks:
         self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items() if node is not None}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
 
-    def call(self, hook: str, run, *args) -> None:
-        for callback in self.named.values():
-            method = getattr(callback, hook, None)
-            if method is not None:
-                method(run, *args)
+    def call(self, hook: str, run, *args) -> dict:
+        """`hook` of each callback that has it, in order: {name: what it returned}."""
+        methods = {name: getattr(callback, hook, None) for name, callback in self.named.items()}
+        return {name: method(run, *args) for name, method in methods.items() if method is not None}
 
     def validation_end(self, run, record: dict) -> bool:
         """`on_validation_end` of each; True when one asked to stop (each is still called: all see the record)."""
-        for name, callback in self.named.items():
-            method = getattr(callback, "on_validation_end", None)
-            answer = method(run, record) if method is not None else None
+        for name, answer in self.call("on_validation_end", run, record).items():
             if answer and self.stopped_by is None:
                 self.stopped_by = f"{name}: {answer}" if isinstance(answer, str) else name
         return self.stopped_by is not None

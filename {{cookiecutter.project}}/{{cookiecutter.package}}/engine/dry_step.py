@@ -26,9 +26,8 @@ from torch.utils.data import default_collate
 from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .callbacks import Callbacks
 from .checkpoint import init_weights
-from .checks import reason
 from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
-from .errors import UserError
+from .errors import UserError, reason
 from .optim import clip_gradients
 from .task_results import check_loss, check_metrics, report
 

@@ -32,3 +32,11 @@ def find_user_error(exc: BaseException) -> UserError | None:
             cause = f" ({type(e.__cause__).__name__}: {str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
             return UserError(f"config: {lines[0] if lines else type(e).__name__}{cause}"[:400])
     return None
+
+
+def reason(e: BaseException) -> str:
+    """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
+    error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
+    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]

@@ -17,8 +17,6 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from .errors import UserError
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -26,12 +24,6 @@ from .fsdp import full
 {% endif %}
 
 LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
-
-
-def optimizer_node(optim_cfg):
-    """The optim config without the loop's keys: what the optimizer class is built from."""
-    node = OmegaConf.to_container(OmegaConf.create(optim_cfg), resolve=True)
-    return OmegaConf.create({k: v for k, v in node.items() if k not in LOOP_KEYS})
 
 
 def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
@@ -73,10 +65,6 @@ def _split_decay(params: list, settings: dict, optim_cfg, decay) -> list[dict]:
         {"params": [p for p in params if p.ndim >= 2], **settings},
         {"params": [p for p in params if p.ndim < 2], **settings, "weight_decay": 0.0},
     ]
-
-
-def build_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return instantiate(optimizer_node(optim_cfg))(parameter_groups(model, optim_cfg))
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, scaler) -> torch.Tensor | None:

@@ -7,21 +7,23 @@ yours is built the same way everywhere, and a failure to build it is the same on
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from .checks import check_data, reason
 from .device import PrepareBatch, input_transform
-from .errors import UserError
-from .optim import build_optimizer
-from .schedule import build_schedule
+from .errors import UserError, reason
+from .optim import LOOP_KEYS, parameter_groups
 
 
-def build(node, key: str):
-    """`node` (a Hydra `_target_`) built; a failure is one line naming `key`, or a data set's own one-line refusal
-    (a missing folder) raised through Hydra, as it is."""
+def build(node, key: str, *args):
+    """`node` (a Hydra `_target_`) built, and called with `args` if any (a `_partial_` one); a failure is one line
+    naming `key`, or a data set's own one-line refusal (a missing folder) raised through Hydra, as it is."""
     try:
-        return instantiate(node)
+        built = instantiate(node)
+        return built(*args) if args else built
     except UserError:
         raise
     except Exception as e:
@@ -62,10 +64,32 @@ def data_set(cfg, split: str):
 
 
 def data_sets(cfg) -> tuple:
-    """(data.train, data.val), checked to fit each other and `data.num_classes`."""
+    """(data.train, data.val), checked to fit each other and `data.num_classes` by the classes a folder data set
+    found (its `classes`), so a wrong count is one line here rather than `IndexError: Target 6 is out of bounds`
+    mid-run."""
     train, val = data_set(cfg, "train"), data_set(cfg, "val")
-    check_data(train, val, cfg.data.get("num_classes"))
+    check_classes({"train": getattr(train, "classes", None), "val": getattr(val, "classes", None)},
+                  cfg.data.get("num_classes"))  # fmt: skip
     return train, val
+
+
+def check_classes(found: dict, num_classes: int | None) -> None:
+    """`found`: split -> the class names its data holds, or None where the data set does not say (the data sets
+    built, or their `precheck`, preflight.precheck_data)."""
+    found = {name: list(classes or []) for name, classes in found.items()}
+    for name, classes in found.items():
+        if classes and num_classes is not None and len(classes) != num_classes:
+            shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
+            raise UserError(
+                f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
+                f"({shown}): set data.num_classes={len(classes)}"
+            )
+    if found.get("train") and found.get("val") and found["train"] != found["val"]:
+        odd = sorted(set(found["train"]) ^ set(found["val"]))
+        raise UserError(
+            f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
+            "give both the same class folders"
+        )
 
 
 def collate(cfg, dataset):
@@ -105,13 +129,10 @@ def batch_transform(cfg):
 
 
 def optimizer(cfg, net: torch.nn.Module) -> torch.optim.Optimizer:
-    """`optim` over `net`'s parameters, in its parameter groups."""
-    try:
-        return build_optimizer(cfg.optim, net)
-    except UserError:  # a param_groups entry that matches nothing: its own line
-        raise
-    except Exception as e:
-        raise UserError(f"optim: cannot build {cfg.optim._target_}: {reason(e)}") from None
+    """`optim` over `net`'s parameters, in its parameter groups (a param_groups entry that matches nothing: its own
+    line). The optimizer class is built from the optim config without the loop's keys."""
+    node = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if k not in LOOP_KEYS}
+    return build(OmegaConf.create(node), "optim", parameter_groups(net, cfg.optim))
 
 
 {% if cookiecutter.with_streams == "yes" %}
@@ -121,4 +142,20 @@ def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int | None):
 def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int):
     """`schedule` over `total_steps` optimizer steps."""
 {% endif %}
-    return build_schedule(cfg.schedule, optim, total_steps=total_steps)
+    # The schedule spans the planned run (epochs) or `schedule.total_steps`, never max_steps: max_steps is where a
+    # run stops and saves, and a run stopped there and resumed must see the lr the run never stopped sees.
+    factory = build(cfg.schedule, "schedule")
+    if cfg.schedule.get("total_steps") is not None:  # a schedule of its own length
+        return factory(optim)
+    try:
+        takes_total = "total_steps" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_total = False
+{% if cookiecutter.with_streams == "yes" %}
+    if takes_total and total_steps is None:
+        raise UserError(
+            f"schedule {cfg.schedule._target_} spans the run's steps, and a stream without sizes has no known "
+            "epoch length: set schedule.total_steps, give the data set `sizes`, or use schedule=constant"
+        )
+{% endif %}
+    return factory(optim, total_steps=total_steps) if takes_total else factory(optim)

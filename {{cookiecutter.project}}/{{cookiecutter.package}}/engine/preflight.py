@@ -1,5 +1,8 @@
 """What a command checks before any work, once: `check_run`, and where it runs.
 
+- `check_keys`, `precheck_data`: the checks that build nothing (every key known and in range, required values set,
+  every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
+  one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
 - `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
   the run folder, and for each job of a multirun as it starts (`-m`, sweeps, SLURM jobs).
 - `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
@@ -8,7 +11,10 @@
 """
 
 import contextlib
+import dataclasses
 import difflib
+import importlib
+import inspect
 import itertools
 import logging
 import os
@@ -23,13 +29,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from . import checks, distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+from . import distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .device import pick_device
 from .dry_step import dry_step
-from .errors import UserError
+from .errors import UserError, reason
+from .optim import LOOP_KEYS
+from .parts import check_classes
+from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config
 
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
@@ -58,12 +67,12 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
     without building anything ({% if cookiecutter.with_slurm == "yes" %}SLURM tasks that cannot meet, {% endif %}device=cuda with no GPU, the data sets' `precheck`,
     a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
-    checks.check_keys(cfg, choices, overrides)
+    check_keys(cfg, choices, overrides)
 {% if cookiecutter.with_slurm == "yes" %}
     slurm.job_ranks()
 {% endif %}
     pick_device(cfg.device)
-    checks.precheck_data(cfg)
+    precheck_data(cfg)
     if cfg.resume:
         resume.precheck(cfg, run_dir)
     checked[str(run_dir)] = dry_step(cfg)
@@ -85,9 +94,7 @@ class CheckBeforeRun(Callback):
         # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
         # check (callbacks.py's _notify).
         HydraConfig.instance().set_config(config)
-        task = config.copy()
-        with open_dict(task):
-            del task["hydra"]
+        task = without_hydra(config)
         # Under torchrun the ranks join their process group now, before anything is written: every rank takes the
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
         # starts straddle a second, hydra#2070), and rank 0 alone reports a refusal for all of them.
@@ -132,16 +139,9 @@ class CheckBeforeRun(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
-            task = config.copy()
-            with open_dict(task):
-                del task["hydra"]
-            self.check(task, config, config.hydra.runtime.output_dir)
-
-    @staticmethod
-    def check(task: DictConfig, config: DictConfig, run_dir: str) -> None:
-        CheckBeforeRun.refusing(
-            lambda: check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
-        )
+            hydra = config.hydra
+            task, run_dir = without_hydra(config), Path(hydra.runtime.output_dir)
+            self.refusing(lambda: check_run(task, run_dir, hydra.runtime.choices, list(hydra.overrides.task)))
 
     @staticmethod
     def refusing(work: Callable, quiet: bool = False):
@@ -150,6 +150,14 @@ class CheckBeforeRun(Callback):
             return work()
         except UserError as e:
             refuse(str(e), quiet)
+
+
+def without_hydra(config: DictConfig) -> DictConfig:
+    """The task's config: Hydra's callbacks get it with the `hydra` node, which the task function does not see."""
+    task = config.copy()
+    with open_dict(task):
+        del task["hydra"]
+    return task
 
 
 def refuse(error: str, quiet: bool = False) -> None:
@@ -202,8 +210,7 @@ def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
             with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
                 return compose("config", overrides=overrides, return_hydra_config=True)
 
-        print(f"error: {composition_error(e, argv, composed)}", file=sys.stderr)
-        sys.exit(2)
+        refuse(composition_error(e, argv, composed))
 
 
 def composition_error(e: BaseException, argv: list[str], composed: Callable) -> str:
@@ -238,3 +245,172 @@ def composition_error(e: BaseException, argv: list[str], composed: Callable) -> 
         lines = [line.strip() for line in str(err or "").splitlines()]
         parts.append(" ".join(line for line in lines if line and not line.startswith(noise)))
     return ": ".join(part for part in parts if part)[:400]
+
+
+def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
+    """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
+    message for a missing value name the file and the command."""
+    missing(cfg, choices or {}, overrides or [])
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:  # an interpolation to a key that is not there, a bad resolver
+        raise UserError(f"config: {str(e).splitlines()[0]}") from None
+    unknown(cfg, Config, "")
+{% if cookiecutter.with_tracking == "yes" %}
+    tracking.chosen(cfg)  # a logger whose package is missing: the line names the extra to install
+{% endif %}
+    for name, rule in {**OPEN_KEYS, **LOOP_OPEN_KEYS}.items():  # the loop's keys whatever the group's target
+        value = OmegaConf.select(cfg, name, default=MISSING)
+        if value is not MISSING and (name in LOOP_OPEN_KEYS or shipped(cfg, name.split(".")[0])):
+            refuse_if(name, value, rule)
+    for name in (*map(target_key, OPEN_GROUPS), "data.val._target_"):
+        if OmegaConf.select(cfg, name, default=None) is None:
+            group = name.split(".")[0]
+            raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
+    added_data_keys(cfg, overrides or [])
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
+    for name, node in (raw.get("callbacks") or {}).items():
+        if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
+            raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
+    targets(raw, "")
+
+
+# The groups whose keys depend on the `_target_` chosen (schema.py's open fields); a group's keys in OPEN_KEYS are
+# checked when its target is one this project ships (this package's, torch's optimizers): yours may mean otherwise.
+OPEN_GROUPS = ("data", "model", "optim", "task", "schedule")
+PACKAGE = __name__.split(".")[0]
+
+
+def target_key(group: str) -> str:
+    """The key of an open group's `_target_` (data: its train data set's)."""
+    return "data.train._target_" if group == "data" else f"{group}._target_"
+
+
+def shipped(cfg, group: str) -> bool:
+    """Whether the group's target is one this project ships (so its keys mean what OPEN_KEYS says)."""
+    target = str(OmegaConf.select(cfg, target_key(group), default="") or "")
+    return target.startswith((f"{PACKAGE}.", "torch.optim.", "torchvision."))
+
+
+def missing(cfg, choices: dict, overrides: list[str]) -> None:
+    keys = sorted(_missing(OmegaConf.to_container(cfg, resolve=False)))  # unresolved: `${data.root}` is not `???`
+    if not keys:
+        return
+    group = keys[0].split(".")[0]
+    where = f"conf/{group}/{choices[group]}.yaml" if group in choices else "conf/config.yaml"
+    command = " ".join(["python train.py", *overrides, *(f"{k}=<value>" for k in keys)])
+    have, it = ("has", "it") if len(keys) == 1 else ("have", "them")
+    raise UserError(f"{', '.join(keys)} {have} no value ('???' in {where}): set {it} on the command line: {command}")
+
+
+def _missing(tree, prefix: str = "") -> list[str]:
+    if isinstance(tree, (dict, list)):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        return [k for name, value in items for k in _missing(value, f"{prefix}{name}.")]
+    return [prefix[:-1]] if tree == MISSING else []
+
+
+def refuse_if(name: str, value, rule: Callable | None) -> None:
+    wanted = rule(value) if rule is not None else None
+    if wanted:
+        raise UserError(f"{name} must be {wanted}, got {value!r}")
+
+
+def unknown(cfg, schema, prefix: str) -> None:
+    """Keys the schema does not have (Hydra refuses `loader.num_worker=3` but lets `+loader.num_worker=3` in), and
+    the range of each key it has."""
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for name in cfg:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise UserError(f"unknown config key {prefix}{name}{hint}: the schema in schema.py has no such key")
+    for f in known.values():
+        if dataclasses.is_dataclass(f.type):  # a nested group: loader, checkpoint, ...
+            unknown(cfg[f.name], f.type, f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            refuse_if(prefix + f.name, cfg[f.name], f.metadata["check"])
+
+
+# data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
+LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input"{% if cookiecutter.with_streams == "yes" %}, "stream_resume"{% endif %})
+
+
+def added_data_keys(cfg, overrides: list[str]) -> None:
+    """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
+    (`+data.per_clas=10`) that no node refers to would be silently ignored, so it is refused."""
+    raw = str(OmegaConf.to_container(cfg.data, resolve=False))
+    for override in overrides:
+        found = re.match(r"\+{1,2}data\.(\w+)=", override)
+        if found and found[1] not in LOOP_DATA_KEYS and "${data." + found[1] + "}" not in raw:
+            close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
+            hint = f" (did you mean data.{close[0]}?)" if close else ""
+            raise UserError(
+                f"data.{found[1]} is not used by data.train or data.val{hint}: "
+                "remove it, or refer to it as ${data." + found[1] + "}"
+            )
+
+
+def targets(tree, prefix: str) -> None:
+    """Every `_target_` names something importable (a typo would otherwise fail only when that node is built), and
+    every other key of its node is an argument the target takes: a class of yours may take any arguments, so they
+    are checked against its signature (a target taking **kwargs takes anything)."""
+    if isinstance(tree, list):
+        tree = dict(enumerate(tree))
+    if not isinstance(tree, dict):
+        return
+    target = tree.get("_target_")
+    if isinstance(target, str):
+        try:
+            found = locate(target)
+        except Exception as e:
+            raise UserError(f"{prefix}_target_={target} cannot be imported: {reason(e)}") from None
+        try:
+            parameters = inspect.signature(found).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+            parameters = None
+        if parameters is not None and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            for name in tree:
+                if not (name.startswith("_") and name.endswith("_")) and name not in takes:
+                    close = difflib.get_close_matches(name, takes, n=1)
+                    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                    raise UserError(
+                        f"{prefix}{name} is not an argument of {target} ({hint}it takes {', '.join(takes) or 'none'})"
+                    )
+    for name, value in tree.items():
+        targets(value, f"{prefix}{name}.")
+
+
+def locate(path: str):
+    """The object a dotted `_target_` path names, as Hydra's instantiate finds it: the longest importable module
+    prefix, then attributes. An ImportError or AttributeError says why not."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as e:
+            if e.name is None or not path.startswith(e.name):  # a module that exists failed to import something
+                raise
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no module named {parts[0]!r}")
+
+
+def precheck_data(cfg) -> None:
+    """The data errors that show without opening the data sets: each `data.<split>._target_` that has a `precheck`
+    (data.shapes, ImageFiles, {% if cookiecutter.with_shards == "yes" %}ShardDataset, {% endif %}cifar10 do) is called with the node's plain arguments (`check_keys` checked
+    them) and returns the class names it will find, or None. A data set of yours gets the same early refusal by
+    giving it one."""
+    found = {}
+    for split in ("train", "val"):
+        node = cfg.data.get(split)
+        precheck = getattr(locate(node._target_), "precheck", None) if OmegaConf.is_dict(node) else None
+        if precheck is not None:
+            args = OmegaConf.to_container(node, resolve=True)
+            args = {k: v for k, v in args.items() if k != "_target_" and not (isinstance(v, dict) and "_target_" in v)}
+            found[split] = precheck(**args)
+    check_classes(found, cfg.data.get("num_classes"))

@@ -12,23 +12,22 @@ this config plans there. ReduceLROnPlateau, which steps on a metric, is not supp
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
+from dataclasses import dataclass
 
-from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
-{% if cookiecutter.with_streams == "yes" %}
-
-from .errors import UserError
-{% endif %}
 
 
+@dataclass
 class WarmupCosine:
-    """lr factor at a step. A callable object rather than a lambda, so LambdaLR's state_dict can hold it."""
+    """lr factor at a step: linear warm-up over `warmup_steps`, then a cosine decay to `min_lr_ratio` at
+    `total_steps` (min_lr_ratio=1: flat). A callable object rather than a lambda, so LambdaLR's state_dict can hold
+    it."""
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
+    warmup_steps: int
+    total_steps: int = 1
+    min_lr_ratio: float = 1.0
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -37,44 +36,14 @@ class WarmupCosine:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class Warmup:
-    """lr factor: linear warm-up over `warmup_steps`, then 1."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
-
-
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> LambdaLR:
-    # The schedule spans the planned run (epochs) or `schedule.total_steps`, never max_steps: max_steps is where a
-    # run stops and saves, and a run stopped there and resumed must see the lr the run never stopped sees.
+    """The default schedule: warm-up, then cosine decay over `total_steps` (parts.schedule passes it)."""
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 
 def constant(optimizer, warmup_steps: int = 0) -> LambdaLR:
-    return LambdaLR(optimizer, Warmup(warmup_steps))
-
-
-def build_schedule(schedule_cfg, optimizer, total_steps: int{% if cookiecutter.with_streams == "yes" %} | None{% endif %}):
-    """The configured scheduler on `optimizer`; `total_steps` (the planned epochs' optimizer steps) goes to targets
-    that take it, unless the config sets `schedule.total_steps` itself: a schedule of its own length."""
-    factory = instantiate(schedule_cfg)
-    if schedule_cfg.get("total_steps") is not None:
-        return factory(optimizer)
-    try:
-        takes_total = "total_steps" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        takes_total = False
-{% if cookiecutter.with_streams == "yes" %}
-    if takes_total and total_steps is None:
-        raise UserError(
-            f"schedule {schedule_cfg._target_} spans the run's steps, and a stream without sizes has no known "
-            "epoch length: set schedule.total_steps, give the data set `sizes`, or use schedule=constant"
-        )
-{% endif %}
-    return factory(optimizer, total_steps=total_steps) if takes_total else factory(optimizer)
+    """An optional linear warm-up, then the optimizer's lr."""
+    return LambdaLR(optimizer, WarmupCosine(warmup_steps))
 
 
 def fast_forward(scheduler, steps: int) -> None:

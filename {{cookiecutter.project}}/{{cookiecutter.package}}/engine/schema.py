@@ -1,5 +1,5 @@
 """The config schema: each key's type (Hydra refuses `epochs=ten` or `device=gpu` as it composes) and its range
-(`checks.check_keys` refuses `epochs=-1`).
+(`preflight.check_keys` refuses `epochs=-1`).
 
 Defaults live in one place, the YAML files under `conf/`: the schema holds no values (every field is MISSING). Adding
 a key takes one line here (type and range) and one commented line in the YAML that sets it; a YAML that forgets it
@@ -33,44 +33,36 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-# Checks: each returns None when the value is fine, else what it should be.
-def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
+# Checks: each returns None when the value is fine, else what it should be; `null`: what null means, where allowed.
+def number(low: float, high: float | None = None, above: bool = False, null: str | None = None, whole=False):
     def check(v):
         if v is None and null:
             return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-            span = f"between {low} and {high}" if high is not None else f">= {low}"
-            return f"an integer {span}" + (f", or null ({null})" if null else "")
-
-    return check
-
-
-def number(low: float, high: float | None = None, above: bool = False, null: str | None = None) -> Callable:
-    def check(v):
-        if v is None and null:
-            return None
-        bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        bad = isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v)
         if bad or (v <= low if above else v < low) or (high is not None and v > high):
-            span = f"> {low}" if above else f">= {low}"
-            span = f"in [{low}, {high}]" if high is not None else span
-            return f"a number {span}" + (f", or null ({null})" if null else "")
+            span = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
+            return f"{'an integer' if whole else 'a number'} {span}" + (f", or null ({null})" if null else "")
 
     return check
 
 
-def integer_or(word: str, low: int) -> Callable:
-    def check(v):
-        if v != word and integer(low)(v):
-            return f"an integer >= {low} or '{word}'"
-
-    return check
+def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
+    """A whole `number`."""
+    return number(low, high, null=null, whole=True)
 
 
-def flag_or(word: str) -> Callable:
-    def check(v):
-        return None if isinstance(v, bool) or v == word else f"true, false or '{word}'"
+def flag(v):
+    return None if isinstance(v, bool) else "true or false"
 
-    return check
+
+def or_word(check: Callable, word: str) -> Callable:
+    """`check`'s values, or the string `word`."""
+
+    def either(v):
+        wanted = v != word and check(v)
+        return wanted and f"{wanted.replace(' or ', ', ')} or '{word}'"
+
+    return either
 
 
 def text(null: str | None = None) -> Callable:
@@ -94,13 +86,9 @@ def one_of(*allowed, also=()) -> Callable:
     return check
 
 
-def typed() -> Callable:
-    """Hydra's schema already refuses anything but the field's type (bool, an Enum)."""
-    return lambda v: None
-
-
-def key(check: Callable) -> Any:
-    """A schema field: no default (the YAML holds it), and the range check `check()` applies."""
+def key(check: Callable | None = None) -> Any:
+    """A schema field: no default (the YAML holds it), and the range check `check()` applies (None: Hydra's type
+    check is all there is, for a bool or an Enum)."""
     return field(default=MISSING, metadata={"check": check})
 
 
@@ -128,13 +116,13 @@ class BestMode(str, Enum):
 @dataclass
 class LoaderConfig:
     batch_size: int = key(integer(1))
-    num_workers: Any = key(integer_or("auto", 0))
+    num_workers: Any = key(or_word(integer(0), "auto"))
     prefetch_factor: int | None = key(integer(1, null="PyTorch's default, 2"))
-    pin_memory: Any = key(flag_or("auto"))
-    persistent_workers: bool = key(typed())
+    pin_memory: Any = key(or_word(flag, "auto"))
+    persistent_workers: bool = key()
     timeout: float = key(number(0))
     max_prefetch_mib: float | None = key(number(0, above=True, null="no budget"))
-    on_budget: OnBudget = key(typed())
+    on_budget: OnBudget = key()
 
 
 @dataclass
@@ -148,7 +136,7 @@ class CheckpointConfig:
     keep: int = key(integer(0))
     search_dir: str = key(text())
     monitor: str = key(text())  # best.pth keeps the epoch with the best value of this metrics.jsonl key
-    mode: BestMode = key(typed())
+    mode: BestMode = key()
 
 
 @dataclass
@@ -162,7 +150,7 @@ class MlflowConfig:
     tracking_uri: str = key(text())
     experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
     on_unreachable: str = key(one_of("error", "local"))  # refuse in one line | the run folder's mlflow.db
-    log_checkpoints: bool = key(typed())
+    log_checkpoints: bool = key()
 
 
 @dataclass
@@ -193,8 +181,8 @@ class WaitPolicy(str, Enum):
 
 @dataclass
 class ProcessConfig:
-    omp_wait_policy: WaitPolicy | None = key(typed())
-    keep_freed_memory: bool = key(typed())
+    omp_wait_policy: WaitPolicy | None = key()
+    keep_freed_memory: bool = key()
     threads: int | None = key(integer(1, null="torch's default"))
 
 
@@ -218,10 +206,10 @@ def callback_nodes(v):
 
 @dataclass
 class ParallelConfig:
-    strategy: Strategy = key(typed())
+    strategy: Strategy = key()
 {% if cookiecutter.with_fsdp == "yes" %}
     shard_modules: Any = key(class_paths)  # fsdp: the classes whose instances each become an FSDP unit
-    reshard_after_forward: bool = key(typed())  # fsdp: free the gathered weights after each unit's forward
+    reshard_after_forward: bool = key()  # fsdp: free the gathered weights after each unit's forward
 {% endif %}
 
 
@@ -231,20 +219,20 @@ class Config:
     epochs: int = key(integer(1))
     max_steps: int | None = key(integer(1, null="run all epochs"))
     resume: str | None = key(text(null="start fresh"))
-    resume_strict: bool = key(typed())
-    device: Device = key(typed())
-    deterministic: Any = key(flag_or("warn"))  # warn: ops without a deterministic kernel run, named once
+    resume_strict: bool = key()
+    device: Device = key()
+    deterministic: Any = key(or_word(flag, "warn"))  # warn: ops without a deterministic kernel run, named once
     amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
-    channels_last: bool = key(typed())
-    compile: bool = key(typed())
-    device_prefetch: bool = key(typed())
+    channels_last: bool = key()
+    compile: bool = key()
+    device_prefetch: bool = key()
     log_every_steps: int = key(integer(1))
-    progress: bool = key(typed())
-    rng_mode: RngMode = key(typed())
+    progress: bool = key()
+    rng_mode: RngMode = key()
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     accumulate_steps: int = key(integer(1))
     init_from: str | None = key(text(null="the model's own initialisation"))
-    init_strict: bool = key(typed())
+    init_strict: bool = key()
     val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
     ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -315,29 +303,13 @@ def batch_part(v):
 LOOP_OPEN_KEYS = {
     "optim.grad_clip": number(0, above=True, null="off"),
     "optim.param_groups": param_groups,
-    "optim.decay_norm_and_bias": lambda v: None if isinstance(v, bool) else "true or false",
+    "optim.decay_norm_and_bias": flag,
     "data.on_bad_sample": one_of("error", "skip"),
 {% if cookiecutter.with_streams == "yes" %}
     "data.stream_resume": one_of("exact", "restart_epoch"),  # streams without state (engine/stream_loader.py)
 {% endif %}
     "data.input": batch_part,
 }
-SHIPPED = {
-    "data": "data.train._target_",
-    "model": "model._target_",
-    "optim": "optim._target_",
-    "task": "task._target_",
-    "schedule": "schedule._target_",
-}
-PACKAGE = __name__.split(".")[0]  # targets of this package are "shipped" ones
-REQUIRED_OPEN = (
-    "data.train._target_",
-    "data.val._target_",
-    "model._target_",
-    "optim._target_",
-    "task._target_",
-    "schedule._target_",
-)
 
 
 def register() -> None:
