@@ -89,8 +89,8 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None) -> torch.nn.Module:
-    """`model` sharded in place: each unit, then the root. Every rank must call it on the same, identically initialised
-    model (the same seed): each keeps its own slice of every parameter."""
+    """`model` (on the meta device: `build`) sharded in place: each unit, then the root. Each rank keeps its own slice
+    of every parameter."""
     mixed, reshard = policy(amp), bool(parallel_cfg.get("reshard_after_forward", True))
     for unit in units(model, unit_names(parallel_cfg, model)):
         fully_shard(unit, mp_policy=mixed, reshard_after_forward=reshard)
