@@ -314,22 +314,17 @@ class GuardedDataLoader(DataLoader):
 class EpochLoader:
     """What the train loaders share: one DataLoader for the run (`loader`), iterated once per epoch; `epoch` (epochs
     done), `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip`
-    left out, the next epoch started early, and a state for checkpoints. The rest of the constructor's arguments
-    (`rank`, `world_size`, `worker_init`: the DataLoader's worker_init_fn, `on_bad_sample`, `bad_samples`: where
-    skipped samples are listed, `start_guard`: around every start of workers) are every loader's.
+    left out (listed in `bad_samples`), the next epoch started early, and a state for checkpoints.
 {% if cookiecutter.with_streams == "yes" %}
-
     TrainLoader (an indexed data set) and StreamLoader (engine/stream_loader.py) add how an epoch's batches are
-    planned, seeded and resumed: `begin()` (the epoch's iterator from `position` on), `consume(items)` (their
-    (batch, BatchNote) pairs, kept track of), `own_state()` and `load_own()`."""
+    planned, seeded and resumed: `begin()` (the epoch's iterator from `position` on), `consume(items)` (its
+    (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
     resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands
 {% else %}
-
     TrainLoader adds how an epoch's batches are planned, seeded and resumed: `begin()` (the epoch's iterator from
-    `position` on), `consume(items)` (their (batch, BatchNote) pairs, kept track of), `own_state()` and
-    `load_own()`."""
+    `position` on), `consume(items)` (its (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
 {% endif %}
@@ -339,8 +334,6 @@ class EpochLoader:
         worker_init=None, on_bad_sample: str = "error", bad_samples: failures.BadSampleLog | None = None,
         start_guard=contextlib.nullcontext,
     ):  # fmt: skip
-        if on_bad_sample not in ("error", "skip"):
-            raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
         self.settings, self.seed, self.rng_mode, self.rank, self.world_size = settings, seed, rng_mode, rank, world_size
         self.worker_init, self.start_guard, self.bad_samples = worker_init, start_guard, bad_samples
         self.skip = on_bad_sample == "skip"
@@ -449,31 +442,24 @@ class EpochLoader:
 
 
 class TrainLoader(EpochLoader):
-    """The train loader of an indexed data set: one DataLoader for the whole run, iterated once per epoch;
-    `state_dict()` at any step.
+    """The train loader of an indexed data set (the module docstring says why it resumes exactly): one DataLoader for
+    the whole run, iterated once per epoch; `state_dict()` at any step.
 
-    State: `epoch`, `position` (batches of this epoch consumed: global batches, the same on every rank and for any
-    number of processes sharing the global batch), `generator` (draws worker base seeds) and, with W workers and
-    rng_mode=per_worker, `streams`: batch `i` of an epoch is made by the worker carrying stream `i % W`, and
-    `streams` are those RNGs as the loop has consumed them, what a checkpoint saves and what the next set of workers
-    starts from (batches still prefetched never count; None: fresh workers that have served nothing yet). Sets of
-    workers:
-    - An epoch that starts at batch 0 reuses the workers only when they are persistent and served the whole epoch
-      before (`reuse`): a persistent worker has then made exactly the batches the loop consumed, so its RNG is its
-      stream. Otherwise new workers start: fresh when not persistent (a new base seed every epoch, as PyTorch
-      does), else from `streams` (after a resume, or after a one-off set).
-    - An epoch that starts mid-way (`position > 0`, after a resume) gets one-off workers from `streams`, worker `w`
-      carrying stream `(w + rotation) % W` with `rotation = position % W`, and a throwaway generator so `generator`
-      stays in step.
-    - `start_next_epoch` only makes the next epoch's iterator early: `before` keeps the generator as it was before
-      the iterator drew a base seed, which is what `state_dict()` saves until the loop takes it.
+    State: `epoch`, `position` (global batches of this epoch consumed, the same on every rank and for any number of
+    processes), `generator` (draws worker base seeds) and, rng_mode=per_worker, `streams` (None: fresh workers that
+    have served nothing yet). When an epoch begins:
+    - at batch 0, the workers go on only when they are persistent and served the whole last epoch (`reuse`: each
+      one's RNG is then its stream); otherwise new ones start, fresh when not persistent (a new base seed every
+      epoch, as PyTorch does), else from `streams` (after a resume, or after one-off workers);
+    - mid-way (after a resume), one-off workers start from `streams`, worker `w` carrying stream
+      `(w + rotation) % W`, `rotation = position % W`, with a throwaway generator so `generator` stays in step;
+    - early (`start_next_epoch`): `before`, the generator before the iterator drew a base seed, is what
+      `state_dict()` saves until the loop takes it.
     With num_workers=0 there are no workers: the main process RNG is saved with the main state.
     """
 
     def __init__(self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
                  **common):  # fmt: skip
-        if rng_mode not in ("per_sample", "per_worker"):
-            raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
         super().__init__(settings, seed, rng_mode, **common)
         self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=self.skip)
         order_fn = getattr(dataset, "epoch_order", None)
