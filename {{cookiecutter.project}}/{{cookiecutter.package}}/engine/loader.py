@@ -552,7 +552,6 @@ class TrainLoader(EpochLoader):
         state = {"global_batch": state["batch_size"] * state["world_size"], **state}  # older checkpoints: derived
         mine = {k: v for k, v in self.state_dict().items() if k in must_match}
         changed = [f"{k} {state[k]} -> {v}" for k, v in mine.items() if state[k] != v]
-        streams = state["worker_streams"] if state["num_workers"] == self.settings.num_workers else None
         if changed:
             what = ", ".join(changed)
             if strict:
@@ -562,16 +561,16 @@ class TrainLoader(EpochLoader):
                     "seeded workers"
                 )
             log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
-            streams = None
         self.position = min(self.position, self.batches_per_epoch)
         if reseed is None:
             self.generator.set_state(state["generator"])
         else:  # each rank its own, as a fresh run's ranks have; a function of (seed, rank, step)
             self.generator.manual_seed(reseed)
-            streams = None
-        # no workers yet: the next epoch's start from these streams
-        self.streams = [rng.from_saved(s) for s in streams] if streams else None
-        self.reuse = False
+        # the next epoch's workers start from these streams (None: fresh)
+        same = not changed and reseed is None and state["num_workers"] == self.settings.num_workers
+        saved = state["worker_streams"] if same else None
+        self.streams = [rng.from_saved(s) for s in saved] if saved else None
+        self.reuse = False  # workers already running (a loader used before) carry other streams
 
 
 {% if cookiecutter.with_streams == "yes" %}
