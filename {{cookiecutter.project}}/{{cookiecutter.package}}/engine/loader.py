@@ -429,6 +429,7 @@ class EpochLoader:
 
     def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
         """Continue from `state`, a rank's `state_dict()` (`reseed`: another number of processes wrote it)."""
+{% if cookiecutter.with_streams == "yes" %}
         kind = state.get("kind", "indexed")  # older checkpoints of an indexed data set have none
         if kind != self.kind:
             said = {"indexed": "an indexed data set", "stream": "a stream", "shard_stream": "a shard stream"}
@@ -436,6 +437,7 @@ class EpochLoader:
                 f"resume: the checkpoint's train data was {said[kind]} and this run's is {said[self.kind]}: resume "
                 "with the data the run started with"
             )
+{% endif %}
         self.epoch, self.position = state["epoch"], state["position"]
         self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
         self.load_own(state, strict, reseed)
