@@ -22,13 +22,13 @@ from tests.helpers import loader_settings
 
 
 def test_sampler_is_a_permutation_per_epoch_and_skips_without_loading():
-    sampler = EpochBatchSampler(50, 8, seed=3, drop_last=False)
+    sampler = EpochBatchSampler(50, 8, seed=3)  # 6 whole batches: 2 samples left out, other ones each epoch
     first = [i for batch in sampler for i in batch]
-    assert sorted(first) == list(range(50))
+    assert len(set(first)) == 48 and set(first) <= set(range(50))
     sampler.set_epoch(1)
     assert [i for batch in sampler for i in batch] != first
     sampler.set_epoch(0, start=2)
-    assert [i for batch in sampler for i in batch] == first[16:] and len(sampler) == 5
+    assert [i for batch in sampler for i in batch] == first[16:] and len(sampler) == 4
 
 
 def test_sampler_shards_ranks_disjointly():

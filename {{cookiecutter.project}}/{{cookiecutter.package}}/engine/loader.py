@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -80,98 +80,58 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
 
 
 class EpochBatchSampler(Sampler):
-    """The batches of one epoch: a permutation fixed by (seed, epoch), this rank's share of it, from batch `start` on.
+    """The training batches of one epoch: a permutation fixed by (seed, epoch), this rank's share of it, from batch
+    `start` on.
 
     It keeps no RNG of its own, so its whole state is (epoch, start); sharding by rank makes it
     stand in for DistributedSampler. A data set with `epoch_order(seed, epoch)` (a pure function
     returning a permutation, e.g. shards.py's, which keeps reads local) passes it as `order_fn`
     and it replaces the uniform permutation.
 
-    Training (`pad=True`) is defined over the *global* batch `g = batch_size * world_size`: global
-    batch `i` of an epoch is entries `[i*g, (i+1)*g)` of the epoch's permutation and rank `r` takes
-    every `world_size`-th of them from entry `r` on. The set of samples of a global step then does
-    not depend on how many processes share it, which is what lets a run resume on another number of
-    processes. An epoch has `size // g` steps; the `size % g` samples left over (other ones each
-    epoch, the permutation changing) are dropped, as DistributedSampler's drop_last drops them, and
-    no sample is padded in twice. (With drop_last=False the last global batch is short, padded to a
-    multiple of world_size with the epoch's first samples, as DistributedSampler pads.) Evaluation
-    (`pad=False`) splits the samples over the ranks, each one once.
+    It is defined over the *global* batch `g = batch_size * world_size`: global batch `i` of an epoch is entries
+    `[i*g, (i+1)*g)` of the epoch's permutation and rank `r` takes every `world_size`-th of them from entry `r` on.
+    The set of samples of a global step then does not depend on how many processes share it, which is what lets a
+    run resume on another number of processes. An epoch has `size // g` steps; the `size % g` samples left over
+    (other ones each epoch, the permutation changing) are dropped, as DistributedSampler's drop_last drops them,
+    and no sample is padded in twice.
     """
 
-    def __init__(
-        self,
-        size: int,
-        batch_size: int,
-        seed: int,
-        shuffle: bool = True,
-        drop_last: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        pad: bool = True,
-        order_fn=None,
-    ):
+    def __init__(self, size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, order_fn=None):
         self.size, self.batch_size, self.seed, self.order_fn = size, batch_size, seed, order_fn
-        self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
-        self.pad = pad  # training: whole global batches, every rank as many steps; evaluation: each sample once
+        self.rank, self.world_size, self.global_batch = rank, world_size, batch_size * world_size
+        self.batches_per_epoch = size // self.global_batch
         self.epoch, self.start = 0, 0
-        if self.batches_per_epoch() < 1:
+        if self.batches_per_epoch < 1:
             per = f"a global batch of {self.global_batch} ({batch_size} per process x {world_size} processes)"
             raise UserError(
                 f"the data set has {size} samples, too few for "
                 f"{per if world_size > 1 else f'one batch of {batch_size}'}: lower loader.batch_size"
             )
 
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world_size
-
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
-    def batches_per_epoch(self) -> int:
-        if self.pad and self.drop_last:
-            return self.size // self.global_batch
-        n = self.used() // self.world_size if self.pad else len(range(self.rank, self.size, self.world_size))
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def used(self) -> int:
-        """Entries of the (padded) permutation the epoch's batches take, with `pad`: whole global batches, or
-        with drop_last=False every sample, padded to a multiple of world_size as DistributedSampler pads."""
-        if self.drop_last:
-            return self.batches_per_epoch() * self.global_batch
-        return -(-self.size // self.world_size) * self.world_size
-
     def permutation(self) -> np.ndarray:
         """The epoch's order of all samples, the same on every rank."""
-        if self.shuffle and self.order_fn is not None:
-            order = np.asarray(self.order_fn(self.seed, self.epoch))
-            if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
-                raise UserError(
-                    f"{self.order_fn.__qualname__} must return a permutation of the {self.size} sample numbers"
-                )
-            return order
-        if self.shuffle:
+        if self.order_fn is None:
             seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
             return torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
-        return np.arange(self.size)
-
-    def order(self) -> np.ndarray:
-        """This rank's samples of the epoch, batch after batch."""
-        order = self.permutation()
-        if not self.pad:
-            return order[self.rank :: self.world_size]
-        # global batch i is order[i*g:(i+1)*g]; rank r's share of it, every world_size-th entry, is its [i*b:(i+1)*b]
-        return np.resize(order, self.used())[self.rank :: self.world_size]
+        order = np.asarray(self.order_fn(self.seed, self.epoch))
+        if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
+            raise UserError(f"{self.order_fn.__qualname__} must return a permutation of the {self.size} sample numbers")
+        return order
 
     def __len__(self) -> int:
-        return self.batches_per_epoch() - self.start
+        return self.batches_per_epoch - self.start
 
     def __iter__(self):
-        order, size = self.order(), self.batch_size
+        # global batch i is order[i*g:(i+1)*g]; rank r's share of it, every world_size-th entry, is its [i*b:(i+1)*b]
+        order = self.permutation()[: self.batches_per_epoch * self.global_batch][self.rank :: self.world_size]
+        size = self.batch_size
         return iter(
             [
                 BatchIndices(order[i * size : (i + 1) * size].tolist(), self.epoch, i)
-                for i in range(self.start, self.batches_per_epoch())
+                for i in range(self.start, self.batches_per_epoch)
             ]
         )
 
@@ -188,6 +148,18 @@ class BatchIndices(list):
         self.epoch, self.number = epoch, number
 
 
+@contextlib.contextmanager
+def main_rng_kept():
+    """Around making a batch: in the main process (num_workers=0) its RNG is put back afterwards, untouched by the
+    data, whose draws are seeded per sample (rng_mode=per_sample)."""
+    saved = rng.capture() if get_worker_info() is None else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            rng.apply(saved)
+
+
 class SeededBatches(torch.utils.data.Dataset):
     """Wraps the user's dataset so a whole batch is fetched at once (`__getitems__`).
 
@@ -195,7 +167,6 @@ class SeededBatches(torch.utils.data.Dataset):
     index) (`rng.sample_seeds`), so what a sample draws depends on neither the worker nor the rank nor the batch
     that makes it: the same for any worker count, loader profile or number of processes. Samples are then made
     one by one; a data set with `prefetch(indices)` may read the batch's bytes at once first (shards.py does).
-    In the main process (num_workers=0) the main RNG is put back afterwards, untouched by the data.
     rng_mode=per_worker: the worker's own streams run on; TrainLoader saves and restores them.
     A sample that raises is named (data set index, file) or, with `skip`, left out: failures.fetch_guarded.
     """
@@ -203,31 +174,20 @@ class SeededBatches(torch.utils.data.Dataset):
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.per_sample, self.skip = dataset, seed, per_sample, skip
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        return self.dataset[index]
-
     def __getitems__(self, batch: BatchIndices):
         if not self.per_sample:
             return self._fetch(batch)
-        in_main = get_worker_info() is None
-        saved = rng.capture() if in_main else None
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if prefetch is not None:
-            prefetch(list(batch))
-        seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
+        with main_rng_kept():
+            prefetch = getattr(self.dataset, "prefetch", None)
+            if prefetch is not None:
+                prefetch(list(batch))
+            seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
 
-        def make(index):
-            rng.seed_sample(seeds[index])  # the collate after the batch's last sample draws on its streams too
-            return self.dataset[index]
+            def make(index):
+                rng.seed_sample(seeds[index])  # the collate after the batch's last sample draws on its streams too
+                return self.dataset[index]
 
-        try:
             return failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
-        finally:
-            if in_main:
-                rng.apply(saved)
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -242,13 +202,20 @@ class SeededBatches(torch.utils.data.Dataset):
 
 
 @dataclass
-class WorkerSnapshot:
-    """Sent with every batch: the worker's RNG right after making it (rng_mode=per_worker only: with per_sample every
-    sample is seeded afresh, so nothing reads it), the seed base of its generation, its PID."""
+class BatchNote:
+    """What travels with a batch from the process that made it, for the main process's bookkeeping."""
 
-    rng: tuple | None
-    base_seed: int
-    pid: int
+    pid: int | None = None  # the worker's; None: made in the main process (num_workers=0)
+    skipped: list = field(default_factory=list)  # the samples data.on_bad_sample=skip left out of it
+    # An indexed data set's: the worker's RNG right after making it (rng_mode=per_worker only: with per_sample every
+    # sample is seeded afresh, so nothing reads it), and the seed base of its set of workers.
+    rng: tuple | None = None
+    base_seed: int = 0
+{% if cookiecutter.with_streams == "yes" %}
+    worker: int = 0  # a stream's: the worker that made it
+    ends: dict = field(default_factory=dict)  # a shard stream's: shard -> the record its reader reads next
+    state: dict | None = None  # a Stateful plain stream's: {"count": records read, "state": its state_dict()}
+{% endif %}
 
 
 # A CPU tensor up to this size (labels, a few scalars) travels inside the pickled batch: a shared-memory file costs
@@ -286,10 +253,10 @@ def for_the_queue(t: torch.Tensor):
 
 
 class CollateWithSnapshot:
-    """Runs the real collate_fn in the worker, then captures the worker's RNG (after any RNG the collate used).
+    """Runs the real collate_fn, then, in a worker, captures the worker's RNG (after any RNG the collate used).
 
-    Returns (batch, snapshot, skipped): `skipped` lists the samples data.on_bad_sample=skip left out. In a
-    worker, every larger tensor of the batch is moved to shared memory here, inside the fetch: torch would
+    Returns (batch, BatchNote); `samples.skipped` (failures.Samples) are the samples data.on_bad_sample=skip left
+    out. In a worker, every larger tensor of the batch is moved to shared memory here, inside the fetch: torch would
     otherwise do it for tensors the collate did not allocate there while the worker's queue sends the batch,
     in a feeder thread whose failure (a full /dev/shm) only prints and loses the batch, leaving the loop to
     wait. Here it fails as an exception the main process receives in the batch's place. Small tensors (labels)
@@ -299,14 +266,13 @@ class CollateWithSnapshot:
         self.collate_fn, self.capture_rng = collate_fn, capture_rng
 
     def __call__(self, samples):
-        skipped = getattr(samples, "skipped", [])
         batch = self.collate_fn(list(samples))
-        info = get_worker_info()
+        note, info = BatchNote(skipped=getattr(samples, "skipped", [])), get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
-            return batch, None, skipped
-        batch = map_tensors(for_the_queue, batch)
-        state = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
-        return batch, WorkerSnapshot(state, info.seed - info.id, os.getpid()), skipped
+            return batch, note
+        note.pid, note.base_seed = os.getpid(), info.seed - info.id
+        note.rng = rng.capture() if self.capture_rng else None  # ~50 us with its pickling: only where it is read
+        return map_tensors(for_the_queue, batch), note
 
 
 class SeedWorker:
@@ -316,7 +282,8 @@ class SeedWorker:
     stack there when a stall is reported (failures.arm_stack_dump)."""
 
     def __init__(self, streams=None, rotation: int = 0, worker_init=None, stack_dir: str | None = None):
-        self.streams, self.rotation, self.worker_init, self.stack_dir = streams, rotation, worker_init, stack_dir
+        self.streams = None if streams is None else list(streams)  # as they stand now: the loader's list runs on
+        self.rotation, self.worker_init, self.stack_dir = rotation, worker_init, stack_dir
 
     def __call__(self, worker_id: int) -> None:
         if self.worker_init is not None:
@@ -328,63 +295,16 @@ class SeedWorker:
             rng.apply(self.streams[(worker_id + self.rotation) % len(self.streams)])
 
 
-@dataclass
-class Generation:
-    """One set of worker processes and the RNG streams they carry.
-
-    Worker `w` carries stream `(w + rotation) % workers`, so batch `i` of an epoch meets stream `i % workers` in
-    every generation. A generation starts from given streams, or fresh: worker `w` seeds itself from
-    `base_seed + w` (the DataLoader draws `base_seed`; we learn it from the first batch).
-    """
-
-    workers: int
-    started_from: list | None = None  # the streams its workers were given; None: fresh
-    rotation: int = 0  # start % workers for a generation that begins mid-epoch
-    persistent: bool = False  # its workers outlive the epoch (the persistent DataLoader's)
-    base_seed: int | None = None  # a fresh generation's seed base, known once a batch is consumed
-    consumed: dict = field(default_factory=dict)  # stream -> its RNG right after the last batch the loop consumed
-
-    def consume(self, index: int, snapshot: WorkerSnapshot) -> None:
-        if snapshot.rng is not None:
-            self.consumed[index % self.workers] = snapshot.rng
-        if self.base_seed is None:
-            self.base_seed = snapshot.base_seed
-
-    def streams(self) -> list | None:
-        """Every stream's RNG as far as the loop has consumed, or None while a fresh generation has served nothing."""
-        if self.started_from is None and self.base_seed is None:
-            return None
-        out = []
-        for stream in range(self.workers):
-            if stream in self.consumed:
-                out.append(self.consumed[stream])
-            elif self.started_from is not None:
-                out.append(self.started_from[stream])
-            else:  # not served yet: still as its worker seeded it
-                out.append(rng.from_seed(self.base_seed + (stream - self.rotation) % self.workers))
-        return out
-
-
 class GuardedDataLoader(DataLoader):
-    """A DataLoader whose workers start inside `start_guard()`, a context manager factory: train.py passes
+    """A DataLoader with the workers, prefetch, pinning, timeout and persistence of `settings` (`kwargs` may
+    override them), whose workers start inside `start_guard()`, a context manager factory: train.py passes
     `StopRequest.starting_workers`, which keeps a SIGTERM away from a worker until its worker_init_fn shields it.
     Workers start in `iter()`: every epoch's, or the first one's only when they are persistent."""
 
-    def __init__(self, *args, start_guard=contextlib.nullcontext, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dataset, settings: LoaderSettings | None = None, start_guard=contextlib.nullcontext, **kwargs):
+        given = {} if settings is None else {k: v for k, v in asdict(settings).items() if k != "batch_size"}
+        super().__init__(dataset, **{**given, **kwargs})
         self.start_guard = start_guard
-
-    @classmethod
-    def following(cls, settings: LoaderSettings, dataset, **kwargs) -> GuardedDataLoader:
-        """One with the workers, prefetch, pinning, timeout and persistence of `settings` (`kwargs` may override)."""
-        given = {
-            "num_workers": settings.num_workers,
-            "pin_memory": settings.pin_memory,
-            "timeout": settings.timeout,
-            "prefetch_factor": settings.prefetch_factor,
-            "persistent_workers": settings.persistent_workers,
-        }
-        return cls(dataset, **{**given, **kwargs})
 
     def __iter__(self):
         with self.start_guard():
@@ -392,31 +312,31 @@ class GuardedDataLoader(DataLoader):
 
 
 class EpochLoader:
-    """What the train loaders share: one DataLoader for the run, iterated once per epoch; `epoch` (epochs done),
-    `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip` left out,
+    """What the train loaders share: one DataLoader for the run (`loader`), iterated once per epoch; `epoch` (epochs
+    done), `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip`
+    left out (listed in `bad_samples`), the next epoch started early, and a state for checkpoints.
 {% if cookiecutter.with_streams == "yes" %}
-    the next epoch started early, and a state for checkpoints. TrainLoader (an indexed data set) and StreamLoader
-    (engine/stream_loader.py) add how an epoch's batches are planned, seeded and resumed."""
+    TrainLoader (an indexed data set) and StreamLoader (engine/stream_loader.py) add how an epoch's batches are
+    planned, seeded and resumed: `begin()` (the epoch's iterator from `position` on), `consume(items)` (its
+    (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
     resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands
 {% else %}
-    the next epoch started early, and a state for checkpoints. TrainLoader adds how an epoch's batches are planned,
-    seeded and resumed."""
+    TrainLoader adds how an epoch's batches are planned, seeded and resumed: `begin()` (the epoch's iterator from
+    `position` on), `consume(items)` (its (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
 {% endif %}
 
     def __init__(
-        self, settings: LoaderSettings, seed: int, rng_mode: str, rank: int, world_size: int, worker_init,
-        on_bad_sample: str, bad_samples: failures.BadSampleLog | None, start_guard,
+        self, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", rank: int = 0, world_size: int = 1,
+        worker_init=None, on_bad_sample: str = "error", bad_samples: failures.BadSampleLog | None = None,
+        start_guard=contextlib.nullcontext,
     ):  # fmt: skip
-        if on_bad_sample not in ("error", "skip"):
-            raise UserError(f"data.on_bad_sample must be error or skip, got {on_bad_sample!r}")
         self.settings, self.seed, self.rng_mode, self.rank, self.world_size = settings, seed, rng_mode, rank, world_size
-        self.worker_init, self.start_guard = worker_init, start_guard  # start_guard: around every start of workers
+        self.worker_init, self.start_guard, self.bad_samples = worker_init, start_guard, bad_samples
         self.skip = on_bad_sample == "skip"
-        self.bad_samples = bad_samples  # where skipped samples are listed as the loop consumes their batches
         self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
         if settings.num_workers and settings.timeout:
             self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
@@ -432,28 +352,44 @@ class EpochLoader:
     def global_batch(self) -> int:
         return self.settings.batch_size * self.world_size
 
-    def guarded(self, dataset, **kwargs) -> DataLoader:
-        """A DataLoader of `dataset` with this loader's settings, its workers started under the start guard."""
-        return GuardedDataLoader.following(self.settings, dataset, start_guard=self.start_guard, **kwargs)
+    def __len__(self) -> int:
+        return self.batches_per_epoch - self.position
 
-    def next_batch(self, iterator):
-        """`next(iterator)`; a stall, a bad sample or a full /dev/shm raised as one line naming it."""
-        try:
-            return next(iterator)
-        except StopIteration:
-            raise
-        except Exception as e:
-            failure = failures.from_loader_error(e, self)
-            if failure is None:
-                raise
-            raise failure from e
+    def __iter__(self):
+        """The rest of this epoch's batches; once they are all consumed, the epoch counts as done."""
+        self.worker_pids = set()
+        if self.position == 0:
+            self.skipped = 0
+        iterator = self._early if self._early is not None else self.begin()
+        self._early = None
+        for batch, note in self.consume(self.named(iterator)):
+            self.position += 1
+            if note.pid is not None:
+                self.worker_pids.add(note.pid)
+            if note.skipped:  # listed in bad_samples.txt
+                self.skipped += len(note.skipped)
+                if self.bad_samples is not None:
+                    self.bad_samples.add(self.epoch, note.skipped)
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+        self.epoch_ended()
 
-    def count_skipped(self, skipped: list) -> None:
-        """Samples a consumed batch left out (data.on_bad_sample=skip), listed in bad_samples.txt."""
-        if skipped:
-            self.skipped += len(skipped)
-            if self.bad_samples is not None:
-                self.bad_samples.add(self.epoch, skipped)
+    def epoch_ended(self) -> None:
+        """What a loader does once an epoch is done, beyond counting it."""
+
+    def named(self, iterator):
+        """The iterator's items; a stall, a bad sample or a full /dev/shm raised as one line naming it."""
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except Exception as e:
+                failure = failures.from_loader_error(e, self)
+                if failure is None:
+                    raise
+                raise failure from e
+            yield item
 
     def start_next_epoch(self) -> None:
         """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
@@ -463,25 +399,18 @@ class EpochLoader:
         consumed, so the position and the state stay as they are."""
         s = self.settings
         if self._early is None and not self.position and s.persistent_workers and s.num_workers:
-            self._early = self.begin_early()
-
-    def begin_early(self):
-        raise NotImplementedError
+            self._early = self.begin()
 
     def progress(self) -> dict:
         """The run's progress, the same whatever the number of processes: a resume on another number continues it."""
-        batches = self.batches_done()
         return {
             "epoch": self.epoch,
             "position": self.position,  # global batches of this epoch consumed
-            "batches": batches,  # global batches consumed over the run
-            "samples": batches * self.global_batch,{% if cookiecutter.with_streams == "yes" %}  # a stream's: at most (a reader's last batch may be short){% endif +%}
+            "batches": self.batches,  # global batches consumed over the run
+            "samples": self.batches * self.global_batch,{% if cookiecutter.with_streams == "yes" %}  # a stream's: at most (a reader's last batch may be short){% endif +%}
             "global_batch": self.global_batch,
             "world_size": self.world_size,
         }
-
-    def batches_done(self) -> int:
-        raise NotImplementedError
 
     def state_dict(self) -> dict:
         """What every loader's checkpoint state holds, and its own (`own_state`)."""
@@ -498,9 +427,6 @@ class EpochLoader:
             **self.own_state(),
         }
 
-    def own_state(self) -> dict:
-        raise NotImplementedError
-
     def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
         """Continue from `state`, a rank's `state_dict()` (`reseed`: another number of processes wrote it)."""
 {% if cookiecutter.with_streams == "yes" %}
@@ -512,75 +438,45 @@ class EpochLoader:
                 "with the data the run started with"
             )
 {% endif %}
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
         self.load_own(state, strict, reseed)
-
-    def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
-        raise NotImplementedError
 
 
 class TrainLoader(EpochLoader):
-    """One DataLoader for the whole run. Iterate it once per epoch; `state_dict()` at any step.
+    """The train loader of an indexed data set (the module docstring says why it resumes exactly): one DataLoader for
+    the whole run, iterated once per epoch; `state_dict()` at any step.
 
-    State: `epoch`, `position` (batches of this epoch consumed: global batches, the same on every rank and for any
-    number of processes sharing the global batch), `generator` (draws worker base seeds) and
-    `generation`, the workers that serve (or last served) the loop. Invariants, with W workers:
-    - `generation.streams()` are the workers' RNGs as the loop has consumed them: what a checkpoint saves and
-      what the next generation starts from. Batches still prefetched never count.
-    - Batch `i` of an epoch is made by stream `i % W`, whichever generation makes it.
-    - An epoch that starts at batch 0 reuses the workers only when `generation.persistent`: after a whole epoch a
-      persistent worker has made exactly the batches the loop consumed, so its RNG is its stream. Otherwise a new
-      generation starts: fresh when workers are not persistent (a new base seed every epoch, as PyTorch does),
-      else from `generation.streams()` (after a resume, or after a one-off generation).
-    - An epoch that starts mid-way (`position > 0`, after a resume) gets a one-off generation from
-      `generation.streams()`, rotated by `position % W`, with a throwaway generator so `generator` stays in step.
-    - `start_next_epoch` only makes the next epoch's iterator early: `_early` keeps it with the generator as it
-      was before it drew a base seed, which is what `state_dict()` saves until the loop takes it.
-    With num_workers=0 there is no generation: the main process RNG is saved with the main state.
+    State: `epoch`, `position` (global batches of this epoch consumed, the same on every rank and for any number of
+    processes), `generator` (draws worker base seeds) and, rng_mode=per_worker, `streams` (None: fresh workers that
+    have served nothing yet). When an epoch begins:
+    - at batch 0, the workers go on only when they are persistent and served the whole last epoch (`reuse`: each
+      one's RNG is then its stream); otherwise new ones start, fresh when not persistent (a new base seed every
+      epoch, as PyTorch does), else from `streams` (after a resume, or after one-off workers);
+    - mid-way (after a resume), one-off workers start from `streams`, worker `w` carrying stream
+      `(w + rotation) % W`, `rotation = position % W`, with a throwaway generator so `generator` stays in step;
+    - early (`start_next_epoch`): `before`, the generator before the iterator drew a base seed, is what
+      `state_dict()` saves until the loop takes it.
+    With num_workers=0 there are no workers: the main process RNG is saved with the main state.
     """
 
-    def __init__(
-        self,
-        dataset,
-        settings: LoaderSettings,
-        seed: int,
-        rng_mode: str = "per_sample",
-        collate_fn=None,
-        rank: int = 0,
-        world_size: int = 1,
-        worker_init=None,
-        on_bad_sample: str = "error",
-        bad_samples: failures.BadSampleLog | None = None,
-        start_guard=contextlib.nullcontext,
-    ):
-        if rng_mode not in ("per_sample", "per_worker"):
-            raise UserError(f"rng_mode must be per_sample or per_worker, got {rng_mode!r}")
-        super().__init__(
-            settings, seed, rng_mode, rank, world_size, worker_init, on_bad_sample, bad_samples, start_guard
-        )  # fmt: skip
+    def __init__(self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
+                 **common):  # fmt: skip
+        super().__init__(settings, seed, rng_mode, **common)
         self.dataset = SeededBatches(dataset, seed, per_sample=rng_mode == "per_sample", skip=self.skip)
-        self.sampler = EpochBatchSampler(
-            len(dataset),
-            settings.batch_size,
-            seed,
-            rank=rank,
-            world_size=world_size,
-            order_fn=getattr(dataset, "epoch_order", None),
-        )
+        order_fn = getattr(dataset, "epoch_order", None)
+        self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, self.rank, self.world_size, order_fn)
+        self.batches_per_epoch = self.sampler.batches_per_epoch
+        # Samples each epoch leaves out, over all ranks: those past its whole global batches (drop_last)
+        self.dropped_records = self.sampler.size - self.batches_per_epoch * self.global_batch
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
-        loader_seed = seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+        loader_seed = seed if self.rank == 0 else int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
+        self.before = self.generator.get_state()  # as the last iterator began to draw a base seed
         self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
-        self.generation = Generation(settings.num_workers) if settings.num_workers else None
-
-    def _dataloader(self, seeding: SeedWorker, generator: torch.Generator, persistent: bool) -> DataLoader:
-        return self.guarded(
-            self.dataset, batch_sampler=self.sampler, collate_fn=self.collate, worker_init_fn=seeding,
-            generator=generator, persistent_workers=persistent,
-        )  # fmt: skip
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.sampler.batches_per_epoch()
+        self.streams: list | None = None
+        self.rotation = 0
+        self.reuse = False
 
     @property
     def at_epoch_end(self) -> bool:
@@ -588,14 +484,14 @@ class TrainLoader(EpochLoader):
         return self.position == self.batches_per_epoch
 
     @property
-    def dropped_records(self) -> int:
-        """Samples each epoch leaves out, over all ranks: those past its whole global batches (drop_last)."""
-        return self.sampler.size - self.batches_per_epoch * self.sampler.global_batch
+    def batches(self) -> int:
+        """Global batches consumed over the run."""
+        return self.epoch * self.batches_per_epoch + self.position
 
     def worker_due(self) -> int:
         """The worker that makes the batch the loop waits on next (a stall names it): batch `i` is worker
-        `(i - rotation) % workers`' (Generation)."""
-        return (self.position - self.generation.rotation) % self.generation.workers
+        `(i - rotation) % workers`'."""
+        return (self.position - self.rotation) % self.settings.num_workers
 
     @staticmethod
     def combined(states: list[dict]) -> dict:
@@ -603,71 +499,47 @@ class TrainLoader(EpochLoader):
         (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
         return states[0]
 
-    def __len__(self) -> int:
-        return self.batches_per_epoch - self.position
+    def _dataloader(self, generator: torch.Generator, persistent: bool) -> DataLoader:
+        return GuardedDataLoader(
+            self.dataset, self.settings, self.start_guard, batch_sampler=self.sampler, collate_fn=self.collate,
+            worker_init_fn=SeedWorker(self.streams, self.rotation, self.worker_init, self.stack_dir),
+            generator=generator, persistent_workers=persistent,
+        )  # fmt: skip
 
-    def begin_early(self) -> tuple:
-        """(the next epoch's batches, the generator before they drew a base seed: what a checkpoint keeps)."""
-        before = self.generator.get_state()
-        self.sampler.set_epoch(self.epoch, 0)
-        return iter(self._loader_for(0)), before
+    def begin(self):
+        """The iterator of this epoch's batches from `position` on, on new workers where the class docstring says."""
+        start, workers, persistent = self.position, self.settings.num_workers, self.settings.persistent_workers
+        self.before = self.generator.get_state()
+        self.sampler.set_epoch(self.epoch, start)
+        if start and workers:
+            self.rotation, self.reuse = start % workers, False
+            return iter(self._dataloader(torch.Generator(), persistent=False))
+        self.rotation = 0
+        if not persistent:
+            self.streams = None
+        if self.loader is None or (persistent and not self.reuse):  # a non-persistent one seeds fresh workers anew
+            self.loader = self._dataloader(self.generator, persistent)
+        self.reuse = persistent
+        return iter(self.loader)
 
-    def __iter__(self):
-        start = self.position
-        self.worker_pids = set()
-        if start == 0:
-            self.skipped = 0
-        if self._early is not None:
-            (batches, _), self._early = self._early, None
-        else:
-            self.sampler.set_epoch(self.epoch, start)
-            batches = self._loader_for(start)
-        iterator, index = iter(batches), start - 1
-        while True:  # to StopIteration, not just the last batch: a non-persistent iterator ends its workers there
-            index += 1
-            try:
-                batch, snapshot, skipped = self.next_batch(iterator)
-            except StopIteration:
-                break
-            if snapshot is not None:
-                self.generation.consume(index, snapshot)
-                self.worker_pids.add(snapshot.pid)
-            self.count_skipped(skipped)
-            self.position = index + 1
-            yield batch
-        self.epoch, self.position = self.epoch + 1, 0
-
-    def _loader_for(self, start: int) -> DataLoader:
-        """The DataLoader for this epoch from batch `start`, starting a new generation where the invariants say so."""
-        workers, persistent = self.settings.num_workers, self.settings.persistent_workers
-        if workers == 0:
-            if self.loader is None:
-                self.loader = self._dataloader(SeedWorker(), self.generator, persistent=False)
-            return self.loader
-        if start > 0:
-            streams = self.generation.streams()
-            self.generation = Generation(workers, streams, rotation=start % workers)
-            seeding = SeedWorker(streams, start % workers, self.worker_init, self.stack_dir)
-            return self._dataloader(seeding, torch.Generator(), persistent=False)
-        if self.generation.persistent:
-            return self.loader
-        streams = self.generation.streams() if persistent else None
-        self.generation = Generation(workers, streams, persistent=persistent)
-        if persistent or self.loader is None:  # a non-persistent DataLoader seeds fresh workers on every iter
-            seeding = SeedWorker(streams, 0, self.worker_init, self.stack_dir)
-            self.loader = self._dataloader(seeding, self.generator, persistent)
-        return self.loader
-
-    def batches_done(self) -> int:
-        return self.epoch * self.batches_per_epoch + self.position
+    def consume(self, items):
+        """The batches of `items`, each worker's RNG kept as its stream (rng_mode=per_worker)."""
+        w = self.settings.num_workers
+        # to the end, not just the last batch: a non-persistent iterator ends its workers there
+        for batch, note in items:
+            if note.rng is not None:
+                if self.streams is None:  # fresh workers: worker `(s - rotation) % w` seeded itself from base_seed + it
+                    self.streams = [rng.from_seed(note.base_seed + (s - self.rotation) % w) for s in range(w)]
+                self.streams[self.position % w] = note.rng
+            yield batch, note
 
     def own_state(self) -> dict:
         # per_sample seeds every sample afresh: the workers' streams carry nothing a resume needs
-        streams = self.generation.streams() if self.generation and self.rng_mode == "per_worker" else []
+        streams = self.streams if self.settings.num_workers and self.rng_mode == "per_worker" else []
         return {
             "batches_per_epoch": self.batches_per_epoch,
             "persistent_workers": self.settings.persistent_workers,
-            "generator": self.generator.get_state() if self._early is None else self._early[1],
+            "generator": self.before if self._early is not None else self.generator.get_state(),
             "worker_streams": None if streams is None else [rng.to_saved(s) for s in streams],
         }
 
@@ -682,7 +554,6 @@ class TrainLoader(EpochLoader):
         state = {"global_batch": state["batch_size"] * state["world_size"], **state}  # older checkpoints: derived
         mine = {k: v for k, v in self.state_dict().items() if k in must_match}
         changed = [f"{k} {state[k]} -> {v}" for k, v in mine.items() if state[k] != v]
-        streams = state["worker_streams"] if state["num_workers"] == self.settings.num_workers else None
         if changed:
             what = ", ".join(changed)
             if strict:
@@ -692,17 +563,16 @@ class TrainLoader(EpochLoader):
                     "seeded workers"
                 )
             log.warning("resume: loader changed (%s); workers are seeded afresh, so this run is no longer exact", what)
-            streams = None
-        self.epoch, self.position = state["epoch"], min(state["position"], self.batches_per_epoch)
-        self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
+        self.position = min(self.position, self.batches_per_epoch)
         if reseed is None:
             self.generator.set_state(state["generator"])
         else:  # each rank its own, as a fresh run's ranks have; a function of (seed, rank, step)
             self.generator.manual_seed(reseed)
-            streams = None
-        if self.settings.num_workers:  # no workers yet: the next epoch starts a generation from these streams
-            restored = [rng.from_saved(s) for s in streams] if streams else None
-            self.generation = Generation(self.settings.num_workers, restored)
+        # the next epoch's workers start from these streams (None: fresh)
+        same = not changed and reseed is None and state["num_workers"] == self.settings.num_workers
+        saved = state["worker_streams"] if same else None
+        self.streams = [rng.from_saved(s) for s in saved] if saved else None
+        self.reuse = False  # workers already running (a loader used before) carry other streams
 
 
 {% if cookiecutter.with_streams == "yes" %}
@@ -730,36 +600,27 @@ def eval_loader(
 ) -> DataLoader:
     """The validation loader, also built once (train.py's and eval.py's). Its own generator keeps the main RNG
 {% if cookiecutter.with_streams == "yes" %}
-    untouched. An indexed data set is read in order, each rank taking its share of the batches; a stream
-    (shard_plan.is_stream) through `EvalStream`, each worker batching its own records, so a rank's last batch of
-    each worker may be short and the batches depend on the readers (processes x workers).
+    untouched. An indexed data set is read in order, each rank taking every `world_size`-th sample, each sample
+    once; a stream (shard_plan.is_stream) through `EvalStream`, each worker batching its own records, so a rank's
+    last batch of each worker may be short and the batches depend on the readers (processes x workers).
 {% else %}
-    untouched. The data set is read in order, each rank taking its share of the batches.
+    untouched. The data set is read in order, each rank taking every `world_size`-th sample, each sample once.
 {% endif %}
 
     `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers), and
     `start_guard` is around its workers' start (GuardedDataLoader); `collate_fn` (`data.collate`, None: torch's
     default_collate) is the one the train loader uses."""
-    common = {
-        "generator": torch.Generator(),
-        "worker_init_fn": worker_init,
-        "collate_fn": collate_fn,
-        "start_guard": start_guard,
-    }
+    common = {"generator": torch.Generator(), "worker_init_fn": worker_init, "collate_fn": collate_fn}
 {% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
-        return GuardedDataLoader.following(
-            settings, EvalStream(dataset, rank, world_size), batch_size=settings.batch_size, **common
-        )
+        stream = EvalStream(dataset, rank, world_size)
+        return GuardedDataLoader(stream, settings, start_guard, batch_size=settings.batch_size, **common)
 {% endif %}
-    sampler = EpochBatchSampler(
-        len(dataset),
-        settings.batch_size,
-        seed=0,
-        shuffle=False,
-        drop_last=False,
-        rank=rank,
-        world_size=world_size,
-        pad=False,
-    )
-    return GuardedDataLoader.following(settings, dataset, batch_sampler=sampler, **common)
+    mine, size = range(rank, len(dataset), world_size), settings.batch_size
+    if not mine:
+        raise UserError(
+            f"the validation data has {len(dataset)} samples, too few for one on each of {world_size} processes: run "
+            "fewer processes or give it more samples"
+        )
+    batches = [list(mine[i : i + size]) for i in range(0, len(mine), size)]
+    return GuardedDataLoader(dataset, settings, start_guard, batch_sampler=batches, **common)

@@ -21,39 +21,23 @@ Why it can be resumed (facts from torch/utils/data/dataloader.py, iterable data 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import itertools
 import logging
-import os
-from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate
 
 from . import failures, rng, shard_plan
-from .device import map_tensors
 from .errors import UserError
-from .loader import EpochLoader, SeedWorker, for_the_queue
+from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, SeedWorker, main_rng_kept
 from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
 
 RECORD, SKIPPED = 0, 1
 PLAIN_KEY = 1 << 62  # per-record seed keys of plain streams: apart from any shard's (shard << 32 | index)
-
-
-@dataclass
-class StreamBatch:
-    """What travels with a batch from its worker: which worker made it, where its reader stands after it, what
-    data.on_bad_sample=skip left out, and the worker's PID."""
-
-    worker: int
-    ends: dict = field(default_factory=dict)  # shard streams: shard -> the record its reader reads next
-    state: dict | None = None  # Stateful plain streams: {"count": records read, "state": the data set's state_dict()}
-    skipped: list = field(default_factory=list)
-    pid: int = 0
 
 
 def _as_is(item):
@@ -88,41 +72,37 @@ class ReaderStream(IterableDataset):
         epoch, first, *consumed = self.control.tolist()
         local = (worker + first) % workers  # the reader this worker is this epoch
         records = self._records(epoch, self.rank * workers + local, self.world_size * workers, consumed)
-        in_main = get_worker_info() is None
-        while (made := self._batch(records, local, in_main)) is not None:
+        while (made := self._batch(records, local)) is not None:
             yield made
-        ended = (None, StreamBatch(local, pid=os.getpid()))  # no batch: the reader has read its records
+        ended = (None, BatchNote(worker=local))  # no batch: the reader has read its records
         while True:  # until the epoch ends: the worker stays in the round robin, and alive (module docstring)
             yield ended
 
-    def _batch(self, records, local: int, in_main: bool):
-        """The reader's next batch and its StreamBatch, None at the end of its records. In the main process
-        (num_workers=0) the main RNG is left as it was: the data does not draw from it."""
-        samples, meta = [], StreamBatch(local, pid=os.getpid())
-        saved = rng.capture() if in_main else None
-        try:
+    def _batch(self, records, local: int):
+        """The reader's next batch and its BatchNote (`self.collate`'s, with where the reader stands after it), None
+        at the end of its records."""
+        samples, skipped, ends, state = [], [], {}, None
+        with main_rng_kept():
             for kind, shard, index, item in records:
                 if kind == SKIPPED:
-                    meta.skipped.append(item)
-                    if len(meta.skipped) >= self.batch_size and not samples:
+                    skipped.append(item)
+                    if len(skipped) >= self.batch_size and not samples:
                         raise failures.BadSample(
                             f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
                         )
                 else:
                     samples.append(item)
-                meta.ends[shard] = index + 1  # a plain stream's under None: its records read
+                ends[shard] = index + 1  # a plain stream's under None: its records read
                 if len(samples) == self.batch_size:
                     break
             if not samples:
                 return None
-            count = meta.ends.pop(None, 0)
+            count = ends.pop(None, 0)
             if self.stateful:  # its state after the batch's last record, taken once per batch, copied as it changes
-                meta.state = {"count": count, "state": copy.deepcopy(self.dataset.state_dict())}
-            batch = self.collate(samples)
-            return (batch if in_main else map_tensors(for_the_queue, batch)), meta
-        finally:
-            if in_main:
-                rng.apply(saved)
+                state = {"count": count, "state": copy.deepcopy(self.dataset.state_dict())}
+            batch, note = self.collate(failures.Samples(samples, skipped))
+        note.worker, note.ends, note.state = local, ends, state
+        return batch, note
 
     def _records(self, epoch: int, reader: int, readers: int, consumed: list[int]):
         """(kind, shard, index, sample or error line) of each record this reader reads this epoch."""
@@ -190,9 +170,7 @@ class StreamLoader(EpochLoader):
 
     def __init__(
         self, dataset, settings: LoaderSettings, seed: int, rng_mode: str = "per_sample", collate_fn=None,
-        rank: int = 0, world_size: int = 1, worker_init=None, on_bad_sample: str = "error",
-        bad_samples: failures.BadSampleLog | None = None, start_guard=contextlib.nullcontext,
-        stream_resume: str = "exact",
+        stream_resume: str = "exact", **common,
     ):  # fmt: skip
         name = type(dataset).__name__
         if rng_mode != "per_sample":
@@ -200,13 +178,9 @@ class StreamLoader(EpochLoader):
                 f"rng_mode={rng_mode}: data.train ({name}) is a stream, whose records are seeded one by one from "
                 "(seed, epoch, shard, record): use rng_mode=per_sample"
             )
-        super().__init__(
-            settings, seed, rng_mode, rank, world_size, worker_init, on_bad_sample, bad_samples, start_guard
-        )  # fmt: skip
-        self.stream = ReaderStream(
-            dataset, settings.batch_size, collate_fn or torch.utils.data.default_collate, seed, rank, world_size,
-            skip=self.skip,
-        )  # fmt: skip
+        super().__init__(settings, seed, rng_mode, **common)
+        collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=False)  # the records are seeded
+        self.stream = ReaderStream(dataset, settings.batch_size, collate, seed, self.rank, self.world_size, self.skip)
         self.kind = "shard_stream" if self.stream.shards else "stream"
         if self.skip and not self.stream.seeks:
             raise UserError(
@@ -214,7 +188,7 @@ class StreamLoader(EpochLoader):
                 "that raised has ended): make it a shard stream whose read(shard, start=0) starts at a record "
                 f"({__package__.split('.')[0]}.stream.ShardStream does), or use on_bad_sample=error"
             )
-        if world_size > 1 and self.stream.sizes is None:
+        if self.world_size > 1 and self.stream.sizes is None:
             raise UserError(
                 f"data.train ({name}) is a stream {'without sizes' if self.stream.shards else 'of no shards'}: under "
                 "torchrun every rank must take the same steps, planned from the records per shard; give it `shards`, "
@@ -222,7 +196,7 @@ class StreamLoader(EpochLoader):
             )
         self.stream_resume = stream_resume
         self.workers = max(settings.num_workers, 1)  # readers per rank
-        self.readers = world_size * self.workers
+        self.readers = self.world_size * self.workers
         self.batches = 0  # consumed over the run
         self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
         self.done = torch.zeros(len(self.stream.control) - 2, dtype=torch.int64)  # per shard: records the loop consumed
@@ -262,32 +236,28 @@ class StreamLoader(EpochLoader):
                 "loader.batch_size or loader.num_workers"
             )
 
-    def begin_early(self):
+    def begin(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
         self.stream.control.copy_(torch.cat([torch.tensor([self.epoch, self.first]), self.done]))
         if self.loader is None:
-            self.loader = self.guarded(
-                self.stream, batch_size=None, collate_fn=_as_is,  # the workers make whole batches
+            self.loader = GuardedDataLoader(
+                self.stream, self.settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
                 worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
                 generator=torch.Generator().manual_seed(self.seed),
             )  # fmt: skip
         return iter(self.loader)
 
-    def __iter__(self):
-        self.worker_pids = set()
-        if self.position == 0:
-            self.skipped = 0
-        iterator = self._early if self._early is not None else self.begin_early()
-        self._early = None
+    def consume(self, items):
+        """The batches of `items`, a reader's `ended` markers left out; where each reader stands kept."""
         known, ended = self.batches_per_epoch is not None, set()
-        upcoming = None if known and self.position >= self.batches_per_epoch else self._next(iterator, ended)
+        upcoming = None if known and self.position >= self.batches_per_epoch else self._next(items, ended)
         while upcoming is not None:
-            batch, meta = upcoming
+            batch, note = upcoming
             # One batch ahead: the loop must know the epoch's last batch as it takes it (without sizes, only the
             # stream's end tells). A failure in the next one is raised before this one counts, so a checkpoint
             # then still holds it.
             more = not known or self.position + 1 < self.batches_per_epoch
-            upcoming = self._next(iterator, ended) if more else None
+            upcoming = self._next(items, ended) if more else None
             if upcoming is None and more and known and self.world_size > 1:
                 fewer = self.batches_per_epoch - self.position - 1
                 raise failures.BadSample(
@@ -295,33 +265,30 @@ class StreamLoader(EpochLoader):
                     f"{self.batches_per_epoch} steps, which every process takes ({fewer} batch{'es' * (fewer > 1)} "
                     "fewer): set data.on_bad_sample=error to find the bad record, fix or remove it, then resume=latest"
                 )
-            self.position, self.batches = self.position + 1, self.batches + 1
-            self.first = (meta.worker + 1) % self.workers
-            for shard, end in meta.ends.items():
+            self.batches += 1
+            self.first = (note.worker + 1) % self.workers
+            for shard, end in note.ends.items():
                 self.done[shard] = end
-            if meta.state is not None:
-                self.states[self.rank * self.workers + meta.worker] = meta.state
-            self.worker_pids.add(meta.pid)
-            self.count_skipped(meta.skipped)
+            if note.state is not None:
+                self.states[self.rank * self.workers + note.worker] = note.state
             self.at_epoch_end = upcoming is None
-            yield batch
-        self.epoch, self.position, self.first, self.at_epoch_end, self.states = self.epoch + 1, 0, 0, False, {}
-        self.dropped_records = self.dropped
+            yield batch, note
+
+    def epoch_ended(self) -> None:
+        """The next epoch's plan, every reader from its first record."""
+        self.first, self.at_epoch_end, self.states, self.dropped_records = 0, False, {}, self.dropped
         self.done.zero_()
         self._plan()
 
-    def _next(self, iterator, ended: set):
-        """The next batch and what it carries; None once every reader has sent its `ended` marker (the readers'
+    def _next(self, items, ended: set):
+        """The next batch and its note; None once every reader has sent its `ended` marker (the readers'
         iterators never stop: they send markers until the epoch ends)."""
         while len(ended) < self.workers:
-            batch, meta = self.next_batch(iterator)
+            batch, note = next(items)
             if batch is not None:
-                return batch, meta
-            ended.add(meta.worker)
+                return batch, note
+            ended.add(note.worker)
         return None
-
-    def batches_done(self) -> int:
-        return self.batches
 
     def own_state(self) -> dict:
         return {
@@ -349,8 +316,7 @@ class StreamLoader(EpochLoader):
                 f"resume: the checkpoint's global batch is {state['global_batch']}, this run's {self.global_batch}: "
                 "resume with the same loader.batch_size"
             )
-        self.epoch, self.position, self.batches = state["epoch"], state["position"], state["batches"]
-        self.skipped = state["skipped"] if self.position else 0
+        self.batches = state["batches"]
         same = state["readers"] == self.readers and state["world_size"] == self.world_size
         if self.stream.shards:
             self.done = state["consumed"].to(torch.int64).clone()
