@@ -54,19 +54,13 @@ SAME_RUN = {
 {% endif %}
     "callbacks.*": "what runs beside training; a stateful one's state is checked on its own (engine/callbacks.py)",
 }
-RUN_KEYS_UNDER_SAME = {
-    "loader.batch_size": None,
-    "loader.num_workers": "per_worker",
-    "loader.persistent_workers": "per_worker",
-}
 
 
 def changes_run(name: str, rng_mode: str) -> bool:
     """True when a different value of `name` makes a different run (so a resume must not change it silently)."""
-    if name in RUN_KEYS_UNDER_SAME:
-        only = RUN_KEYS_UNDER_SAME[name]
-        return only is None or only == rng_mode
-    return not any(fnmatch(name, pattern) for pattern in SAME_RUN)
+    if name in ("loader.num_workers", "loader.persistent_workers"):
+        return rng_mode == "per_worker"
+    return name == "loader.batch_size" or not any(fnmatch(name, pattern) for pattern in SAME_RUN)
 
 
 def written_by(ckpt: dict) -> int:
