@@ -105,20 +105,19 @@ class device_batches:  # noqa: N801 (used like a function: `for batch in device_
         return len(self.loader)
 
     def __iter__(self) -> Iterator:
-        if self.device.type == "cpu":
-            yield from self.loader  # already where the model is
-            return
         for batch in self.loader:
-            if self.stream is None:
+            if self.device.type == "cpu":
+                yield batch  # already where the model is
+            elif self.stream is None:
                 yield to_device(batch, self.device)
-                continue
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.stream):
-                moved = to_device(batch, self.device)
-            compute.wait_stream(self.stream)
-            for t in tensors(moved):
-                t.record_stream(compute)
-            yield moved
+            else:
+                compute = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(self.stream):
+                    moved = to_device(batch, self.device)
+                compute.wait_stream(self.stream)
+                for t in tensors(moved):
+                    t.record_stream(compute)
+                yield moved
 
 
 class Normalize:

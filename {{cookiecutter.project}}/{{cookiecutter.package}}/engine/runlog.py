@@ -54,9 +54,11 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.files = {}  # steps.jsonl, metrics.jsonl
         for name in ("metrics", "steps"):
-            if purge_step is not None:  # resuming where a crashed run also wrote: drop lines past the checkpoint
-                drop_records_from(run_dir / f"{name}.jsonl", purge_step)
-            self.files[name] = open(run_dir / f"{name}.jsonl", "a", buffering=1)
+            path = run_dir / f"{name}.jsonl"
+            if purge_step is not None and path.exists():  # resuming where a crashed run also wrote
+                kept = [t for t in path.read_text().splitlines() if t and json.loads(t)["step"] < purge_step]
+                path.write_text("".join(text + "\n" for text in kept))  # the lines past the checkpoint dropped
+            self.files[name] = open(path, "a", buffering=1)
         # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step){% if cookiecutter.with_tracking == "yes" %} if "tensorboard" in use else None{% endif +%}
 {% if cookiecutter.with_tracking == "yes" %}
@@ -298,12 +300,6 @@ def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
 
 
 {% endif %}
-def drop_records_from(path: Path, step: int) -> None:
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
-
-
 def minor_page_faults() -> int | None:
     """This process's minor page faults so far, all threads (None where there is no getrusage): a step that
     faults thousands of times is taking back memory its allocator gave away (engine/process.py)."""
