@@ -60,7 +60,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
     # ckpt=latest: train.py's resume=latest rule, held to the keys this command sets (the rest comes from the
     # checkpoint), written by any number of processes
     training = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("ckpt", "split", "ema")])
-    overrides = [o.lstrip("+~").split("=")[0] for o in HydraConfig.get().overrides.task]
+    overrides = [o.lstrip("+~").split("=")[0] for o in HydraConfig.get().overrides.task]  # the keys set
     only = [k for k in overrides if k not in ("ckpt", "split", "ema") and not k.startswith(("checkpoint.", "hydra"))]
     found = resume.locate(cfg.ckpt, run_dir, training, world_size=None, only=only)
     if found is None:
@@ -69,7 +69,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
     ckpt = checkpoint.load(found, {% if cookiecutter.with_fsdp == "yes" %}whole=True, {% endif %}who="eval", latest="ckpt")
     saved = ckpt["config"]
 
-    named = {o.lstrip("+~").split("=")[0].split(".")[0] for o in HydraConfig.get().overrides.task}
+    named = {k.split(".")[0] for k in overrides}  # the groups set
     with open_dict(cfg):
         for section in FROM_CHECKPOINT:
             if section not in named and section in saved:

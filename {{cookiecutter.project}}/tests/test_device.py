@@ -168,8 +168,7 @@ def test_amp_values():
     assert amp_dtype("fp16", CPU) is None and amp_dtype(True, CPU) is None  # fp16 needs CUDA's GradScaler
     cuda = torch.device("cuda")
     assert amp_dtype("fp16", cuda) is torch.float16 and amp_dtype(True, cuda) is torch.float16
-    with pytest.raises(UserError, match="off, bf16 or fp16"):
-        amp_dtype("fp8", CPU)
+    # any other value: refused by the schema, before the run (the next test: amp=fp8 through train.py)
 
 
 @pytest.mark.parametrize(

@@ -3,23 +3,13 @@ and an epoch's running sums carried over a stop give the figures of the run that
 
 {% if cookiecutter.with_tracking == "yes" %}
 import csv
-{% endif %}
-import json
 
+{% endif %}
 import torch
 
 from {{ cookiecutter.package }}.engine.distributed import World
-from {{ cookiecutter.package }}.engine.runlog import EpochMeter, RunLog, drop_records_from
+from {{ cookiecutter.package }}.engine.runlog import EpochMeter, RunLog
 from tests.helpers import read_jsonl
-
-
-def test_drop_records_from_keeps_only_earlier_steps(tmp_path):
-    path = tmp_path / "steps.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)))
-    drop_records_from(path, 5)
-    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4]
-    drop_records_from(tmp_path / "absent.jsonl", 5)  # nothing to drop: not created
-    assert not (tmp_path / "absent.jsonl").exists()
 
 
 def test_resumed_runlog_continues_after_the_checkpoint(tmp_path):
@@ -40,6 +30,8 @@ def test_resumed_runlog_continues_after_the_checkpoint(tmp_path):
     ]
     assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    RunLog(tmp_path / "new", purge_step=4).close()  # a resume into a new folder: nothing to drop
+    assert [read_jsonl(tmp_path / "new" / f"{name}.jsonl") for name in ("steps", "metrics")] == [[], []]
 
 
 {% if cookiecutter.with_tracking == "yes" %}

@@ -164,22 +164,30 @@ def precheck_shapes(
 def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, **_) -> list[str]:
     """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
 {% endif %}
-    drawn(Path(root), recipe(per_class, image_size, data_seed))
+    make_shapes(Path(root), per_class, image_size, data_seed, draw=False)
     return sorted(SHAPES)  # the class folders, in ImageFolder's order
 
 
 shapes.precheck = precheck_shapes  # config.CheckBeforeRun calls a target's `precheck` before Hydra writes anything
 
 
-def recipe(per_class: int, image_size: int, data_seed: int, layout: str = "classification") -> dict:
-    """What a shapes folder was drawn with: stored beside the images as shapes.json and checked on reuse."""
-    drawn_with = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
-    return drawn_with if layout == "classification" else {**drawn_with, "layout": layout}
-
-
-def drawn(root: Path, wanted: dict, other: str = "") -> bool:
-    """True when `root` holds shapes drawn with the recipe `wanted`, False when it is not there yet; else UserError
-    (`other`: another way out, ending the message of a folder that holds something else)."""
+def make_shapes(
+    root: Path,
+    per_class: int,
+    image_size: int,
+    data_seed: int,
+    layout: str = "classification",
+    draw: bool = True,
+    other: str = "",
+) -> None:
+    """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with
+    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
+    Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
+    renamed into place, so a reader never sees half of it. The recipe is stored beside the images (shapes.json)
+    and checked on reuse: a folder drawn otherwise, or holding other files, is refused (`other`: another way out,
+    ending that message). `draw=False`: those refusals alone, nothing drawn (the prechecks)."""
+    wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
+    wanted.update({} if layout == "classification" else {"layout": layout})
     marker = root / "shapes.json"
     if marker.exists():
         if json.loads(marker.read_text()) != wanted:
@@ -187,22 +195,13 @@ def drawn(root: Path, wanted: dict, other: str = "") -> bool:
                 f"{str(root)!r} holds shapes drawn with other settings ({marker.read_text().strip()}): "
                 "delete that folder or set data.root to a new one"
             )
-        return True
+        return
     if root.exists():
         raise UserError(
             f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
             + (f", {other}" if other else "")
         )
-    return False
-
-
-def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, layout: str = "classification") -> None:
-    """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with
-    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
-    Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
-    renamed into place, so a reader never sees half of it; the recipe is stored beside the images (`drawn`)."""
-    wanted = recipe(per_class, image_size, data_seed, layout)
-    if drawn(root, wanted):
+    if not draw:
         return
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -367,8 +366,8 @@ def precheck_segmentation(
     the generated shapes."""
     if not generate:
         return SegmentationFolder.precheck(root, split)
-    wanted = recipe(per_class, image_size, data_seed, "segmentation")
-    drawn(Path(root), wanted, "or data.generate=false to read your own")
+    other = "or data.generate=false to read your own"
+    make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False, other=other)
 
 
 segmentation.precheck = precheck_segmentation

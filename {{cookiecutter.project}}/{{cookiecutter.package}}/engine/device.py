@@ -105,20 +105,19 @@ class device_batches:  # noqa: N801 (used like a function: `for batch in device_
         return len(self.loader)
 
     def __iter__(self) -> Iterator:
-        if self.device.type == "cpu":
-            yield from self.loader  # already where the model is
-            return
         for batch in self.loader:
-            if self.stream is None:
+            if self.device.type == "cpu":
+                yield batch  # already where the model is
+            elif self.stream is None:
                 yield to_device(batch, self.device)
-                continue
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.stream):
-                moved = to_device(batch, self.device)
-            compute.wait_stream(self.stream)
-            for t in tensors(moved):
-                t.record_stream(compute)
-            yield moved
+            else:
+                compute = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(self.stream):
+                    moved = to_device(batch, self.device)
+                compute.wait_stream(self.stream)
+                for t in tensors(moved):
+                    t.record_stream(compute)
+                yield moved
 
 
 class Normalize:
@@ -169,10 +168,7 @@ def amp_dtype(value, device: torch.device):
 
     fp16 needs a GradScaler and is for CUDA only: on the CPU it is ignored (and said so by the caller).
     """
-    key = str(value).lower()
-    if key not in AMP:
-        raise UserError(f"amp must be off, bf16 or fp16 (true/false also work), got {value!r}")
-    dtype = AMP[key]
+    dtype = AMP[str(value).lower()]  # the schema refused any other value
     return None if dtype is torch.float16 and device.type != "cuda" else dtype
 
 

@@ -28,7 +28,7 @@ from .stream_loader import RESTART_EPOCH, plain_stream_refusal
 log = logging.getLogger(__name__)
 
 
-# Which keys, when changed, make a resumed run a different run (`compare`). The rule: every key
+# Which keys, when changed, make a resumed run a different run (`changes`). The rule: every key
 # does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
 # loader.num_workers and loader.persistent_workers do too (each worker's own RNG stream feeds the data).
 SAME_RUN = {
@@ -54,19 +54,13 @@ SAME_RUN = {
 {% endif %}
     "callbacks.*": "what runs beside training; a stateful one's state is checked on its own (engine/callbacks.py)",
 }
-RUN_KEYS_UNDER_SAME = {
-    "loader.batch_size": None,
-    "loader.num_workers": "per_worker",
-    "loader.persistent_workers": "per_worker",
-}
 
 
 def changes_run(name: str, rng_mode: str) -> bool:
     """True when a different value of `name` makes a different run (so a resume must not change it silently)."""
-    if name in RUN_KEYS_UNDER_SAME:
-        only = RUN_KEYS_UNDER_SAME[name]
-        return only is None or only == rng_mode
-    return not any(fnmatch(name, pattern) for pattern in SAME_RUN)
+    if name in ("loader.num_workers", "loader.persistent_workers"):
+        return rng_mode == "per_worker"
+    return name == "loader.batch_size" or not any(fnmatch(name, pattern) for pattern in SAME_RUN)
 
 
 def written_by(ckpt: dict) -> int:
@@ -145,7 +139,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         ckpt = checkpoint.load(path, mmap=True)
     except UserError:
         return "not a readable checkpoint of this project"
-    changed = run_changes(ckpt, cfg)
+    changed = changes(ckpt, cfg)
     if only is not None:
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
@@ -158,14 +152,17 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
 ABSENT = "(absent)"
 
 
-def differences(saved: dict, cfg) -> list[tuple[str, object, object]]:
-    """(key, checkpoint's value, this run's value) for every leaf key that differs, dotted keys, sorted."""
-    old = flatten(saved)
+def changes(ckpt: dict, cfg, same: bool = False) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, this run's value) for every leaf key that differs and makes a different run
+    (`changes_run`), dotted keys, sorted; with `same`, those that keep the run the same (bar the resume's own keys)."""
+    old = flatten(ckpt["config"])
     new = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     return [
         (k, old.get(k, ABSENT), new.get(k, ABSENT))
         for k in sorted(old.keys() | new.keys())
         if old.get(k, ABSENT) != new.get(k, ABSENT)
+        and changes_run(k, cfg.rng_mode.value) != same
+        and k not in ("resume", "resume_strict", "max_steps")
     ]
 
 
@@ -177,37 +174,19 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
-def run_changes(ckpt: dict, cfg) -> list:
-    """The differences between the checkpoint's config and this one that make a different run."""
-    return [c for c in differences(ckpt["config"], cfg) if changes_run(c[0], cfg.rng_mode.value)]
-
-
 {% if cookiecutter.with_tracking == "yes" %}
 def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
     """(the first step this run logs, what a tracked run is told: the step, with resume_strict=false what changed)."""
-    changes = run_changes(ckpt, cfg)
+    run = changes(ckpt, cfg)
     said = f"resumed at step {ckpt['step'] + 1}"
-    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(changes)}" if changes else said
+    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(run)}" if run else said
 
 
 {% endif %}
-def compare(ckpt: dict, cfg, path: Path) -> None:
-    """Refuse (resume_strict) a resume whose config changes the run. What counts as changing the run is decided by
-    one rule, `changes_run`; `report` logs the changes once the resume is in."""
-    run = run_changes(ckpt, cfg)
-    if run and cfg.resume_strict:
-        raise UserError(
-            f"resume: {path} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
-            "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
-        )
-
-
 def report(ckpt: dict, cfg, path: Path) -> None:
     """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
     that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
-    changes = differences(ckpt["config"], cfg)
-    run = [c for c in changes if changes_run(c[0], cfg.rng_mode.value)]
-    same = [c for c in changes if c not in run and c[0] not in ("resume", "resume_strict", "max_steps")]
+    run, same = changes(ckpt, cfg), changes(ckpt, cfg, same=True)
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if run:
         log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
@@ -225,7 +204,12 @@ def precheck(cfg, run_dir: Path) -> None:
     if found is None:
         return
     ckpt = checkpoint.load(found, mmap=True)
-    compare(ckpt, cfg, found)
+    run = changes(ckpt, cfg)  # what makes a different run: one rule, `changes_run`; `report` logs what went through
+    if run and cfg.resume_strict:
+        raise UserError(
+            f"resume: {found} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
+            "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
+        )
     saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
         before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
@@ -284,7 +268,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     model.load_state_dict(ckpt["model"])
     load_optimizer(ckpt, model, optimizer)
 {% endif %}
-    if run_changes(ckpt, cfg):
+    if changes(ckpt, cfg):
         # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
         # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
         # total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
@@ -360,15 +344,13 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
         if world_size == 1
         else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(short(run_dir))}"]
     )
-    resume_from = f"resume={shlex.quote(short(last))}"
+    kept.append(f"resume={shlex.quote(short(last))}")
+    said = f"stopped at step {step}; {folder}; to continue"
     if finished:
         epochs = checkpoint.read(last, "resume", "the run's checkpoint", mmap=True)["config"]["epochs"]
-        longer = [o for o in kept if not o.startswith("epochs=")]
-        command = " ".join([*launch, *longer, resume_from, f"epochs={2 * epochs}", "resume_strict=false"])
-        more = f"{epochs} more epoch{'s' * (epochs != 1)}"
-        return f"finished at step {step}; {folder}; to train {more}:\n  {command}"
-    command = " ".join([*launch, *kept, resume_from])
-    return f"stopped at step {step}; {folder}; to continue:\n  {command}"
+        kept = [o for o in kept if not o.startswith("epochs=")] + [f"epochs={2 * epochs}", "resume_strict=false"]
+        said = f"finished at step {step}; {folder}; to train {epochs} more epoch{'s' * (epochs != 1)}"
+    return f"{said}:\n  {' '.join([*launch, *kept])}"
 
 
 def short(path: Path) -> str:

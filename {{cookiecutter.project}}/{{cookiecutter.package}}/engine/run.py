@@ -191,9 +191,7 @@ def build(
     quiet(unexact)  # named once above: torch's own warning, once per call site, adds nothing
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
-    ckpt = checkpoint.load(found) if found else None
-    if ckpt:
-        resume.compare(ckpt, cfg, found)  # a change of the run is refused unless resume_strict=false
+    ckpt = checkpoint.load(found) if found else None  # refused before the run when it changes the run (preflight)
 
     train_set, val_set = parts.data_sets(cfg)
 {% if cookiecutter.with_photos == "yes" %}

@@ -52,11 +52,13 @@ class RunLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        if purge_step is not None:  # resuming into a folder a crashed run also wrote: drop lines past the checkpoint
-            for name in ("metrics.jsonl", "steps.jsonl"):
-                drop_records_from(run_dir / name, purge_step)
-        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self.steps = open(run_dir / "steps.jsonl", "a", buffering=1)
+        self.files = {}  # steps.jsonl, metrics.jsonl
+        for name in ("metrics", "steps"):
+            path = run_dir / f"{name}.jsonl"
+            if purge_step is not None and path.exists():  # resuming where a crashed run also wrote
+                kept = [t for t in path.read_text().splitlines() if t and json.loads(t)["step"] < purge_step]
+                path.write_text("".join(text + "\n" for text in kept))  # the lines past the checkpoint dropped
+            self.files[name] = open(path, "a", buffering=1)
         # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step){% if cookiecutter.with_tracking == "yes" %} if "tensorboard" in use else None{% endif +%}
 {% if cookiecutter.with_tracking == "yes" %}
@@ -81,25 +83,22 @@ class RunLog:
             return
         line = {"step": step, "loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         line.update(parts or {})
-        self.steps.write(json.dumps(line) + "\n")
-        figures = {f"train/{key}": value for key, value in line.items() if key != "step"}
-        for key, value in figures.items():
-            if self.tb is not None:
-                self.tb.add_scalar(key, value, step)
+        self.files["steps"].write(json.dumps(line) + "\n")
+        figures = {key: value for key, value in line.items() if key != "step"}
+        self.scalars("train", figures, step)
 {% if cookiecutter.with_tracking == "yes" %}
         if self.csv is not None:
             write_table(self.csv, "steps", line)
         if self.tracking is not None:  # the same Python floats, queued: the step does not wait for a server
-            self.tracking.log(step, figures)
+            self.tracking.log(step, {f"train/{key}": value for key, value in figures.items()})
 {% endif %}
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.metrics.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("epoch", "step") and self.tb is not None:
-                self.tb.add_scalar(f"epoch/{key}", value, record["step"])
+        self.files["metrics"].write(json.dumps(record) + "\n")
+        shown = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
+        self.scalars("epoch", shown, record["step"])
         if self.tb is not None:
             self.tb.flush()
 {% if cookiecutter.with_tracking == "yes" %}
@@ -128,7 +127,7 @@ class RunLog:
             self.tb.add_hparams(params, figures, run_name="hparams")
 
     def scalars(self, group: str, values: dict, step: int) -> None:
-        """TensorBoard only, e.g. the loader health samples under `health/`."""
+        """TensorBoard only: the jsonl lines' figures, and e.g. the loader health samples under `health/`."""
         if not self.enabled or self.tb is None:
             return
         for key, value in values.items():
@@ -142,19 +141,19 @@ class RunLog:
     def close(self, files: dict | None = None, finished: bool = False) -> None:
         """The files closed; the trackers get the checkpoint paths (`files`: last, best) and end their runs, as
         `finished` or stopped to be resumed (an exception too: what was queued is still sent)."""
-        if not self.enabled or self.steps.closed:
+        if not self.enabled or self.files["steps"].closed:
             return
         if self.tracking is not None:
             self.tracking.close(files or {}, finished)
 {% else %}
     def close(self) -> None:
-        if not self.enabled or self.steps.closed:
+        if not self.enabled or self.files["steps"].closed:
             return
 {% endif %}
         if self.tb is not None:
             self.tb.close()
-        self.metrics.close()
-        self.steps.close()
+        for file in self.files.values():
+            file.close()
 
 
 class EpochMeter:
@@ -301,12 +300,6 @@ def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
 
 
 {% endif %}
-def drop_records_from(path: Path, step: int) -> None:
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
-
-
 def minor_page_faults() -> int | None:
     """This process's minor page faults so far, all threads (None where there is no getrusage): a step that
     faults thousands of times is taking back memory its allocator gave away (engine/process.py)."""

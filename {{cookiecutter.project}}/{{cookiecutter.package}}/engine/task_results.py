@@ -73,13 +73,11 @@ def check_metrics(metrics, target: str, computes: bool) -> list[str]:
 
 
 def report(task, totals: dict, target: str) -> dict[str, float]:
-    """The figures of a split from its totals, `count` among them: `task.compute(totals)` when the task has it (the
-    totals then CPU float64 tensors of the metrics' shapes), else `total / count` for each entry (the totals then
-    plain floats: nothing more to read); `count` itself last, as the total."""
-    if not hasattr(task, "compute"):
-        count = totals["count"]
-        return {**{k: v / max(count, 1.0) for k, v in totals.items() if k != "count"}, "count": count}
+    """The figures of a split from its totals (CPU float64 tensors of the metrics' shapes, or floats), `count` among
+    them: `task.compute(totals)` when the task has it, else `total / count` for each entry; `count` itself last."""
     count = float(totals["count"])
+    if not hasattr(task, "compute"):
+        return {**{k: float(v) / max(count, 1.0) for k, v in totals.items() if k != "count"}, "count": count}
     figures = task.compute(dict(totals))
     if not isinstance(figures, Mapping) or not figures:
         raise UserError(f"task {target}: compute() must return a dict of figures by name, got {type(figures)}")

@@ -53,7 +53,7 @@ def start(cfg, run_dir: Path, ckpt: dict | None, note: tuple[int, str] | None) -
     """The trackers of `logger.use` that live outside the run folder, started; None when there are none. `ckpt`: the
     checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue; `note`: (the first step this
     run logs, what the tracked run is told: the step, with resume_strict=false what changed)."""
-    use = [name for name in chosen(cfg) if name in REMOTE]
+    use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`chosen`)
     if not use:
         return None
     saved = (ckpt or {}).get("tracking") or {}
