@@ -274,24 +274,43 @@ class Scaled(torch.nn.Module):
 
 
 class ScaledWithInit(Scaled):
-    def init_weights(self, module: torch.nn.Module) -> None:
-        if module is self:
-            torch.nn.init.ones_(self.scale)
-        elif isinstance(module, torch.nn.Linear):
-            module.reset_parameters()
+    """The same with a whole-model init_weights(), as timm's and torchtitan's models have: it sets `scale` and
+    zeroes the Linear's bias after its reset_parameters()."""
+
+    def init_weights(self) -> None:
+        torch.nn.init.constant_(self.scale, 2.0)
+        torch.nn.init.zeros_(self.linear.bias)
 
 
-def test_a_tensor_no_initialiser_sets_is_refused_and_init_weights_sets_it():
+class ScaledWithOtherInit(Scaled):
+    def init_weights(self, mode: str) -> None:  # another signature: refused in one line
+        torch.nn.init.ones_(self.scale)
+
+
+def test_a_tensor_no_initialiser_sets_is_refused_and_init_weights_sets_it(tmp_path):
     """The dry step's check (fsdp.check_init) on meta-device models: refused in one line naming the tensor; the same
-    model with an init_weights(module), and a model of Linear and LayerNorm blocks, pass."""
+    model with an init_weights(), and a model of Linear and LayerNorm blocks, pass; an init_weights() that fails is
+    refused in one line naming it. Built (one process), init_weights() has the last word."""
     root_only = OmegaConf.create({"shard_modules": []})
     with pytest.raises(UserError, match=r"^parallel=fsdp: scale \(Scaled\) is not set by any initialiser"):
         fsdp.check_init(fsdp.on_meta(Scaled), root_only, seed=0)
+    with pytest.raises(UserError, match=r"^parallel=fsdp: ScaledWithOtherInit.init_weights\(\) fails .*TypeError"):
+        fsdp.check_init(fsdp.on_meta(ScaledWithOtherInit), root_only, seed=0)
     fsdp.check_init(fsdp.on_meta(ScaledWithInit), root_only, seed=0)
     blocks = OmegaConf.create({"shard_modules": ["tests.blocks.ResidualBlock"]})
     model = fsdp.on_meta(lambda: BlockNet(10, 8))
     fsdp.check_init(model, blocks, seed=0)
     assert all(t.is_meta for t in model.state_dict().values())  # checked one unit at a time, let go again
+
+    init = tmp_path / "init.pg"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        built = fsdp.build(ScaledWithInit, root_only, None, torch.device("cpu"), seed=0)
+        state = {k: v.full_tensor() for k, v in built.state_dict().items()}
+    finally:
+        torch.distributed.destroy_process_group()
+    assert torch.equal(state["scale"], torch.full((4,), 2.0)) and not state["linear.bias"].any()
+    assert state["linear.weight"].std() > 0  # the Linear's own reset_parameters() came first
 
 
 # With the run's default allocator settings (process.keep_freed_memory), holds twenty 16 MiB tensors and a small one

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
-from torchvision.models.vision_transformer import Encoder, MLPBlock, VisionTransformer
+from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
 {% else %}
 from torchvision.models.vision_transformer import VisionTransformer
 {% endif %}
@@ -67,30 +67,27 @@ class ViT(VisionTransformer):
 
     shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
 
-    def init_weights(self, module: nn.Module) -> None:
-        """One module's share of torchvision's own initialisation, for parallel=fsdp, which builds the model on the
-        meta device and initialises it module by module (children first). torchvision sets some tensors in its
-        constructors, outside any reset_parameters() (the class token, the position embedding, attention's input
-        projection): the same distributions here."""
-        if isinstance(module, VisionTransformer):
-            conv = module.conv_proj
-            nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
-            nn.init.zeros_(conv.bias)
-            nn.init.zeros_(module.class_token)
-            nn.init.zeros_(module.heads.head.weight)
-            nn.init.zeros_(module.heads.head.bias)
-        elif isinstance(module, Encoder):
-            nn.init.normal_(module.pos_embedding, std=0.02)
-        elif isinstance(module, nn.MultiheadAttention):
-            nn.init.xavier_uniform_(module.in_proj_weight)
-            nn.init.zeros_(module.in_proj_bias)
-            nn.init.zeros_(module.out_proj.bias)
-        elif isinstance(module, MLPBlock):
-            for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
-                nn.init.xavier_uniform_(linear.weight)
-                nn.init.normal_(linear.bias, std=1e-6)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+    def init_weights(self) -> None:
+        """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters() (the
+        patch projection, class token, position embedding, attention's input projection, the MLPs and the head), the
+        same distributions: for parallel=fsdp, which builds the model on the meta device and initialises it unit by
+        unit (engine/fsdp.py)."""
+        conv = self.conv_proj
+        nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
+        nn.init.zeros_(conv.bias)
+        nn.init.zeros_(self.class_token)
+        nn.init.normal_(self.encoder.pos_embedding, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.MultiheadAttention):
+                nn.init.xavier_uniform_(module.in_proj_weight)
+                nn.init.zeros_(module.in_proj_bias)
+                nn.init.zeros_(module.out_proj.bias)
+            elif isinstance(module, MLPBlock):
+                for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
+                    nn.init.xavier_uniform_(linear.weight)
+                    nn.init.normal_(linear.bias, std=1e-6)
+        nn.init.zeros_(self.heads.head.weight)
+        nn.init.zeros_(self.heads.head.bias)
 
 
 {% endif %}

@@ -162,11 +162,12 @@ def unit_seed(seed: int, path: str) -> int:
 
 
 def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None) -> None:
-    """Each unit's own tensors made whole on the CPU, one unit at a time, and initialised: by the model's
-    `init_weights(module)` for each of its modules when the model defines it, else by each module's
-    `reset_parameters()`; children before their parent, so a parent's initialiser has the last word. `put(name,
-    whole)` takes each initialised tensor (None: only check, as the dry step does). A tensor no initialiser set is
-    refused in one line: under the meta device the constructor's own initialisation never ran."""
+    """Each unit's own tensors made whole on the CPU, one unit at a time, and initialised as a constructor would:
+    each module's `reset_parameters()`, children before their parent, then the model's own `init_weights()` when it
+    has one (timm's and torchtitan's models do), called on the whole model: the other units' tensors are on the meta
+    device there, where its draws touch nothing. `put(name, whole)` takes each initialised tensor (None: only check,
+    as the dry step does). A tensor nothing set is refused in one line: under the meta device the constructor's own
+    initialisation never ran."""
     init_weights = getattr(blueprint, "init_weights", None)
     for path in paths:
         modules = owned(blueprint, path, paths)
@@ -178,10 +179,17 @@ def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None
                         t.fill_(not_set(t))  # a value no initialiser leaves: what is still so after them was not set
             torch.manual_seed(unit_seed(seed, path))
             for _, module in reversed(modules):
-                if callable(init_weights):
-                    init_weights(module)
-                elif callable(getattr(module, "reset_parameters", None)):
+                if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
+            if callable(init_weights):
+                try:
+                    init_weights()
+                except Exception as e:
+                    raise UserError(
+                        f"parallel=fsdp: {type(blueprint).__name__}.init_weights() fails on the model built on the "
+                        f"meta device: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; it is called "
+                        "with no arguments and must set tensors in place (docs/distributed.md)"
+                    ) from None
         for name, module in modules:
             for key, t in own_tensors(module):
                 mark, full = not_set(t), f"{name}.{key}" if name else key
@@ -189,8 +197,8 @@ def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None
                     raise UserError(
                         f"parallel=fsdp: {full} ({type(module).__name__}) is not set by any initialiser: the model is "
                         f"built on the meta device, where its constructor's initialisation never runs: give "
-                        f"{type(module).__name__} a reset_parameters(), or the model an init_weights(module) that sets "
-                        "it (docs/distributed.md)"
+                        f"{type(module).__name__} a reset_parameters(), or the model an init_weights() that sets it "
+                        "(docs/distributed.md)"
                     )
                 if put is not None:
                     put(full, t)
