@@ -102,7 +102,9 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
            "optim.lr=0.002", "epochs=3", "loader.batch_size=8", "accumulate_steps=2", "optim.grad_clip=1.0",
            "ema.decay=0.5", "progress=false"]  # fmt: skip
     proc = run_torchrun(tmp_path / "vit", *vit)
-    assert "fsdp: per rank of 2: parameters" in proc.stdout + proc.stderr
+    logged = proc.stdout + proc.stderr
+    assert "fsdp: per rank of 2: parameters" in logged and ", EMA " in logged  # the plan, the EMA's copy in it
+    assert re.search(r"fsdp: measured peak per rank over the run: resident \d+, \d+ MiB, \d+, \d+ MiB more", logged)
     records = read_jsonl(tmp_path / "vit/metrics.jsonl")
     assert records[-1]["train_loss"] < records[0]["train_loss"], records  # it learns (slowly: a ViT on 160 images)
     last = tmp_path / "vit/checkpoints/last.pth"
