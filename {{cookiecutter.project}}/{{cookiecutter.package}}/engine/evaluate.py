@@ -49,7 +49,9 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
         for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
 {% endif %}
-    flat = torch.tensor(sum_and_read(list(sums.values()), device, world), dtype=torch.float64)
+    read = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
+    if not hasattr(task, "compute"):  # every sum is one number: the floats as they came, no tensor to read again
+        return report(task, dict(zip(sums, read, strict=True)), target)
     # each total back in its shape, on the CPU (built, not read)
-    pieces = flat.split([total.numel() for total in sums.values()])
+    pieces = torch.tensor(read, dtype=torch.float64).split([total.numel() for total in sums.values()])
     return report(task, {k: piece.reshape(sums[k].shape) for k, piece in zip(sums, pieces)}, target)
