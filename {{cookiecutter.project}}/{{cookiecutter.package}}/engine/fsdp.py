@@ -112,18 +112,17 @@ def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channe
         return_freed_memory()
     model = on_meta(make, channels_last)
     blueprint = copy.deepcopy(model)  # on the meta device: free; where each unit is made whole in turn
+    paths = unit_paths(model, parallel_cfg)
     shard(model, parallel_cfg, amp)
     model.to_empty(device=device)
-    initialize(blueprint, unit_paths(model), seed, lambda name, whole: put(model, name, whole))
+    initialize(blueprint, paths, seed, lambda name, whole: put(model, name, whole))
     return model
 
 
 def check_init(model: torch.nn.Module, parallel_cfg, seed: int) -> None:
     """The dry step's check of `build` on the meta-device `model`: its units found, each initialised on the CPU in
     turn and let go; a shard class naming nothing, or a tensor no initialiser sets, refused in one line."""
-    found = units(model, unit_names(parallel_cfg, model))
-    paths = [name for name, m in model.named_modules() if any(m is unit for unit in found)] + [""]
-    initialize(model, paths, seed)
+    initialize(model, unit_paths(model, parallel_cfg), seed)
 
 
 def return_freed_memory() -> bool:
@@ -136,9 +135,10 @@ def return_freed_memory() -> bool:
     return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
-def unit_paths(model: torch.nn.Module) -> list[str]:
-    """The qualified names of the model's FSDP units, the root ("") last."""
-    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and name] + [""]
+def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
+    """The qualified names of the modules that become FSDP units (`units`), the root ("") last."""
+    found = units(model, unit_names(parallel_cfg, model))
+    return [name for name, m in model.named_modules() if any(m is unit for unit in found)] + [""]
 
 
 def owned(blueprint: torch.nn.Module, path: str, paths: list[str]) -> list[tuple[str, torch.nn.Module]]:
