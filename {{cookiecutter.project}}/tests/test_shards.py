@@ -296,7 +296,7 @@ def test_missing_or_changed_shards_are_named(packed, tmp_path):
         ds[int(ds.starts[3])]
     with pytest.raises(UserError, match=f"shard {shard} is missing"):
         ShardDataset(copy / "train")
-    with pytest.raises(UserError, match="num_classes=5 but .* hold 4 classes"):
+    with pytest.raises(UserError, match="num_classes=5 but the train data holds 4 classes"):
         ShardDataset(packed / "train", num_classes=5)
     (copy / "val" / INDEX).unlink()
     with pytest.raises(UserError, match="index.json' is missing"):

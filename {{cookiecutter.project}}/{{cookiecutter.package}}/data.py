@@ -250,13 +250,8 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Im
                 pen.polygon([(cx + s * ax + t * px, cy + s * ay + t * py) for s, t in ends], fill=paint)
         else:
             corners = 4 if name == "square" else 3
-            pen.polygon(
-                [
-                    (cx + radius * math.cos(a), cy + radius * math.sin(a))
-                    for a in (angle + 2 * math.pi * k / corners for k in range(corners))
-                ],
-                fill=paint,
-            )
+            turns = (angle + 2 * math.pi * k / corners for k in range(corners))
+            pen.polygon([(cx + radius * math.cos(a), cy + radius * math.sin(a)) for a in turns], fill=paint)
     return image, Image.fromarray(ignore_edge(np.array(mask)), "L")
 
 
@@ -270,7 +265,9 @@ def ignore_edge(mask: np.ndarray) -> np.ndarray:
 
 class SegmentationFolder(torch.utils.data.Dataset):
     """Image/mask pairs: `<root>/<split>/images/<name>.<png|jpg>` and `<root>/<split>/masks/<name>.png`, a mask pixel
-    holding its class index (0 .. num_classes - 1) or IGNORE (255: no class, left out of the loss and metrics).
+    holding its class index (0 .. num_classes - 1) or IGNORE (255: no class, left out of the loss and metrics). With
+    `generate`, the shapes are drawn into `root` on first use (masks with class 1 + the shape's index in SHAPES, 0 the
+    background); without it, the pairs are your own.
 
     A sample is `(image, mask)`: uint8 (3, H, W) and int64 (H, W). `transform` (torchvision.transforms.v2) gets both
     at once as `tv_tensors.Image` and `tv_tensors.Mask`, so a random crop or flip moves the mask with the image and
@@ -278,16 +275,33 @@ class SegmentationFolder(torch.utils.data.Dataset):
     holding another value, naming the file, instead of an index error in the loss.
     """
 
-    def __init__(self, root, split: str, transform=None, num_classes: int | None = None):
+    def __init__(
+        self,
+        root,
+        split: str,
+        transform=None,
+        num_classes: int | None = None,
+        generate: bool = False,
+        per_class: int = 100,
+        image_size: int = 32,
+        data_seed: int = 2026,
+    ):
+        if generate:
+            make_shapes(Path(root), per_class, image_size, data_seed, layout="segmentation")
         pairs = self.pairs(root, split)
         self.images, self.masks = pairs[:, 0].copy(), pairs[:, 1].copy()
         self.transform, self.num_classes = transform, num_classes
 
-    @classmethod
-    def precheck(cls, root, split: str, **_) -> None:
-        """What train.py checks before Hydra writes a run folder: the split's folders, and a mask for every image.
-        No class names to return: the masks' values are read with the samples."""
-        cls.pairs(root, split)
+    @staticmethod
+    def precheck(
+        root, split: str, generate: bool = False, per_class: int = 100, image_size: int = 32, data_seed: int = 2026, **_
+    ) -> None:
+        """What the constructor would refuse, without drawing anything: a folder in the way of the generated shapes,
+        or your folder's layout. No class names to return: the masks' values are read with the samples."""
+        if not generate:
+            return SegmentationFolder.pairs(root, split)
+        other = "or data.generate=false to read your own"
+        make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False, other=other)
 
     @staticmethod
     def pairs(root, split: str) -> np.ndarray:
@@ -342,35 +356,10 @@ class SegmentationFolder(torch.utils.data.Dataset):
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor).long()
 
 
-def segmentation(
-    root,
-    split: str,
-    transform=None,
-    generate: bool = True,
-    num_classes: int | None = None,
-    per_class: int = 100,
-    image_size: int = 32,
-    data_seed: int = 2026,
-):
-    """One split of segmentation data: with `generate`, the shapes drawn into `root` on first use (masks with class
-    1 + the shape's index in SHAPES, 0 the background); without it, your own folder of pairs in `root`."""
-    if generate:
-        make_shapes(Path(root), per_class, image_size, data_seed, layout="segmentation")
-    return SegmentationFolder(root, split, transform=transform, num_classes=num_classes)
-
-
-def precheck_segmentation(
-    root, split: str, generate: bool = True, per_class: int = 100, image_size: int = 32, data_seed: int = 2026, **_
-) -> None:
-    """What `segmentation()` would refuse, without drawing anything: your folder's layout, or a folder in the way of
-    the generated shapes."""
-    if not generate:
-        return SegmentationFolder.precheck(root, split)
-    other = "or data.generate=false to read your own"
-    make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False, other=other)
-
-
-segmentation.precheck = precheck_segmentation
+NO_CIFAR = (
+    "no CIFAR-10 under {root!r} ({why}): copy cifar-10-batches-py there, or set data.download=true on a machine with "
+    "internet"
+)
 
 
 def cifar10(root, train: bool, transform=None, download: bool = False):
@@ -378,20 +367,13 @@ def cifar10(root, train: bool, transform=None, download: bool = False):
     try:
         return datasets.CIFAR10(str(root), train=train, transform=transform, download=download)
     except RuntimeError as e:
-        raise UserError(no_cifar(root, e)) from None
+        raise UserError(NO_CIFAR.format(root=str(root), why=e)) from None
 
 
 def precheck_cifar10(root, download: bool = False, **_) -> None:
     """No local copy and no download asked for: refused before the run, as `cifar10()` would refuse it."""
     if not download and not (Path(root) / datasets.CIFAR10.base_folder).is_dir():
-        raise UserError(no_cifar(root, f"no {datasets.CIFAR10.base_folder} folder"))
+        raise UserError(NO_CIFAR.format(root=str(root), why=f"no {datasets.CIFAR10.base_folder} folder"))
 
 
 cifar10.precheck = precheck_cifar10
-
-
-def no_cifar(root, why) -> str:
-    return (
-        f"no CIFAR-10 under {str(root)!r} ({why}): copy cifar-10-batches-py there, or set data.download=true "
-        "on a machine with internet"
-    )

@@ -86,8 +86,7 @@ class Probe(Dataset):
 {% if cookiecutter.with_streams == "yes" %}
 
     def __iter__(self):
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        worker, workers = shard_plan.this_worker()
         records = itertools.islice(shard_plan.records(self.dataset, worker, workers), max(self.count // workers, 1))
         while (began := time.time()) and (item := next(records, None)) is not None:  # began: before each read
             self.times.append((began, time.time() - began))

@@ -8,18 +8,12 @@ and object storage do not. `pack` writes each split as tar files, per sample `<k
 were) and `<key>.cls` (the label), so `webdataset` and `tar` read them too, plus `index.json`: per shard its name and
 size, per sample where each member's data starts. With the index the shards are a map-style data set, so everything
 TrainLoader does for an image folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile
-under rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor):
-
-- sample `i` lives at (shard, offset, size) in numpy arrays (one object each, so workers do not copy the parent's
-  memory page by page as they would reading a list of many Python objects);
-- a process opens a shard once, keeps it open (at most `max_open`, the least recently used closed first) and reads a
-  sample with one seek and one read; open files are keyed by process id, so a forked worker never shares a file
-  position with its parent;
-- `epoch_order(seed, epoch)`, a pure function of (seed, epoch), gives EpochBatchSampler the epoch's order: the shards
-  in a random order, then the samples of each window of `shuffle_window` consecutive shards shuffled together. A batch
-  touches a few files instead of one per sample; the price (samples of far-apart shards never share a batch within an
-  epoch) is harmless as `pack` mixes the classes across the shards (`--seed`), costly for shards of few classes each
-  (`--in-order`, or shards sorted by another tool).
+under rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor). Sample `i` lives at (shard, offset, size) in
+numpy arrays (one object each: workers do not copy the parent's memory page by page, pytorch/pytorch#13246); a process
+keeps its shards open and reads a sample with one seek and one read. `epoch_order(seed, epoch)` shuffles the shards,
+then the samples of each window of `shuffle_window` shards together: a batch touches a few files instead of one per
+sample; the price (samples of far-apart shards never share a batch within an epoch) is harmless as `pack` mixes the
+classes across the shards (`--seed`), costly for shards of few classes each (`--in-order`, or sorted by another tool).
 {% if cookiecutter.with_streams == "yes" %}
 
 `stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
@@ -50,6 +44,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from .engine.decode import CropDecoder, check_decode
 {% endif %}
 from .engine.errors import UserError
+from .engine.parts import check_classes
+from .engine.schema import integer
 
 INDEX = "index.json"
 FORMAT = 1  # bump when the layout of the shards or the index changes
@@ -71,10 +67,9 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
     is written; `dst` must be new or empty. Returns samples per split.
     """
     src, dst = Path(src), Path(dst)
-    if isinstance(per_shard, bool) or not isinstance(per_shard, int) or per_shard < 1:
-        raise UserError(f"--per-shard must be a whole number >= 1, got {per_shard!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise UserError(f"--seed must be a whole number >= 0, got {seed!r}")
+    for flag, value, low in (("--per-shard", per_shard, 1), ("--seed", 0 if seed is None else seed, 0)):
+        if wanted := integer(low)(value):
+            raise UserError(f"{flag} must be {wanted}, got {value!r}")
     if not (src / "train").is_dir():
         raise UserError(
             f"{str(src / 'train')!r} is not a folder: pack expects SRC/train/<class>/* (and SRC/val/<class>/*)"
@@ -293,16 +288,13 @@ class ShardDataset(Dataset):
             self._files, self._pid = OrderedDict(), os.getpid()
         if shard in self._files:
             self._files.move_to_end(shard)
-        else:
-            self._files[shard] = self._open(shard)
-            if len(self._files) > self.max_open:  # the least recently used goes
-                self._files.popitem(last=False)[1].close()
-        return self._files[shard]
-
-    def _open(self, shard: int):
+            return self._files[shard]
         check_size(self.paths[shard], int(self.shard_bytes[shard]))  # missing or changed since the run started
         self.opens += 1
-        return open(self.paths[shard], "rb")
+        self._files[shard] = open(self.paths[shard], "rb")
+        if len(self._files) > self.max_open:  # the least recently used goes
+            self._files.popitem(last=False)[1].close()
+        return self._files[shard]
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
@@ -343,15 +335,9 @@ def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
         raise UserError(
             f"{str(path)!r} is not an index this version reads (format {FORMAT}): pack again into an empty folder"
         )
-    classes = list(index["classes"])
-    if num_classes is not None and num_classes != len(classes):
-        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
-        raise UserError(
-            f"data.num_classes={num_classes} but the shards in {str(root)!r} hold "
-            f"{len(classes)} classes ({shown}): set data.num_classes={len(classes)}"
-        )
-    if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 0:
-        raise UserError(f"data.shuffle_window must be a whole number of shards >= 0 (0 = all), got {shuffle_window!r}")
+    check_classes({root.name: index["classes"]}, num_classes)  # as preflight checks the classes precheck returns
+    if wanted := integer(0)(shuffle_window):
+        raise UserError(f"data.shuffle_window must be {wanted} (shards; 0 = all), got {shuffle_window!r}")
     for shard in index["shards"]:
         check_size(root / shard["name"], int(shard["bytes"]))
     return index
