@@ -68,7 +68,8 @@ def main() -> None:
         project = bake(tmp / "bake")
         sys.path.insert(0, str(project))
         package = next(p.parent.parent.name for p in project.glob("*/engine/run.py"))
-        data = __import__(f"{package}.data", fromlist=["ImageFiles", "train_transform"])
+        data = __import__(f"{package}.data", fromlist=["ImageFiles"])
+        common = __import__("benchmarks.common", fromlist=["train_transform"])
         loader = __import__(f"{package}.engine.loader", fromlist=["BatchIndices", "SeededBatches"])
         sets = {
             "shapes 32x32 PNG, crop 32": (project / "data/shapes-600-32/train", 32),
@@ -77,7 +78,7 @@ def main() -> None:
         }
         print(f"per_sample seeding cost: batch fetch time seeded / unseeded, batches of {BATCH}, {args.rounds} rounds")
         for name, (folder, size) in sets.items():
-            dataset = data.ImageFiles(folder, transform=data.train_transform(size))
+            dataset = data.ImageFiles(folder, transform=common.train_transform(size))
             batches = max(2, min(12, len(dataset) // BATCH))
             order = np.random.default_rng(1).permutation(len(dataset))
             keys = [loader.BatchIndices(order[i * BATCH : (i + 1) * BATCH].tolist(), 0, i) for i in range(batches)]

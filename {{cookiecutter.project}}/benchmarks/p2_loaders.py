@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import samples_per_s
-from {{ cookiecutter.package }}.data import shapes, train_transform
+from benchmarks.common import samples_per_s, train_transform
+from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import rng
 from {{ cookiecutter.package }}.engine.loader import BatchIndices, SeededBatches, TrainLoader
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings

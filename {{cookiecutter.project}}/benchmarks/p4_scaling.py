@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from benchmarks.common import samples_per_s
-from {{ cookiecutter.package }}.data import shapes, train_transform
+from benchmarks.common import samples_per_s, train_transform
+from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import schema
 from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings, usable_cpus
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings

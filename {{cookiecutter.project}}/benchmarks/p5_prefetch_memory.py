@@ -29,7 +29,8 @@ import psutil
 import torch
 from torch.utils.data import Dataset
 
-from {{ cookiecutter.package }}.data import shapes, train_transform
+from benchmarks.common import train_transform
+from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import memory, monitor
 from {{ cookiecutter.package }}.engine.loader import TrainLoader
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings

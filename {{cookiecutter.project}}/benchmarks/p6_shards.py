@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.data import ImageFiles, make_shapes, train_transform
+from benchmarks.common import train_transform
+from {{ cookiecutter.package }}.data import ImageFiles, make_shapes
 from {{ cookiecutter.package }}.engine import memory
 from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings
 from {{ cookiecutter.package }}.shards import INDEX, ShardDataset, pack

@@ -23,9 +23,6 @@ import torch
 from PIL import Image, ImageDraw
 from torchvision import datasets, tv_tensors
 from torchvision.datasets.folder import find_classes
-{% if cookiecutter.with_benchmarks == "yes" %}
-from torchvision.transforms import v2
-{% endif %}
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 {% if cookiecutter.with_photos == "yes" %}
@@ -39,21 +36,6 @@ IGNORE = 255  # a mask pixel of this value has no class: left out of the loss an
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
-{% if cookiecutter.with_benchmarks == "yes" %}
-def train_transform(image_size: int) -> v2.Compose:
-    """The shapes config's training transform, for code outside Hydra (the benchmarks): conf/data/*.yaml lists the
-    same steps. It runs in the workers and draws from their torch RNG; its output stays uint8 (C, H, W), and
-    train.py turns it into normalized floats on the device (`data.normalize`, device.Normalize)."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.RandomResizedCrop(image_size, scale=(0.6, 1.0), ratio=(0.8, 1.25), antialias=True),
-            v2.RandomHorizontalFlip(),
-        ]
-    )
-
-
-{% endif %}
 class ImageFiles(datasets.ImageFolder):
 {% if cookiecutter.with_photos == "yes" %}
     """`torchvision.datasets.ImageFolder` (one subfolder per class, decoding in the worker) with its file list held
@@ -168,7 +150,7 @@ def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed:
     return sorted(SHAPES)  # the class folders, in ImageFolder's order
 
 
-shapes.precheck = precheck_shapes  # config.CheckBeforeRun calls a target's `precheck` before Hydra writes anything
+shapes.precheck = precheck_shapes  # preflight.precheck_data calls a target's `precheck` before Hydra writes anything
 
 
 def make_shapes(
@@ -178,14 +160,13 @@ def make_shapes(
     data_seed: int,
     layout: str = "classification",
     draw: bool = True,
-    other: str = "",
 ) -> None:
     """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with
     `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
     Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
     renamed into place, so a reader never sees half of it. The recipe is stored beside the images (shapes.json)
-    and checked on reuse: a folder drawn otherwise, or holding other files, is refused (`other`: another way out,
-    ending that message). `draw=False`: those refusals alone, nothing drawn (the prechecks)."""
+    and checked on reuse: a folder drawn otherwise, or holding other files, is refused. `draw=False`: those refusals
+    alone, nothing drawn (the prechecks)."""
     wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
     wanted.update({} if layout == "classification" else {"layout": layout})
     marker = root / "shapes.json"
@@ -199,7 +180,7 @@ def make_shapes(
     if root.exists():
         raise UserError(
             f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
-            + (f", {other}" if other else "")
+            + (", or data.generate=false to read your own" if layout == "segmentation" else "")
         )
     if not draw:
         return
@@ -298,10 +279,10 @@ class SegmentationFolder(torch.utils.data.Dataset):
     ) -> None:
         """What the constructor would refuse, without drawing anything: a folder in the way of the generated shapes,
         or your folder's layout. No class names to return: the masks' values are read with the samples."""
-        if not generate:
-            return SegmentationFolder.pairs(root, split)
-        other = "or data.generate=false to read your own"
-        make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False, other=other)
+        if generate:
+            make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False)
+        else:
+            SegmentationFolder.pairs(root, split)
 
     @staticmethod
     def pairs(root, split: str) -> np.ndarray:
@@ -356,24 +337,19 @@ class SegmentationFolder(torch.utils.data.Dataset):
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor).long()
 
 
-NO_CIFAR = (
-    "no CIFAR-10 under {root!r} ({why}): copy cifar-10-batches-py there, or set data.download=true on a machine with "
-    "internet"
-)
-
-
 def cifar10(root, train: bool, transform=None, download: bool = False):
     """CIFAR-10 from a local `cifar-10-batches-py` folder; downloading stays off unless asked for."""
-    try:
-        return datasets.CIFAR10(str(root), train=train, transform=transform, download=download)
-    except RuntimeError as e:
-        raise UserError(NO_CIFAR.format(root=str(root), why=e)) from None
+    precheck_cifar10(root, download)
+    return datasets.CIFAR10(str(root), train=train, transform=transform, download=download)
 
 
 def precheck_cifar10(root, download: bool = False, **_) -> None:
-    """No local copy and no download asked for: refused before the run, as `cifar10()` would refuse it."""
+    """No local copy and no download asked for: refused before the run, and by `cifar10()` itself."""
     if not download and not (Path(root) / datasets.CIFAR10.base_folder).is_dir():
-        raise UserError(NO_CIFAR.format(root=str(root), why=f"no {datasets.CIFAR10.base_folder} folder"))
+        raise UserError(
+            f"no CIFAR-10 under {str(root)!r} (no {datasets.CIFAR10.base_folder} folder): copy cifar-10-batches-py "
+            "there, or set data.download=true on a machine with internet"
+        )
 
 
 cifar10.precheck = precheck_cifar10

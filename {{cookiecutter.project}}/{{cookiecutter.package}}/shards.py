@@ -38,11 +38,12 @@ import numpy as np
 from PIL import Image
 {% endif %}
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 {% if cookiecutter.with_photos == "yes" %}
 from .engine.decode import CropDecoder, check_decode
 {% endif %}
+from .data import ImageFiles
+from .engine.checkpoint import sync
 from .engine.errors import UserError
 from .engine.parts import check_classes
 from .engine.schema import integer
@@ -59,12 +60,11 @@ BLOCK = tarfile.BLOCKSIZE
 def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[str, int]:
     """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
 
-    The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order),
-    as WebDataset advises: in sorted order each shard would hold one class or two, and a shuffle that keeps
-    a batch within a few shards (`shuffle_window`) would train on batches of a few classes. Deterministic:
-    ImageFolder's labels (sorted class folders), the order a function of (seed, the sorted file list), fixed
-    tar headers, keys numbered per split in the order written. Everything is checked before the first byte
-    is written; `dst` must be new or empty. Returns samples per split.
+    The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order, each shard
+    then holding a class or two), as WebDataset advises. Deterministic: ImageFolder's labels (sorted class folders),
+    the order a function of (seed, the sorted file list), fixed tar headers, keys numbered per split in the order
+    written. Everything is checked before the first byte is written; `dst` must be new or empty. Returns samples per
+    split.
     """
     src, dst = Path(src), Path(dst)
     for flag, value, low in (("--per-shard", per_shard, 1), ("--seed", 0 if seed is None else seed, 0)):
@@ -76,26 +76,17 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
         )
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{str(dst)!r} is not empty: pack writes into a new or empty folder, and nothing was written")
-    try:
-        classes, class_to_idx = find_classes(str(src / "train"))
-    except FileNotFoundError:
-        raise UserError(
-            f"no class folders in {str(src / 'train')!r}: put one subfolder of images per class there"
-        ) from None
-    listing = {}
-    for split in SPLITS:
-        folder = src / split
-        if not folder.is_dir():
-            continue
-        unknown = sorted({p.name for p in folder.iterdir() if p.is_dir()} - set(classes))
+    folders = {split: ImageFiles(src / split) for split in SPLITS if (src / split).is_dir()}  # listed as training does
+    classes, listing = folders["train"].classes, {}
+    for split, folder in folders.items():
+        unknown = sorted(set(folder.classes) - set(classes))
         if unknown:
             raise UserError(
-                f"{str(folder)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
+                f"{str(src / split)!r} has class folders that train/ lacks ({', '.join(unknown[:5])}): "
                 "labels would not match"
             )
-        listing[split] = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-        if not listing[split]:
-            raise UserError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(folder)!r}")
+        labels = [classes.index(folder.classes[label]) for label in folder.labels]  # train's numbering
+        listing[split] = list(zip(folder.paths.tolist(), labels))
         if seed is not None:  # each split its own stream, so adding a val/ folder leaves the train shards as they were
             mix = np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
             listing[split] = [listing[split][i] for i in mix.permutation(len(listing[split]))]
@@ -147,11 +138,7 @@ def durable(path: Path):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself
-    finally:
-        os.close(folder)
+    sync(path.parent)  # the rename itself
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -227,7 +214,14 @@ class ShardDataset(Dataset):
 
     def __getitem__(self, index: int):
         data = self._ready.pop(index, None)
-        return self._sample(self.read(index) if data is None else data, int(self.label[index]))
+        data = self.read(index) if data is None else data
+{% if cookiecutter.with_photos == "yes" %}
+        return self.reader(data), int(self.label[index])  # decoded as an image folder's file is (CropDecoder)
+{% else %}
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
+        return image if self.transform is None else self.transform(image), int(self.label[index])
+{% endif %}
 
     def prefetch(self, indices) -> None:
         """Read a batch's bytes now, in file order (shard, then offset), for the `__getitem__` calls that follow:
@@ -272,15 +266,6 @@ class ShardDataset(Dataset):
             members = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in group])
             parts.append(gen.permutation(members))
         return np.concatenate(parts)
-
-    def _sample(self, data: bytes, label: int):
-{% if cookiecutter.with_photos == "yes" %}
-        return self.reader(data), label  # decoded as an image folder's file is (engine/decode.py's CropDecoder)
-{% else %}
-        with Image.open(io.BytesIO(data)) as image:
-            image = image.convert("RGB")  # as torchvision's ImageFolder loads a file
-        return image if self.transform is None else self.transform(image), label
-{% endif %}
 
     def _file(self, shard: int):
         # first use in this process (a forked worker starts here): never the parent's handles
