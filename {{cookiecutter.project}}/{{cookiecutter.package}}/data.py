@@ -26,7 +26,7 @@ from torchvision.datasets.folder import find_classes
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 {% if cookiecutter.with_photos == "yes" %}
-from .engine.decode import CropDecoder, check_decode
+from .engine.decode import CropDecoder
 {% endif %}
 from .engine.errors import UserError
 
@@ -43,16 +43,14 @@ class ImageFiles(datasets.ImageFolder):
     crop needs (`decode`, data.decode: `CropDecoder`)."""
 
     def __init__(self, root, transform=None, decode: str = "auto"):
-        root = Path(root)
-        self.precheck(root, decode)
 {% else %}
     """`torchvision.datasets.ImageFolder` (one subfolder per class, PIL decoding in the worker) with its file list held
     in numpy arrays instead of a list of (path, class) tuples."""
 
     def __init__(self, root, transform=None):
+{% endif %}
         root = Path(root)
         self.precheck(root)
-{% endif %}
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as e:
@@ -65,19 +63,12 @@ class ImageFiles(datasets.ImageFolder):
 {% if cookiecutter.with_photos == "yes" %}
         self.reader = CropDecoder(transform, decode)
         self.collate_fn = self.reader.collate_fn  # decode=gpu: a batch's files kept as a list (parts.collate)
-
-    @staticmethod
-    def precheck(root, decode: str = "auto", **_) -> list[str]:
-        """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
-        without listing the images (one directory read, however many files there are)."""
-        check_decode(decode)
-{% else %}
+{% endif %}
 
     @staticmethod
     def precheck(root, **_) -> list[str]:
         """The class folders under `root`, or a UserError: what train.py checks before Hydra writes a run folder,
         without listing the images (one directory read, however many files there are)."""
-{% endif %}
         root = Path(root)
         if not root.is_dir():
             raise UserError(
@@ -129,23 +120,16 @@ def shapes(
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform, decode=decode)
-
-
-def precheck_shapes(
-    root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, decode: str = "auto", **_
-) -> list[str]:
-    """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
-    check_decode(decode)
 {% else %}
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform)
+{% endif %}
 
 
 def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, **_) -> list[str]:
     """What `shapes()` would refuse, without drawing anything: a folder holding other shapes or other files."""
-{% endif %}
     make_shapes(Path(root), per_class, image_size, data_seed, draw=False)
     return sorted(SHAPES)  # the class folders, in ImageFolder's order
 
@@ -153,22 +137,15 @@ def precheck_shapes(root, per_class: int = 600, image_size: int = 32, data_seed:
 shapes.precheck = precheck_shapes  # preflight.precheck_data calls a target's `precheck` before Hydra writes anything
 
 
-def make_shapes(
-    root: Path,
-    per_class: int,
-    image_size: int,
-    data_seed: int,
-    layout: str = "classification",
-    draw: bool = True,
-) -> None:
-    """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with
-    `layout="segmentation"` each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
+def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, masks: bool = False, draw: bool = True):
+    """Draw the shapes into `root` once: PNG files in one folder per shape (ImageFolder's layout), or with `masks`
+    each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
     Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
     renamed into place, so a reader never sees half of it. The recipe is stored beside the images (shapes.json)
     and checked on reuse: a folder drawn otherwise, or holding other files, is refused. `draw=False`: those refusals
     alone, nothing drawn (the prechecks)."""
     wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
-    wanted.update({} if layout == "classification" else {"layout": layout})
+    wanted.update({"layout": "segmentation"} if masks else {})
     marker = root / "shapes.json"
     if marker.exists():
         if json.loads(marker.read_text()) != wanted:
@@ -180,7 +157,7 @@ def make_shapes(
     if root.exists():
         raise UserError(
             f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
-            + (", or data.generate=false to read your own" if layout == "segmentation" else "")
+            + (", or data.generate=false to read your own" if masks else "")
         )
     if not draw:
         return
@@ -191,11 +168,11 @@ def make_shapes(
         for name in SHAPES:
             for i in range(count):
                 image, mask = draw_shape(name, image_size, rng)
-                if layout == "classification":
-                    files = [(image, tmp / split / name / f"{i:05d}.png")]
-                else:
+                if masks:
                     files = [(image, tmp / split / "images" / f"{name}-{i:05d}.png"),
                              (mask, tmp / split / "masks" / f"{name}-{i:05d}.png")]  # fmt: skip
+                else:
+                    files = [(image, tmp / split / name / f"{i:05d}.png")]
                 for picture, path in files:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     picture.save(path)
@@ -268,7 +245,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
         data_seed: int = 2026,
     ):
         if generate:
-            make_shapes(Path(root), per_class, image_size, data_seed, layout="segmentation")
+            make_shapes(Path(root), per_class, image_size, data_seed, masks=True)
         pairs = self.pairs(root, split)
         self.images, self.masks = pairs[:, 0].copy(), pairs[:, 1].copy()
         self.transform, self.num_classes = transform, num_classes
@@ -280,7 +257,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
         """What the constructor would refuse, without drawing anything: a folder in the way of the generated shapes,
         or your folder's layout. No class names to return: the masks' values are read with the samples."""
         if generate:
-            make_shapes(Path(root), per_class, image_size, data_seed, "segmentation", draw=False)
+            make_shapes(Path(root), per_class, image_size, data_seed, masks=True, draw=False)
         else:
             SegmentationFolder.pairs(root, split)
 

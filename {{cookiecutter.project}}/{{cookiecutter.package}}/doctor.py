@@ -4,12 +4,10 @@
     python -m {{ cookiecutter.package }}.doctor data=imagefolder data.root=/images data.num_classes=10
     python -m {{ cookiecutter.package }}.doctor loader.batch_size=128    # loader.* overrides apply to every profile
 
-Run it from the project root, as train.py: it reads the Hydra config in `./conf` (or, from a source checkout, the
-conf/ beside this package), so it works from an installed package too. Each profile in conf/loader/ is built as
-train.py builds it and timed over two epochs of a part of the training set (epoch 2 is where persistent workers pay
-off); the model's forward + backward is timed and its memory per rank added up. docs/loader.md ("Loader doctor")
-explains the table's columns and the decision table the recommendation follows. The table and the recommendation
-are printed, and everything goes to doctor.json in the run folder.
+Each profile in conf/loader/ is built as train.py builds it and timed over two epochs of a part of the training set
+(epoch 2 is where persistent workers pay off); the model's forward + backward is timed and its memory per rank added
+up. docs/loader.md ("Loader doctor") explains the table's columns and the decision table the recommendation follows.
+The table and the recommendation are printed, and everything goes to doctor.json in the run folder.
 """
 
 from __future__ import annotations
@@ -379,7 +377,8 @@ def run(cfg) -> None:
 
 def main() -> None:
     """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside this
-    package in a source checkout. An installed package holds no conf/ of its own."""
+    package in a source checkout, so the doctor runs from an installed package too (which holds no conf/ of its
+    own)."""
     folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
     folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
     if folder is None:

@@ -39,11 +39,11 @@ from PIL import Image
 {% endif %}
 from torch.utils.data import Dataset
 
-{% if cookiecutter.with_photos == "yes" %}
-from .engine.decode import CropDecoder, check_decode
-{% endif %}
 from .data import ImageFiles
 from .engine.checkpoint import sync
+{% if cookiecutter.with_photos == "yes" %}
+from .engine.decode import CropDecoder
+{% endif %}
 from .engine.errors import UserError
 from .engine.parts import check_classes
 from .engine.schema import integer
@@ -51,7 +51,6 @@ from .engine.schema import integer
 INDEX = "index.json"
 FORMAT = 1  # bump when the layout of the shards or the index changes
 SPLITS = ("train", "val")
-BLOCK = tarfile.BLOCKSIZE
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -119,7 +118,7 @@ def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base
             source, key, starts = Path(source), f"{number:09d}", []
             data = source.read_bytes()
             for name, member in ((f"{key}{source.suffix.lower()}", data), (f"{key}.cls", str(label).encode())):
-                starts.append(tar.offset + BLOCK)  # a USTAR header is one block, the data follows it
+                starts.append(tar.offset + tarfile.BLOCKSIZE)  # a USTAR header is one block, the data follows it
                 info = tarfile.TarInfo(name)
                 info.size = len(member)
                 tar.addfile(info, io.BytesIO(member))
@@ -195,18 +194,9 @@ class ShardDataset(Dataset):
         self._pid: int | None = None
 
     @staticmethod
-{% if cookiecutter.with_photos == "yes" %}
-    def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, decode: str = "auto", **_) -> list[str]:
-        """The classes of the split, or the UserError the constructor would raise (no index, a wrong
-        data.num_classes, shuffle_window or decode, a missing or truncated shard): train.py checks this before Hydra
-        writes a run folder. It reads the index and stats every shard, as the constructor does."""
-        check_decode(decode)
-{% else %}
     def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
-        """The classes of the split, or the UserError the constructor would raise (no index, a wrong
-        data.num_classes or shuffle_window, a missing or truncated shard): train.py checks this before Hydra writes
-        a run folder. It reads the index and stats every shard, as the constructor does."""
-{% endif %}
+        """The split's classes, or the UserError the constructor would raise (no index, a wrong data.num_classes or
+        shuffle_window, a missing or truncated shard), before Hydra writes a run folder."""
         return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
 
     def __len__(self) -> int:
@@ -224,9 +214,8 @@ class ShardDataset(Dataset):
 {% endif %}
 
     def prefetch(self, indices) -> None:
-        """Read a batch's bytes now, in file order (shard, then offset), for the `__getitem__` calls that follow:
-        with rng_mode=per_sample the loader makes samples one by one, each seeded, and still reads each shard
-        in one sweep."""
+        """Read a batch's bytes now, in file order (shard, then offset), for the `__getitem__` calls that follow: the
+        loader's rng_mode=per_sample makes samples one by one, and still reads each shard in one sweep."""
         indices = np.asarray(indices, dtype=np.int64)
         self._ready = {}
         for j in np.lexsort((self.offset[indices], self.shard[indices])):
