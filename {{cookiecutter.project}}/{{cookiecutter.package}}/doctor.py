@@ -377,8 +377,7 @@ def run(cfg) -> None:
 
 def main() -> None:
     """The project's Hydra config: `./conf` (run from the project root, as train.py is), else the conf/ beside this
-    package in a source checkout, so the doctor runs from an installed package too (which holds no conf/ of its
-    own)."""
+    package in a source checkout (an installed package holds no conf/ of its own)."""
     folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
     folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
     if folder is None:

@@ -216,10 +216,8 @@ class ShardDataset(Dataset):
     def prefetch(self, indices) -> None:
         """Read a batch's bytes now, in file order (shard, then offset), for the `__getitem__` calls that follow: the
         loader's rng_mode=per_sample makes samples one by one, and still reads each shard in one sweep."""
-        indices = np.asarray(indices, dtype=np.int64)
-        self._ready = {}
-        for j in np.lexsort((self.offset[indices], self.shard[indices])):
-            self._ready[int(indices[j])] = self.read(int(indices[j]))
+        in_file_order = sorted(map(int, indices), key=lambda i: (self.shard[i], self.offset[i]))
+        self._ready = {i: self.read(i) for i in in_file_order}
 
     def __getitems__(self, indices):
         """A batch: bytes read in file order, decoded and transformed in the batch's order, so the random draws
@@ -291,15 +289,10 @@ def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
     """The split's index, once it is one this version reads, the arguments fit it and every shard it lists is
     there at its full size."""
     path = root / INDEX
-    if not root.is_dir():
+    if not path.is_file():  # no such folder, not one pack wrote, or a pack that did not finish
         raise UserError(
-            f"shard folder {str(root)!r} does not exist: pack an image folder first "
-            f"(python -m {__package__}.shards pack SRC DST) and set data.root=DST"
-        )
-    if not path.is_file():
-        raise UserError(
-            f"{str(path)!r} is missing: data.root must be a folder written by "
-            f"python -m {__package__}.shards pack (an interrupted pack writes no index: pack again)"
+            f"{str(path)!r} is missing: data.root must be a folder written by python -m {__package__}.shards pack "
+            "SRC DST (an interrupted pack writes no index: pack again)"
         )
     try:
         index = json.loads(path.read_text())
