@@ -189,9 +189,8 @@ class ShardDataset(Dataset):
         window = shuffle_window or len(self.paths)
         self.max_open = max_open or max(1, min(len(self.paths), 2 * window + 2, 256))
         self.opens = 0  # files this process opened: a test and benchmark figure
-        self._files: OrderedDict | None = None
+        self._files: dict[int, OrderedDict] = {}  # per process id: a forked worker never uses its parent's handles
         self._ready: dict[int, bytes] = {}  # bytes `prefetch` read for the samples about to be made
-        self._pid: int | None = None
 
     @staticmethod
     def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
@@ -255,22 +254,20 @@ class ShardDataset(Dataset):
         return np.concatenate(parts)
 
     def _file(self, shard: int):
-        # first use in this process (a forked worker starts here): never the parent's handles
-        if self._pid != os.getpid():
-            self._files, self._pid = OrderedDict(), os.getpid()
-        if shard in self._files:
-            self._files.move_to_end(shard)
-            return self._files[shard]
+        files = self._files.setdefault(os.getpid(), OrderedDict())  # this process's (a forked worker starts empty)
+        if shard in files:
+            files.move_to_end(shard)
+            return files[shard]
         check_size(self.paths[shard], int(self.shard_bytes[shard]))  # missing or changed since the run started
         self.opens += 1
-        self._files[shard] = open(self.paths[shard], "rb")
-        if len(self._files) > self.max_open:  # the least recently used goes
-            self._files.popitem(last=False)[1].close()
-        return self._files[shard]
+        files[shard] = open(self.paths[shard], "rb")
+        if len(files) > self.max_open:  # the least recently used goes
+            files.popitem(last=False)[1].close()
+        return files[shard]
 
     def __getstate__(self) -> dict:
         """Copies (pickling for spawned workers, copy.copy) start without open files."""
-        return {**self.__dict__, "_files": None, "_pid": None}
+        return {**self.__dict__, "_files": {}}
 
 
 def check_size(path, expected: int) -> None:
