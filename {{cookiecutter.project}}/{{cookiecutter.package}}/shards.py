@@ -9,11 +9,11 @@ were) and `<key>.cls` (the label), so `webdataset` and `tar` read them too, plus
 size, per sample where each member's data starts. With the index the shards are a map-style data set, so everything
 TrainLoader does for an image folder holds unchanged (exact mid-epoch resume, the same weights for any loader profile
 under rng_mode=per_sample, DDP sharding, the prefetch plan, the monitor). Sample `i` lives at (shard, offset, size) in
-numpy arrays (one object each: workers do not copy the parent's memory page by page, pytorch/pytorch#13246); a process
-keeps its shards open and reads a sample with one seek and one read. `epoch_order(seed, epoch)` shuffles the shards,
-then the samples of each window of `shuffle_window` shards together: a batch touches a few files instead of one per
-sample; the price (samples of far-apart shards never share a batch within an epoch) is harmless as `pack` mixes the
-classes across the shards (`--seed`), costly for shards of few classes each (`--in-order`, or sorted by another tool).
+numpy arrays (one object each: workers do not copy the parent's memory page by page, pytorch/pytorch#13246).
+`epoch_order(seed, epoch)` shuffles the shards, then the samples of each window of `shuffle_window` shards together:
+a batch touches a few files instead of one per sample; the price (samples of far-apart shards never share a batch
+within an epoch) is harmless as `pack` mixes the classes across the shards (`--seed`), costly for shards of few
+classes each (`--in-order`, or sorted by another tool).
 {% if cookiecutter.with_streams == "yes" %}
 
 `stream.py`'s shard streams are for data read in order, without an index: their resume is exact with the same
@@ -109,9 +109,8 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
 
 
 def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base: Path) -> dict:
-    """One tar file, written `durable`, and its index entry. Per sample `<key>.<ext>` (the image file's bytes as
-    they are) and `<key>.cls` (its label); TarInfo's defaults fix every other header field (mtime 0, uid/gid 0,
-    no user names, mode 644), so the same files give the same bytes."""
+    """One tar file, written `durable`, and its index entry; TarInfo's defaults fix every header field but name and
+    size (mtime 0, uid/gid 0, no user names, mode 644), so the same files give the same bytes."""
     rows = []  # per sample: key, path under base, where the image's data starts, its size, label, where .cls starts
     with durable(path) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for number, (source, label) in enumerate(samples, first_key):
