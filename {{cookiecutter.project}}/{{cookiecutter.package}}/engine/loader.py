@@ -327,6 +327,12 @@ class EpochLoader:
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self._early = None  # the next epoch's iterator, made early (start_next_epoch)
 
+    @staticmethod
+    def combined(states: list[dict]) -> dict:
+        """A checkpoint's rank states as one, for a resume on another number of processes: the position is global
+        (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
+        return states[0]
+
     @property
     def global_batch(self) -> int:
         return self.settings.batch_size * self.world_size
@@ -457,12 +463,6 @@ class TrainLoader(EpochLoader):
         """The worker that makes the batch the loop waits on next (a stall names it): batch `i` is worker
         `(i - rotation) % workers`'."""
         return (self.position - self.rotation) % self.settings.num_workers
-
-    @staticmethod
-    def combined(states: list[dict]) -> dict:
-        """A checkpoint's rank states as one, for a resume on another number of processes: the position is global
-        (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
-        return states[0]
 
     def _dataloader(self, generator: torch.Generator, persistent: bool) -> DataLoader:
         return GuardedDataLoader(
