@@ -62,7 +62,7 @@ def worker_parts(project: Path, overrides: list[str]) -> dict:
         "decode (PIL)": lambda k: [data.loader(str(data.paths[i])) for i in batches[k]],
         "transforms (torchvision v2)": lambda k: [data.transform(im) for im in images[k]],
         "per-sample seeding (rng_mode=per_sample)": lambda k: [
-            engine.rng.seed_sample(x) for x in engine.rng.sample_seeds(0, 0, batches[k])
+            engine.rng.seed_sample(engine.rng.index_seed(engine.rng.epoch_base(0, 0), i)) for i in batches[k]
         ],
         "collate": lambda k: default_collate(samples[k]),
         "hand-over: shared memory + pickling": lambda k: ForkingPickler.dumps(

@@ -1,7 +1,8 @@
 """What rng_mode=per_sample's seeding costs on real images: the batch fetch of the generated project's loader
-(SeededBatches) seeded before every sample, against the same fetch unseeded, in one process, in turns.
+(SeededBatches) seeded before every sample, against the same fetch unseeded, in one process, batch by batch in
+turns, on one torch thread as in a DataLoader worker.
 
-    .venv/bin/python scripts/seeding_cost.py [--rounds 7]
+    .venv/bin/python scripts/seeding_cost.py [--rounds 11]
 
 Data sets, each through the project's ImageFiles and its shapes training transform (RandomResizedCrop + flip):
 - shapes: the default generated data, 32x32 PNG;
@@ -9,7 +10,10 @@ Data sets, each through the project's ImageFiles and its shapes training transfo
 - photos: scikit-learn's two sample photographs, cut into 500x375 JPEG files (shifted and mirrored crops), cropped
   to 224 as an ImageNet pipeline does.
 Per round and data set, the ratio of the seeded to the unseeded fetch time of the same batches; printed: the median
-ratio over the rounds, with the lowest and highest.
+ratio over the rounds, with the lowest and highest. The time is the thread's CPU time (time.thread_time), so that
+the moments another process holds the core count for neither variant, and the two fetch each batch one right after
+the other, which goes first taking turns. Each round seeds with another seed: one seed alone gives every round the
+same crops, one draw of their cost, while the unseeded fetch draws new ones each round.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from sklearn.datasets import load_digits, load_sample_images
 
@@ -52,17 +57,27 @@ def photo_folder(root: Path, per_photo: int = 48) -> Path:
     return root / "train"
 
 
-def fetch_seconds(wrapped, keys) -> float:
-    began = time.perf_counter()
-    for key in keys:
-        wrapped.__getitems__(key)
-    return time.perf_counter() - began
+def fetch_seconds(wrapped, key) -> float:
+    """The CPU time this thread spends fetching one batch."""
+    began = time.thread_time()
+    wrapped.__getitems__(key)
+    return time.thread_time() - began
+
+
+def round_seconds(plain, seeded, keys) -> tuple[float, float]:
+    """(unseeded, seeded) fetch time of all `keys`, batch by batch, the first of each pair taking turns."""
+    times = {plain: 0.0, seeded: 0.0}
+    for n, key in enumerate(keys):
+        for wrapped in (plain, seeded) if n % 2 else (seeded, plain):
+            times[wrapped] += fetch_seconds(wrapped, key)
+    return times[plain], times[seeded]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as in a DataLoader worker
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         project = bake(tmp / "bake")
@@ -83,11 +98,10 @@ def main() -> None:
             order = np.random.default_rng(1).permutation(len(dataset))
             keys = [loader.BatchIndices(order[i * BATCH : (i + 1) * BATCH].tolist(), 0, i) for i in range(batches)]
             plain = loader.SeededBatches(dataset, 0, per_sample=False)
-            seeded = loader.SeededBatches(dataset, 0, per_sample=True)
-            fetch_seconds(plain, keys), fetch_seconds(seeded, keys)  # warm the file cache and the code paths
+            round_seconds(plain, loader.SeededBatches(dataset, 0, per_sample=True), keys)  # warm the files and code
             ratios, per_batch = [], []
-            for _ in range(args.rounds):
-                a, b = fetch_seconds(plain, keys), fetch_seconds(seeded, keys)
+            for seed in range(1, args.rounds + 1):
+                a, b = round_seconds(plain, loader.SeededBatches(dataset, seed, per_sample=True), keys)
                 ratios.append(b / a)
                 per_batch.append((b - a) / batches * 1e6)
             print(

@@ -150,8 +150,8 @@ def eager_reference(dataset, batches, seed: int, epoch: int) -> tuple[dict, list
     draw (numpy, after the batch's last sample)."""
     saved, by_sample, collated = rng.capture(), {}, []
     for batch in batches:
-        for index, key in zip(batch, rng.sample_seeds(seed, epoch, batch)):
-            rng.seed_sample(key)
+        for index in batch:
+            rng.seed_sample(rng.index_seed(rng.epoch_base(seed, epoch), index))
             by_sample[index] = dataset[index][1]
         collated.append(float(np.random.uniform()))
     rng.apply(saved)

@@ -317,13 +317,13 @@ def from_loader_error(error: BaseException, loader=None, what: str = "") -> User
     )
 
 
-def named(batches, what: str):
-    """`batches` (a loader other than the train loader: validation, eval.py), a loader failure in it (from_loader_error)
-    turned into its one line. No checkpoint from here: the last one stays as it is."""
+def named(batches, what: str, loader=None):
+    """`batches` (the `what` loader's: train, validation, eval.py's), a loader failure in it (from_loader_error)
+    turned into its one line; `loader`: the train loader, whose stall names the stuck worker."""
     try:
         yield from batches  # what the loop's body raises stays out there: only the loader's own errors come here
     except Exception as e:
-        failure = from_loader_error(e, what=what)
+        failure = from_loader_error(e, loader, what)
         if failure is None or failure is e:
             raise
         raise failure from e

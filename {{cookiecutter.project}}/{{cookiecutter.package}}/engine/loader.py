@@ -1,10 +1,5 @@
-{% if cookiecutter.with_streams == "yes" %}
-"""The train loader of an indexed data set and the validation loader of any (streams too): built once, reused every
-epoch, and the train loader resumable bit for bit.
-{% else %}
-"""The train loader and the validation loader of an indexed data set: built once, reused every epoch, and the train
+"""The train loader of an indexed data set and the validation loader: built once, reused every epoch, and the train
 loader resumable bit for bit.
-{% endif %}
 
 Why the train loader can be resumed exactly (facts from torch/utils/data/dataloader.py):
 - Batches go to workers round-robin and the cycle restarts at worker 0 every epoch, so batch `i`
@@ -148,23 +143,11 @@ class BatchIndices(list):
         self.epoch, self.number = epoch, number
 
 
-@contextlib.contextmanager
-def main_rng_kept():
-    """Around making a batch: in the main process (num_workers=0) its RNG is put back afterwards, untouched by the
-    data, whose draws are seeded per sample (rng_mode=per_sample)."""
-    saved = rng.capture() if get_worker_info() is None else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            rng.apply(saved)
-
-
 class SeededBatches(torch.utils.data.Dataset):
     """Wraps the user's dataset so a whole batch is fetched at once (`__getitems__`).
 
     rng_mode=per_sample: before each sample, torch, numpy and python `random` are seeded from (seed, epoch, sample
-    index) (`rng.sample_seeds`), so what a sample draws depends on neither the worker nor the rank nor the batch
+    index) (`rng.index_seed`), so what a sample draws depends on neither the worker nor the rank nor the batch
     that makes it: the same for any worker count, loader profile or number of processes. Samples are then made
     one by one; a data set with `prefetch(indices)` may read the batch's bytes at once first (shards.py does).
     rng_mode=per_worker: the worker's own streams run on; TrainLoader saves and restores them.
@@ -177,14 +160,15 @@ class SeededBatches(torch.utils.data.Dataset):
     def __getitems__(self, batch: BatchIndices):
         if not self.per_sample:
             return self._fetch(batch)
-        with main_rng_kept():
+        # in the main process (num_workers=0) its RNG is put back afterwards, untouched by the data
+        with rng.kept(get_worker_info() is None):
             prefetch = getattr(self.dataset, "prefetch", None)
             if prefetch is not None:
                 prefetch(list(batch))
-            seeds = dict(zip(batch, rng.sample_seeds(self.seed, batch.epoch, batch), strict=True))
+            base = rng.epoch_base(self.seed, batch.epoch)
 
             def make(index):
-                rng.seed_sample(seeds[index])  # the collate after the batch's last sample draws on its streams too
+                rng.seed_sample(rng.index_seed(base, index))  # the collate after the last sample draws on its streams
                 return self.dataset[index]
 
             return failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
@@ -315,18 +299,13 @@ class EpochLoader:
     """What the train loaders share: one DataLoader for the run (`loader`), iterated once per epoch; `epoch` (epochs
     done), `position` (batches of this epoch consumed), the workers that served it, what `data.on_bad_sample=skip`
     left out (listed in `bad_samples`), the next epoch started early, and a state for checkpoints.
-{% if cookiecutter.with_streams == "yes" %}
-    TrainLoader (an indexed data set) and StreamLoader (engine/stream_loader.py) add how an epoch's batches are
-    planned, seeded and resumed: `begin()` (the epoch's iterator from `position` on), `consume(items)` (its
+    Each train loader (TrainLoader{% if cookiecutter.with_streams == "yes" %}, StreamLoader{% endif %}) adds how an epoch's batches are planned, seeded and
+    resumed: `begin()` (the epoch's iterator from `position` on), `consume(items)` (its
     (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
 
     kind = "indexed"  # a checkpoint's loader state says which loader wrote it
+{% if cookiecutter.with_streams == "yes" %}
     resumes_mid_epoch = True  # a checkpoint at any step continues where the epoch stands
-{% else %}
-    TrainLoader adds how an epoch's batches are planned, seeded and resumed: `begin()` (the epoch's iterator from
-    `position` on), `consume(items)` (its (batch, BatchNote) pairs, tracked), `own_state()` and `load_own()`."""
-
-    kind = "indexed"  # a checkpoint's loader state says which loader wrote it
 {% endif %}
 
     def __init__(
@@ -348,6 +327,12 @@ class EpochLoader:
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self._early = None  # the next epoch's iterator, made early (start_next_epoch)
 
+    @staticmethod
+    def combined(states: list[dict]) -> dict:
+        """A checkpoint's rank states as one, for a resume on another number of processes: the position is global
+        (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
+        return states[0]
+
     @property
     def global_batch(self) -> int:
         return self.settings.batch_size * self.world_size
@@ -362,7 +347,7 @@ class EpochLoader:
             self.skipped = 0
         iterator = self._early if self._early is not None else self.begin()
         self._early = None
-        for batch, note in self.consume(self.named(iterator)):
+        for batch, note in self.consume(failures.named(iterator, "train", self)):
             self.position += 1
             if note.pid is not None:
                 self.worker_pids.add(note.pid)
@@ -376,20 +361,6 @@ class EpochLoader:
 
     def epoch_ended(self) -> None:
         """What a loader does once an epoch is done, beyond counting it."""
-
-    def named(self, iterator):
-        """The iterator's items; a stall, a bad sample or a full /dev/shm raised as one line naming it."""
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            except Exception as e:
-                failure = failures.from_loader_error(e, self)
-                if failure is None:
-                    raise
-                raise failure from e
-            yield item
 
     def start_next_epoch(self) -> None:
         """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
@@ -492,12 +463,6 @@ class TrainLoader(EpochLoader):
         """The worker that makes the batch the loop waits on next (a stall names it): batch `i` is worker
         `(i - rotation) % workers`'."""
         return (self.position - self.rotation) % self.settings.num_workers
-
-    @staticmethod
-    def combined(states: list[dict]) -> dict:
-        """A checkpoint's rank states as one, for a resume on another number of processes: the position is global
-        (the same on every rank), and no rank's generator or worker streams carry over (load_state_dict's reseed)."""
-        return states[0]
 
     def _dataloader(self, generator: torch.Generator, persistent: bool) -> DataLoader:
         return GuardedDataLoader(

@@ -8,6 +8,7 @@ The *saved* form holds only tensors, ints, floats and None, so a checkpoint load
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -27,6 +28,18 @@ def apply(raw: RawState) -> None:
     random.setstate(python_state)
 
 
+@contextlib.contextmanager
+def kept(keep: bool = True):
+    """Around code that seeds the global generators (python, numpy, torch CPU): their state is put back afterwards,
+    when `keep`."""
+    saved = capture() if keep else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            apply(saved)
+
+
 def seed_cpu(seed: int) -> None:
     """Seed python, numpy and torch's CPU generator (not CUDA's) with `seed`: the state `from_seed(seed)` describes.
 
@@ -37,40 +50,23 @@ def seed_cpu(seed: int) -> None:
     random.seed(seed)
 
 
-# splitmix64's constants: a cheap, well-mixed 64-bit hash of (key, sample index), vectorised over a batch
-_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def sample_seeds(seed: int, epoch: int, indices) -> list[int]:
-    """One 64-bit seed per sample index, a pure function of (seed, epoch, index): nothing about rank, worker or
-    the sample's place in its batch enters, so a sample draws the same whichever process makes it."""
-    base = np.uint64(epoch_base(seed, epoch))
-    x = base + np.asarray(indices, dtype=np.uint64) * _GOLDEN  # uint64 arrays wrap around, as the hash wants
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return (x ^ (x >> np.uint64(31))).tolist()
-
-
 def epoch_base(seed: int, epoch: int) -> int:
-{% if cookiecutter.with_streams == "yes" %}
-    """What `sample_seeds` mixes each index with, for one (seed, epoch): worked out once, e.g. per epoch of a stream."""
+    """What `index_seed` mixes each sample index with, for one (seed, epoch): worked out once per batch or epoch."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
 
 
-_MASK = (1 << 64) - 1
+# splitmix64's constants: a cheap, well-mixed 64-bit hash of (epoch base, sample index)
+_GOLDEN, _MIX1, _MIX2, _MASK = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (1 << 64) - 1
 
 
 def index_seed(base: int, index: int) -> int:
-    """`sample_seeds` for one index, from `epoch_base`: the same hash on Python ints, ~1 us instead of the ~12 us a
-    SeedSequence costs (a stream seeds every record)."""
-    x = (base + index * int(_GOLDEN)) & _MASK
-    x = ((x ^ (x >> 30)) * int(_MIX1)) & _MASK
-    x = ((x ^ (x >> 27)) * int(_MIX2)) & _MASK
+    """One sample's 64-bit seed from `epoch_base(seed, epoch)`: a pure function of (seed, epoch, index), in which
+    nothing about rank, worker or the sample's place in its batch enters, so a sample draws the same whichever
+    process makes it. ~1 us: a SeedSequence per sample would cost ~12 us."""
+    x = (base + int(index) * _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
     return x ^ (x >> 31)
-{% else %}
-    """What `sample_seeds` mixes each index with, for one (seed, epoch)."""
-    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
-{% endif %}
 
 
 def seed_sample(seed: int) -> None:

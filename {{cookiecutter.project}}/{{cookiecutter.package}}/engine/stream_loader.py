@@ -27,11 +27,11 @@ import itertools
 import logging
 
 import torch
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
 from .errors import UserError
-from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, SeedWorker, main_rng_kept
+from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, SeedWorker
 from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ReaderStream(IterableDataset):
         """The reader's next batch and its BatchNote (`self.collate`'s, with where the reader stands after it), None
         at the end of its records."""
         samples, skipped, ends, state = [], [], {}, None
-        with main_rng_kept():
+        with rng.kept(get_worker_info() is None):  # num_workers=0: the main process's RNG stays the loop's
             for kind, shard, index, item in records:
                 if kind == SKIPPED:
                     skipped.append(item)
