@@ -31,15 +31,11 @@ JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
-def check_decode(decode, cuda: bool = True) -> None:
-    """data.decode's refusals, as the data sets are built (and by their prechecks, before the run): the schema refuses
-    other words earlier, this covers code outside Hydra and, with `cuda`, what only this machine can tell (no CUDA
-    for gpu). `CropDecoder` checks the word alone: the workers' part of gpu reads bytes and draws crops, which needs
-    no CUDA, and the device's part (device.input_transform) refuses a run on the CPU itself."""
+def check_decode(decode) -> None:
+    """data.decode's word, for code outside Hydra (the schema refuses other words in a config). A run with gpu on a
+    machine without CUDA is device.input_transform's to refuse: the workers' part reads bytes and draws crops."""
     if decode not in DECODERS:
         raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
-    if cuda and decode == "gpu" and not torch.cuda.is_available():
-        raise UserError("data.decode=gpu decodes with nvJPEG on a CUDA device, torch sees none: use data.decode=auto")
 
 
 class RandomBox:
@@ -113,7 +109,7 @@ class CropDecoder:
     """
 
     def __init__(self, transform, decode: str = "auto"):
-        check_decode(decode, cuda=False)
+        check_decode(decode)
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
         self.flip = gpu_steps(transform, self.plan) if decode == "gpu" else None  # the flip step, if any
