@@ -47,7 +47,8 @@ def installed(distribution: str) -> str | None:
 
 
 class Checkpointer:
-    """Writes `last.pth` plus the newest `keep` files `step-XXXXXXXX.pth` in one folder, atomically (`publish`)."""
+    """Writes `last.pth`, the newest `keep` files `step-XXXXXXXX.pth` and `best.pth` in one folder, atomically
+    (`publish`): a kill mid-save leaves the previous files whole."""
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
@@ -56,16 +57,13 @@ class Checkpointer:
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
 
-    def save(self, state: dict) -> Path:
+    def save(self, state: dict, best: dict | None = None) -> None:
+        """`best`: the metrics.jsonl line of an epoch that is the best so far, then in `best.pth` too (`metrics`)."""
+        if best is not None:
+            publish({**state, "metrics": best}, self.best)
         publish(state, self.last, self.folder / f"step-{state['step']:08d}.pth" if self.keep > 0 else None)
         for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
             old.unlink()
-        return self.last
-
-    def save_best(self, state: dict) -> Path:
-        """`best.pth`, written the same atomic way: a kill mid-save leaves the previous best whole."""
-        publish(state, self.best)
-        return self.best
 
 
 def publish(state: dict, path: Path, also: Path | None = None) -> None:
@@ -112,25 +110,16 @@ class Best:
     def state(self) -> dict:
         return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
 
-    def improves(self, record: dict) -> bool:
-        if self.monitor not in record:
-            reported = [k for k in record if k == "train_loss" or k.startswith("val_")]
-            raise UserError(
-                f"checkpoint.monitor={self.monitor} is not reported by the task: pick one of {', '.join(reported)}"
-            )
-        value = record[self.monitor]
-        if math.isnan(value):  # a diverged epoch is never the best, and must not block the ones after it
-            return False
-        if self.value is None:
-            return True
-        return value > self.value if self.mode == "max" else value < self.value
-
     def judge(self, record: dict, state: dict) -> bool:
         """Whether this epoch is the best so far (then its value is kept); `state["best"]` is set either way, so
-        last.pth carries the best value too."""
-        better = self.improves(record)
+        last.pth carries the best value too. The dry step refused a `monitor` the task does not report; a NaN (a
+        diverged epoch) is never the best, and must not block the ones after it."""
+        value = record[self.monitor]
+        better = not math.isnan(value) and (
+            self.value is None or (value > self.value if self.mode == "max" else value < self.value)
+        )
         if better:
-            self.value = record[self.monitor]
+            self.value = value
         state["best"] = self.state()
         return better
 
@@ -209,10 +198,8 @@ class CheckpointPolicy:
         if self.world.is_main:
 {% endif %}
             state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
-            state["ema"] = run.ema.state_dict() if run.ema is not None else None
-            if better:
-                self.writer.save_best({**state, "metrics": record})
-            self.writer.save(state)
+            state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
+            self.writer.save(state, record if better else None)
         self.saved_step = run.step
         distributed.barrier(self.world)
 
@@ -299,13 +286,15 @@ def load(path: Path, mmap: bool = False, who: str = "resume", latest: str = "res
     if ckpt["format"] != FORMAT:
         raise UserError(f"{who}: {str(path)!r} has checkpoint format {ckpt['format']}, this code reads {FORMAT}")
     return ckpt
-{% if cookiecutter.with_fsdp == "yes" %}
 
 
-def is_sharded(ckpt: dict) -> bool:
-    """A sharded checkpoint's `load`: its tensors are still on disk (`model` holds shapes only)."""
-    return bool(ckpt.get("sharded"))
-{% endif %}
+def misfit(own: dict, saved: dict) -> str:
+    """Why the tensors `saved` do not load into a model whose state_dict is `own`, in one line: its missing,
+    unexpected and reshaped names, four of each at most; "" when they fit."""
+    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
+           "other shape": [k for k in own if k in saved and saved[k].shape != own[k].shape]}  # fmt: skip
+    return "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                     for label, names in odd.items() if names)  # fmt: skip
 
 
 def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
@@ -330,15 +319,11 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = 
         raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
     saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
     own = model.state_dict()
-    reshaped = [k for k in own if k in saved and saved[k].shape != own[k].shape]
-    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
-           "other shape": reshaped}  # fmt: skip
-    listing = "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-                        for label, names in odd.items() if names)  # fmt: skip
+    listing = misfit(own, saved)
     if strict and listing:
         raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
                         "(e.g. a new head)")  # fmt: skip
-    fitting = {k: v for k, v in saved.items() if k in own and k not in reshaped}
+    fitting = {k: v for k, v in saved.items() if k in own and v.shape == own[k].shape}
 {% if cookiecutter.with_fsdp == "yes" %}
     if load is not None:
         load(fitting)

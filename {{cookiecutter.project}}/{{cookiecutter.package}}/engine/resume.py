@@ -174,15 +174,6 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
-{% if cookiecutter.with_tracking == "yes" %}
-def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
-    """(the first step this run logs, what a tracked run is told: the step, with resume_strict=false what changed)."""
-    run = changes(ckpt, cfg)
-    said = f"resumed at step {ckpt['step'] + 1}"
-    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(run)}" if run else said
-
-
-{% endif %}
 def report(ckpt: dict, cfg, path: Path) -> None:
     """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
     that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
@@ -218,18 +209,13 @@ def precheck(cfg, run_dir: Path) -> None:
                             f"resume with the same {group}")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
-    saved = ckpt["model"]
-    if saved.keys() != current.keys():
-        odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
-                        f"e.g. {odd[0]}): resume with the same model config")  # fmt: skip
-    for name, tensor in current.items():
-        if saved[name].shape != tensor.shape:
-            raise UserError(
-                f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
-                "resume with the same model and data"
-            )
+    odd = checkpoint.misfit(current, ckpt["model"])
+    if odd:
+        raise UserError(
+            f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
+            f"{saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with the same "
+            "model and data"
+        )
     per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
@@ -260,7 +246,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
     fresh = fresh if fresh is not None else group_settings(optimizer)
-    if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
+    if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
 {% else %}

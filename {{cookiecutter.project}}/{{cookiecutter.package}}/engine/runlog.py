@@ -67,12 +67,6 @@ class RunLog:
             write_table(run_dir, name)
 {% endif %}
 
-    def __enter__(self) -> RunLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def step(
         self, step: int, loss: float, lr: float, grad_norm: float | None = None, parts: dict | None = None
     ) -> None:

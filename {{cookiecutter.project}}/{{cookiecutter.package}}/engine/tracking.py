@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from . import resume
 from .errors import UserError
 from .schema import flatten
 
@@ -49,14 +50,17 @@ def chosen(cfg) -> list[str]:
     return use
 
 
-def start(cfg, run_dir: Path, ckpt: dict | None, note: tuple[int, str] | None) -> Tracking | None:
+def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
     """The trackers of `logger.use` that live outside the run folder, started; None when there are none. `ckpt`: the
-    checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue; `note`: (the first step this
-    run logs, what the tracked run is told: the step, with resume_strict=false what changed)."""
+    checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue, and whose step and changes
+    (resume_strict=false) the tracked run is told (`note`: the first step this run logs, and that text)."""
     use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`chosen`)
     if not use:
         return None
-    saved = (ckpt or {}).get("tracking") or {}
+    saved, note = (ckpt or {}).get("tracking") or {}, None
+    if ckpt is not None:
+        step, changed, said = ckpt["step"] + 1, resume.changes(ckpt, cfg), f"resumed at step {ckpt['step'] + 1}"
+        note = step, f"{said}, changed (resume_strict=false): {resume.describe(changed)}" if changed else said
     params = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     sweep = None  # in a multirun (-m, Optuna) the sweep folder's name: its jobs share an experiment, a W&B group
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
