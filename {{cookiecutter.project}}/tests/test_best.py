@@ -15,8 +15,8 @@ def test_best_keeps_the_first_best_epoch(tmp_path, mode, values, kept):
     for epoch, value in enumerate(values):
         state = {"step": epoch, "w": torch.full((3,), float(epoch))}
         record = {"epoch": epoch, "val_acc": value}
-        saver.save(state, record if best.judge(record, state) else None)  # as CheckpointPolicy.save does
-        assert state["best"] == {
+        saver.save(state, record if best.judge(record) else None)  # as CheckpointPolicy.save does
+        assert best.state() == {
             "monitor": "val_acc",
             "mode": mode,
             "value": values[kept] if epoch >= kept else best.value,
@@ -32,9 +32,9 @@ def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
     saved = {"best": {"monitor": "val_loss", "mode": "min", "value": 0.25}}
     assert Best("val_loss", "min", saved).value == 0.25
     assert Best("val_acc", "max", saved).value is None  # another rule: the old value means nothing
-    assert not Best("val_loss", "min", saved).judge({"val_loss": 0.3}, {})
+    assert not Best("val_loss", "min", saved).judge({"val_loss": 0.3})
     fresh = Best("val_loss", "min")
-    assert not fresh.judge({"val_loss": float("nan")}, {}) and fresh.judge({"val_loss": 9.0}, {})  # NaN never the best
+    assert not fresh.judge({"val_loss": float("nan")}) and fresh.judge({"val_loss": 9.0})  # NaN never the best
 
 
 @pytest.mark.slow

@@ -39,13 +39,6 @@ LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints
 {% endif %}
 
 
-def installed(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 class Checkpointer:
     """Writes `last.pth`, the newest `keep` files `step-XXXXXXXX.pth` and `best.pth` in one folder, atomically
     (`publish`): a kill mid-save leaves the previous files whole."""
@@ -67,9 +60,8 @@ class Checkpointer:
 
 
 def publish(state: dict, path: Path, also: Path | None = None) -> None:
-    """Write `state` to `path` atomically: to a temp file in the same folder, fsynced, then renamed over `path`
-    (`os.replace` is atomic), so a crash or kill -9 mid-save leaves the previous file whole. `also`: the same bytes
-    under a second name (a hard link: no second write, and it survives the rename)."""
+    """Write `state` to `path` atomically: a temp file in the same folder, fsynced, renamed over `path`, so a kill -9
+    mid-save leaves the previous file whole. `also`: the same bytes under a second name (a hard link)."""
     tmp = path.parent / f".tmp-{os.getpid()}.pth"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -110,17 +102,15 @@ class Best:
     def state(self) -> dict:
         return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
 
-    def judge(self, record: dict, state: dict) -> bool:
-        """Whether this epoch is the best so far (then its value is kept); `state["best"]` is set either way, so
-        last.pth carries the best value too. The dry step refused a `monitor` the task does not report; a NaN (a
-        diverged epoch) is never the best, and must not block the ones after it."""
+    def judge(self, record: dict) -> bool:
+        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does not
+        report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
         value = record[self.monitor]
         better = not math.isnan(value) and (
             self.value is None or (value > self.value if self.mode == "max" else value < self.value)
         )
         if better:
             self.value = value
-        state["best"] = self.state()
         return better
 
 
@@ -162,6 +152,7 @@ class CheckpointPolicy:
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
         state, better = None, False
         if self.world.is_main:
+            better = record is not None and self.best.judge(record)  # an epoch end: best.pth too when best
             state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
                 "format": FORMAT,
                 "scheduler": run.scheduler.state_dict(),
@@ -173,7 +164,8 @@ class CheckpointPolicy:
                 "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
                 "versions": {
                     "torch": str(torch.__version__),
-                    "torchvision": installed("torchvision"),  # read, not imported: a project without images needs none
+                    # read, not imported: a project without images needs none
+                    "torchvision": next((d.version for d in metadata.distributions(name="torchvision")), None),
                     "numpy": str(np.__version__),
                     "python": platform.python_version(),
                 },
@@ -183,9 +175,9 @@ class CheckpointPolicy:
                 "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
             }
 {% if cookiecutter.with_tracking == "yes" %}
-            state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
+            trackers = run.runlog.tracking  # the MLflow / W&B runs a resume continues
+            state["tracking"] = trackers.ids() if trackers is not None else {}
 {% endif %}
-            better = record is not None and self.best.judge(record, state)  # an epoch end: best.pth too when best
 {% if cookiecutter.with_fsdp == "yes" %}
         if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
             if state is not None and record is not None:
@@ -227,11 +219,11 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False, whole: bool = Fa
 def read(path: Path, who: str, wanted: str, mmap: bool = False):
 {% endif %}
     """What the file at `path` holds, read with `torch.load(weights_only=True)`, or one UserError `<who>: ...` saying
-    why not (`wanted`: what to give instead of a path with nothing there). `mmap=True` maps the file instead of
-    reading it: a look at a checkpoint's config and shapes, tensors read only when touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder:
+    why not (`wanted`: what to give instead of a path with nothing there). `mmap=True`: tensors read only when
+    touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder:
     its run.pth, with `model` and `ema` as shapes or, `whole`, gathered into whole tensors (sharded_checkpoint.py).{% endif +%}
-    The warnings torch gives while reading are held back until the read succeeds: bytes that are no checkpoint can
-    make torch warn of a pickle protocol first, and the one line that follows says all there is to say."""
+    torch's warnings are held back until the read succeeds: on bytes that are no checkpoint it warns of a pickle
+    protocol first, and the one refusal line says all there is to say."""
     if not path.exists():
         raise UserError(f"{who}: no checkpoint at {str(path)!r}: give the path of {wanted}")
     try:
@@ -298,15 +290,12 @@ def misfit(own: dict, saved: dict) -> str:
 
 
 def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
-    """`init_from=PATH`: start a run from the weights in `path`, and nothing else: fine-tuning, not resuming, so the
-    optimizer, schedule, step count, loader position and RNG start fresh from this run's config. PATH is a local
-    checkpoint this project wrote (its `model`; `ema` weights are not used{% if cookiecutter.with_fsdp == "yes" %}; a sharded one is gathered whole{% endif %}) or a plain
-    `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
-    one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
-    new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
-    dry step loads them too, to refuse a misfit before any work). A whole file is memory-mapped: its tensors are read
-    as they are copied.{% if cookiecutter.with_fsdp == "yes" %} `load(fitting)`: how the fitting tensors go into the model instead of its
-    load_state_dict (a sharded model's: fsdp.fill); a sharded save is then read as shapes only.{% endif %}"""
+    """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
+    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`{% if cookiecutter.with_fsdp == "yes" %}; a sharded one
+    gathered whole{% endif %}) or a `state_dict` file (or a dict with one under `state_dict`), memory-mapped. With `strict=False`
+    (init_strict=false), only the tensors whose name and shape fit, and a line listing the rest. `quiet`: no log
+    line (the dry step loads them too, to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" +%}
+    `load(fitting)`: how the fitting tensors go in instead of load_state_dict (a sharded model's: fsdp.fill).{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")

@@ -103,15 +103,10 @@ def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
 def locate(
     value: str, run_dir: Path, cfg, world_size: int | None, is_main: bool = True, only: list[str] | None = None
 ) -> Path | None:
-    """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
-
-    `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
-    newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
-    changes the run (`changes_run`) and a global batch this run's `world_size` processes can share. Newer
-    ones that do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
-    eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
-    `world_size=None` (any number of processes).
-    """
+    """The checkpoint to resume from: a path as given (relative to where the command was run), or for
+    `resume=latest` this run folder's own last.pth (a requeued job), else the newest last.pth under
+    `checkpoint.search_dir` that fits this run (`misfit`), each newer one skipped in a line; none: start fresh.
+    eval.py asks with `only`, the keys its command sets, and `world_size=None` (any number of processes)."""
     if value != "latest":
         return Path(to_absolute_path(value))
     own = run_dir / "checkpoints" / "last.pth"{% if cookiecutter.with_fsdp == "yes" %}  # a file, or a sharded save's folder (a link to it){% endif +%}
@@ -133,8 +128,8 @@ def locate(
 
 
 def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = None) -> str | None:
-    """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
-    tensors are not read, only the config and the progress."""
+    """Why the checkpoint at `path` cannot continue this run, or None: a change of the run (`changes_run`), or a
+    global batch `world_size` processes cannot share. Memory-mapped: the tensors are not read."""
     try:
         ckpt = checkpoint.load(path, mmap=True)
     except UserError:
@@ -287,10 +282,9 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 
 
 def load_optimizer(ckpt: dict, model, optimizer) -> None:
-    """The checkpoint's optimizer state into `optimizer`. When the parameters are grouped otherwise than in the
-    checkpoint (resume_strict=false with other `optim.param_groups`), torch's `load_state_dict` cannot match the
-    groups: each parameter's state (momentum, Adam's moments) is then carried over to where it is now, found through
-    the checkpoint's own grouping of this model, and the groups' settings are this run's."""
+    """The checkpoint's optimizer state into `optimizer`. Parameters grouped otherwise (resume_strict=false with
+    other `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now,
+    found through the checkpoint's grouping of this model; the groups' settings are this run's."""
     saved = ckpt["optimizer"]
     then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
     now = [p for group in optimizer.param_groups for p in group["params"]]

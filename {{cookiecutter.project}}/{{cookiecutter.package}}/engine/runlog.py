@@ -128,10 +128,6 @@ class RunLog:
             self.tb.add_scalar(f"{group}/{key}", value, step)
 
 {% if cookiecutter.with_tracking == "yes" %}
-    def tracking_ids(self) -> dict:
-        """{tracker: its tracked run's id}, for the checkpoint: a resume logs into the same tracked runs."""
-        return self.tracking.ids() if self.enabled and self.tracking is not None else {}
-
     def close(self, files: dict | None = None, finished: bool = False) -> None:
         """The files closed; the trackers get the checkpoint paths (`files`: last, best) and end their runs, as
         `finished` or stopped to be resumed (an exception too: what was queued is still sent)."""

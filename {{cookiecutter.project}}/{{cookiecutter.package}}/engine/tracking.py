@@ -153,6 +153,7 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(self.timeout_s))))
         uri = self.reachable(str(self.cfg.tracking_uri))
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client, run = MlflowClient(uri), None
@@ -176,7 +177,11 @@ class MlflowTracker(Tracker):
                 number = self.client.get_experiment_by_name(experiment).experiment_id
             self.run_id = self.client.create_run(number, run_name=self.run_dir.name).info.run_id
             said = f"run {self.run_id} in experiment {experiment!r}"
-        self._params(params)
+        items = [
+            Param(k[:250], json.dumps(v) if isinstance(v, (list, dict)) else str(v)[:6000]) for k, v in params.items()
+        ]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
         if note is not None:  # a resume (without ids: from an older checkpoint, or the tracking was off)
             self.client.set_tag(self.run_id, f"resume.step_{note[0]}", note[1][:5000])
         log.info("logger mlflow: %s at %s", said, uri)
@@ -199,15 +204,6 @@ class MlflowTracker(Tracker):
             f"logger.mlflow.tracking_uri={uri} does not answer within logger.timeout_s={self.timeout_s:g} s ({why}): "
             f"start the server, or logger.mlflow.on_unreachable=local to log to the run folder's {LOCAL_MLFLOW}"
         )
-
-    def _params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        items = [
-            Param(k[:250], json.dumps(v) if isinstance(v, (list, dict)) else str(v)[:6000]) for k, v in params.items()
-        ]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log(self, points: list) -> None:
         from mlflow.entities import Metric
