@@ -1,11 +1,9 @@
 """Checkpoint files: what goes into one, how it is written (atomically), and the one safe read of any saved file.
 
-Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (global
-batches and samples consumed, the global batch: what a resume on another number of processes continues), per rank
-the train loader (position in the epoch, its generator, every worker's RNG stream as of the last consumed batch) and
-the main process RNG (python, numpy, torch CPU, every CUDA device), the resolved config and library
-versions. Everything is tensors, numbers, strings and containers, so it loads with
-`torch.load(weights_only=True)`: a checkpoint cannot run code. How a run continues from one is in resume.py.
+Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (what a resume on
+another number of processes continues), per rank the train loader (position, generator, every worker's RNG stream)
+and the main process RNG, the resolved config and library versions. Everything is tensors, numbers, strings and
+containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
 
 `read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
 it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
@@ -65,8 +63,7 @@ def publish(state: dict, path: Path, also: Path | None = None) -> None:
     tmp = path.parent / f".tmp-{os.getpid()}.pth"
     with open(tmp, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    sync(tmp)
     if also is not None:
         also.unlink(missing_ok=True)
         os.link(tmp, also)
@@ -75,9 +72,9 @@ def publish(state: dict, path: Path, also: Path | None = None) -> None:
 {% if cookiecutter.with_fsdp == "no" %}
 
 
-def sync(folder: Path) -> None:
-    """fsync a folder: the files and renames in it are durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def sync(path: Path) -> None:
+    """fsync a file or a folder: its bytes, or the renames in it, are durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -86,12 +83,9 @@ def sync(folder: Path) -> None:
 
 
 class Best:
-    """Which epoch `best.pth` holds: the best `monitor` value so far, `mode` max or min.
-
-    `monitor` is `train_loss` or any `val_<name>` the task reports. The value travels in every checkpoint under
-    `best`, so a resumed run (in any folder) keeps comparing against the best epoch before the stop and never
-    overwrites a better best.pth.
-    """
+    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode` max or
+    min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never overwrites a better
+    best.pth."""
 
     def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
         self.monitor, self.mode = monitor, mode
@@ -176,7 +170,7 @@ class CheckpointPolicy:
             }
 {% if cookiecutter.with_tracking == "yes" %}
             trackers = run.runlog.tracking  # the MLflow / W&B runs a resume continues
-            state["tracking"] = trackers.ids() if trackers is not None else {}
+            state["tracking"] = {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {}
 {% endif %}
 {% if cookiecutter.with_fsdp == "yes" %}
         if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
@@ -220,8 +214,8 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
 {% endif %}
     """What the file at `path` holds, read with `torch.load(weights_only=True)`, or one UserError `<who>: ...` saying
     why not (`wanted`: what to give instead of a path with nothing there). `mmap=True`: tensors read only when
-    touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder:
-    its run.pth, with `model` and `ema` as shapes or, `whole`, gathered into whole tensors (sharded_checkpoint.py).{% endif +%}
+    touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder: its run.pth, with `model` and `ema` as shapes or, `whole`, gathered
+    into whole tensors (sharded_checkpoint.py).{% endif +%}
     torch's warnings are held back until the read succeeds: on bytes that are no checkpoint it warns of a pickle
     protocol first, and the one refusal line says all there is to say."""
     if not path.exists():

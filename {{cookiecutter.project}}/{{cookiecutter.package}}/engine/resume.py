@@ -1,8 +1,5 @@
 """Resuming: what makes a run the same run, find the checkpoint to continue from, check it fits this run, and load
-it into the live objects.
-
-The file format and its atomic writing are in checkpoint.py.
-"""
+it into the live objects (the file format and its atomic writing: checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ from .stream_loader import RESTART_EPOCH, plain_stream_refusal
 log = logging.getLogger(__name__)
 
 
-# Which keys, when changed, make a resumed run a different run (`changes`). The rule: every key
-# does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
-# loader.num_workers and loader.persistent_workers do too (each worker's own RNG stream feeds the data).
+# The keys (fnmatch patterns on dotted keys) whose change keeps a resumed run the same run, and why; any other key
+# makes another run (`changes_run`, with the exceptions: loader.batch_size, the workers under rng_mode=per_worker).
 SAME_RUN = {
     "resume": "where to start from",
     "resume_strict": "how to treat changes",
@@ -227,20 +223,13 @@ def group_settings(optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0{% if cookiecutter.with_fsdp == "yes" %}, fresh=None{% endif %}) -> int:
-    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
-
-    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
-    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes.
-{% if cookiecutter.with_fsdp == "yes" %}
-    A sharded checkpoint's weights and optimizer state are loaded before (run.py); `fresh` is then `group_settings`
-    as they were before that load."""
-{% else %}
-    """
-{% endif %}
+def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:
+    """Load everything into the live objects, the main RNG last, just before the loop; returns the global step. One
+    copy restores every rank (the EMA: run.py); the ranks' own state (loader, main RNG) comes back rank by rank when
+    as many processes wrote the checkpoint.{% if cookiecutter.with_fsdp == "yes" +%}
+    `fresh`: `group_settings` before a sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
-    fresh = fresh if fresh is not None else group_settings(optimizer)
     if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
@@ -265,9 +254,8 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
         train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
         rng.restore_main(mine["rng"])
         return ckpt["step"]
-    # Another number of processes: the position in the epoch is global (every rank's is the same), the per-rank
-    # randomness outside the data (dropout, the loader's worker seeds) cannot be mapped onto other ranks, so it is
-    # derived from (seed, rank, step): the same on every resume of this step with this many processes.
+    # Another number of processes: the position in the epoch is global; the per-rank randomness outside the data
+    # (dropout, worker seeds) cannot be mapped onto other ranks, so it is derived from (seed, rank, step).
     step = ckpt["step"]
     if train_loader.rng_mode == "per_worker" and rank == 0:
         log.warning(
@@ -304,14 +292,9 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int,
           note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
-    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
-    to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
-{% if cookiecutter.with_streams == "yes" %}
-    which keeps the command about one terminal line. `restart_epoch`: a stream without state stopped mid-epoch, which
-    goes on only by starting that epoch over."""
-{% else %}
-    which keeps the command about one terminal line."""
-{% endif %}
+    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own
+    the command that continues it, paths relative to the working directory when below it (about one terminal line).{% if cookiecutter.with_streams == "yes" +%}
+    `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
     folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
 {% if cookiecutter.with_streams == "yes" %}

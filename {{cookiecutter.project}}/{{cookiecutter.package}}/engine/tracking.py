@@ -1,11 +1,10 @@
-"""Experiment trackers besides the run folder's own files (`logger.use`): MLflow and Weights & Biases. (TensorBoard
-and CSV write to the run folder: RunLog keeps those.)
+"""Experiment trackers besides the run folder's own files (`logger.use`): MLflow and Weights & Biases.
 
-RunLog hands every tracker the Python floats it already writes to steps.jsonl and metrics.jsonl, so no tracker reads
-a device tensor. The calls go through a queue to one background thread, which sends whatever has piled up in one
-batch: a slow tracking server delays that thread, never the step. Only the start (the tracked run's id, which every
-checkpoint keeps so that a resume logs into the same tracked run) and the end (the queue drained) wait, each for at
-most `logger.timeout_s`. Rank 0 alone builds trackers.
+RunLog hands every tracker the Python floats it writes to steps.jsonl and metrics.jsonl, so no tracker reads a device
+tensor. The calls go through a queue to one background thread, which sends whatever has piled up in one batch: a slow
+tracking server delays that thread, never the step. Only the start (the tracked run's id, which every checkpoint keeps
+so that a resume logs into the same tracked run) and the end (the queue drained) wait, each at most
+`logger.timeout_s`. Rank 0 alone builds trackers.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ LOCAL_MLFLOW = "mlflow.db"  # logger.mlflow.on_unreachable=local: a database in 
 
 
 def chosen(cfg) -> list[str]:
-    """`logger.use` (the schema checked the names), each tracker's package importable, else one line naming the
-    pip extra (named after the package)."""
+    """`logger.use`, each tracker's package importable, else one line naming the pip extra (named after it)."""
     use = list(cfg.logger.use)
     for name in [name for name in use if name in REMOTE]:
         try:
@@ -82,13 +80,8 @@ class Tracking:
         self.thread = threading.Thread(target=self._drain, name="trackers", daemon=True)
         self.thread.start()
 
-    def ids(self) -> dict:
-        """{tracker: its tracked run's id}: what a checkpoint keeps (`tracking`)."""
-        return {t.name: t.run_id for t in self.trackers}
-
     def log(self, step: int, figures: dict) -> None:
-        """Python floats (what steps.jsonl and metrics.jsonl hold), or a picture, (H, W, 3) uint8 numpy, under its
-        tag: queued, sent by the thread."""
+        """Python floats, or a picture ((H, W, 3) uint8 numpy) under its tag: queued, sent by the thread."""
         self.queue.put((step, dict(figures)))
 
     def _drain(self) -> None:
@@ -232,8 +225,9 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def start(self, params: dict, saved_id: str | None, note: tuple[int, str] | None) -> None:
-        import wandb
+        import wandb  # the wandb extra's: imported where used
 
+        self.image = wandb.Image  # for `log`
         try:
             self.run = wandb.init(
                 mode=self.cfg.mode,
@@ -260,10 +254,8 @@ class WandbTracker(Tracker):
         log.info("logger wandb: run %s (%s) in %s", self.run_id, self.cfg.mode, self.run_dir / "wandb")
 
     def log(self, points: list) -> None:
-        import wandb  # the wandb extra's: imported where used, as start() does
-
         for step, m in points:
-            self.run.log({k: wandb.Image(v) if picture(v) else v for k, v in m.items()}, step=step)
+            self.run.log({k: self.image(v) if picture(v) else v for k, v in m.items()}, step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
