@@ -72,9 +72,11 @@ def global_batch(ckpt: dict) -> int:
     return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
 
 
-def splits(batch: int, world_size: int) -> str | None:
-    """Why `world_size` processes cannot share a global batch of `batch` samples, or None when they can."""
-    if batch % world_size == 0:
+def splits(ckpt: dict, cfg, world_size: int) -> str | None:
+    """Why `world_size` processes cannot share the checkpoint's global batch, or None when they can, or when the
+    command changes `loader.batch_size` (resume_strict=false: taken as it is, `per_rank_batch`)."""
+    batch = global_batch(ckpt)
+    if batch % world_size == 0 or cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return None
     fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
     counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
@@ -90,10 +92,7 @@ def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     per-process batch as the run started); a different one (resume_strict=false) is taken as it is."""
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
-    why = splits(global_batch(ckpt), world_size)
-    if why:
-        raise UserError(f"resume: {why}")
-    return global_batch(ckpt) // world_size
+    return global_batch(ckpt) // world_size  # `splits` refused a number of processes that does not divide it
 
 
 def locate(
@@ -135,9 +134,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    if world_size is not None and ckpt["config"]["loader"]["batch_size"] == cfg.loader.batch_size:
-        return splits(global_batch(ckpt), world_size)  # another number of processes is fine when it splits the batch
-    return None
+    return splits(ckpt, cfg, world_size) if world_size is not None else None  # any number that splits the batch
 
 
 ABSENT = "(absent)"
@@ -207,7 +204,9 @@ def precheck(cfg, run_dir: Path) -> None:
             f"{saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with the same "
             "model and data"
         )
-    per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
+    why = splits(ckpt, cfg, world_size)
+    if why:
+        raise UserError(f"resume: {why}")
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
