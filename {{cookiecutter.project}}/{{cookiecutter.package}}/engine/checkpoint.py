@@ -285,10 +285,10 @@ def misfit(own: dict, saved: dict) -> str:
 
 def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
     """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
-    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`{% if cookiecutter.with_fsdp == "yes" %}; a sharded one
-    gathered whole{% endif %}) or a `state_dict` file (or a dict with one under `state_dict`), memory-mapped. With `strict=False`
-    (init_strict=false), only the tensors whose name and shape fit, and a line listing the rest. `quiet`: no log
-    line (the dry step loads them too, to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" +%}
+    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
+    file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
+    tensors whose name and shape fit, and a line listing the rest. `quiet`: no log line (the dry step loads them too,
+    to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" %} A sharded checkpoint is gathered whole;
     `load(fitting)`: how the fitting tensors go in instead of load_state_dict (a sharded model's: fsdp.fill).{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
