@@ -1,11 +1,9 @@
 """Checkpoint files: what goes into one, how it is written (atomically), and the one safe read of any saved file.
 
-Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (global
-batches and samples consumed, the global batch: what a resume on another number of processes continues), per rank
-the train loader (position in the epoch, its generator, every worker's RNG stream as of the last consumed batch) and
-the main process RNG (python, numpy, torch CPU, every CUDA device), the resolved config and library
-versions. Everything is tensors, numbers, strings and containers, so it loads with
-`torch.load(weights_only=True)`: a checkpoint cannot run code. How a run continues from one is in resume.py.
+Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (what a resume on
+another number of processes continues), per rank the train loader (position, generator, every worker's RNG stream)
+and the main process RNG, the resolved config and library versions. Everything is tensors, numbers, strings and
+containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
 
 `read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
 it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
@@ -39,15 +37,9 @@ LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints
 {% endif %}
 
 
-def installed(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 class Checkpointer:
-    """Writes `last.pth` plus the newest `keep` files `step-XXXXXXXX.pth` in one folder, atomically (`publish`)."""
+    """Writes `last.pth`, the newest `keep` files `step-XXXXXXXX.pth` and `best.pth` in one folder, atomically
+    (`publish`): a kill mid-save leaves the previous files whole."""
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
@@ -56,27 +48,22 @@ class Checkpointer:
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
 
-    def save(self, state: dict) -> Path:
+    def save(self, state: dict, best: dict | None = None) -> None:
+        """`best`: the metrics.jsonl line of an epoch that is the best so far, then in `best.pth` too (`metrics`)."""
+        if best is not None:
+            publish({**state, "metrics": best}, self.best)
         publish(state, self.last, self.folder / f"step-{state['step']:08d}.pth" if self.keep > 0 else None)
         for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
             old.unlink()
-        return self.last
-
-    def save_best(self, state: dict) -> Path:
-        """`best.pth`, written the same atomic way: a kill mid-save leaves the previous best whole."""
-        publish(state, self.best)
-        return self.best
 
 
 def publish(state: dict, path: Path, also: Path | None = None) -> None:
-    """Write `state` to `path` atomically: to a temp file in the same folder, fsynced, then renamed over `path`
-    (`os.replace` is atomic), so a crash or kill -9 mid-save leaves the previous file whole. `also`: the same bytes
-    under a second name (a hard link: no second write, and it survives the rename)."""
+    """Write `state` to `path` atomically: a temp file in the same folder, fsynced, renamed over `path`, so a kill -9
+    mid-save leaves the previous file whole. `also`: the same bytes under a second name (a hard link)."""
     tmp = path.parent / f".tmp-{os.getpid()}.pth"
     with open(tmp, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    sync(tmp)
     if also is not None:
         also.unlink(missing_ok=True)
         os.link(tmp, also)
@@ -85,9 +72,9 @@ def publish(state: dict, path: Path, also: Path | None = None) -> None:
 {% if cookiecutter.with_fsdp == "no" %}
 
 
-def sync(folder: Path) -> None:
-    """fsync a folder: the files and renames in it are durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def sync(path: Path) -> None:
+    """fsync a file or a folder: its bytes, or the renames in it, are durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -96,12 +83,9 @@ def sync(folder: Path) -> None:
 
 
 class Best:
-    """Which epoch `best.pth` holds: the best `monitor` value so far, `mode` max or min.
-
-    `monitor` is `train_loss` or any `val_<name>` the task reports. The value travels in every checkpoint under
-    `best`, so a resumed run (in any folder) keeps comparing against the best epoch before the stop and never
-    overwrites a better best.pth.
-    """
+    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode` max or
+    min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never overwrites a better
+    best.pth."""
 
     def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
         self.monitor, self.mode = monitor, mode
@@ -112,26 +96,15 @@ class Best:
     def state(self) -> dict:
         return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
 
-    def improves(self, record: dict) -> bool:
-        if self.monitor not in record:
-            reported = [k for k in record if k == "train_loss" or k.startswith("val_")]
-            raise UserError(
-                f"checkpoint.monitor={self.monitor} is not reported by the task: pick one of {', '.join(reported)}"
-            )
+    def judge(self, record: dict) -> bool:
+        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does not
+        report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
         value = record[self.monitor]
-        if math.isnan(value):  # a diverged epoch is never the best, and must not block the ones after it
-            return False
-        if self.value is None:
-            return True
-        return value > self.value if self.mode == "max" else value < self.value
-
-    def judge(self, record: dict, state: dict) -> bool:
-        """Whether this epoch is the best so far (then its value is kept); `state["best"]` is set either way, so
-        last.pth carries the best value too."""
-        better = self.improves(record)
+        better = not math.isnan(value) and (
+            self.value is None or (value > self.value if self.mode == "max" else value < self.value)
+        )
         if better:
-            self.value = record[self.monitor]
-        state["best"] = self.state()
+            self.value = value
         return better
 
 
@@ -173,6 +146,7 @@ class CheckpointPolicy:
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
         state, better = None, False
         if self.world.is_main:
+            better = record is not None and self.best.judge(record)  # an epoch end: best.pth too when best
             state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
                 "format": FORMAT,
                 "scheduler": run.scheduler.state_dict(),
@@ -184,7 +158,8 @@ class CheckpointPolicy:
                 "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
                 "versions": {
                     "torch": str(torch.__version__),
-                    "torchvision": installed("torchvision"),  # read, not imported: a project without images needs none
+                    # read, not imported: a project without images needs none
+                    "torchvision": next((d.version for d in metadata.distributions(name="torchvision")), None),
                     "numpy": str(np.__version__),
                     "python": platform.python_version(),
                 },
@@ -194,9 +169,9 @@ class CheckpointPolicy:
                 "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
             }
 {% if cookiecutter.with_tracking == "yes" %}
-            state["tracking"] = run.runlog.tracking_ids()  # the MLflow / W&B run a resume continues
+            trackers = run.runlog.tracking  # the MLflow / W&B runs a resume continues
+            state["tracking"] = {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {}
 {% endif %}
-            better = record is not None and self.best.judge(record, state)  # an epoch end: best.pth too when best
 {% if cookiecutter.with_fsdp == "yes" %}
         if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
             if state is not None and record is not None:
@@ -209,10 +184,8 @@ class CheckpointPolicy:
         if self.world.is_main:
 {% endif %}
             state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
-            state["ema"] = run.ema.state_dict() if run.ema is not None else None
-            if better:
-                self.writer.save_best({**state, "metrics": record})
-            self.writer.save(state)
+            state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
+            self.writer.save(state, record if better else None)
         self.saved_step = run.step
         distributed.barrier(self.world)
 
@@ -240,11 +213,11 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False, whole: bool = Fa
 def read(path: Path, who: str, wanted: str, mmap: bool = False):
 {% endif %}
     """What the file at `path` holds, read with `torch.load(weights_only=True)`, or one UserError `<who>: ...` saying
-    why not (`wanted`: what to give instead of a path with nothing there). `mmap=True` maps the file instead of
-    reading it: a look at a checkpoint's config and shapes, tensors read only when touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder:
-    its run.pth, with `model` and `ema` as shapes or, `whole`, gathered into whole tensors (sharded_checkpoint.py).{% endif +%}
-    The warnings torch gives while reading are held back until the read succeeds: bytes that are no checkpoint can
-    make torch warn of a pickle protocol first, and the one line that follows says all there is to say."""
+    why not (`wanted`: what to give instead of a path with nothing there). `mmap=True`: tensors read only when
+    touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder: its run.pth, with `model` and `ema` as shapes or, `whole`, gathered
+    into whole tensors (sharded_checkpoint.py).{% endif +%}
+    torch's warnings are held back until the read succeeds: on bytes that are no checkpoint it warns of a pickle
+    protocol first, and the one refusal line says all there is to say."""
     if not path.exists():
         raise UserError(f"{who}: no checkpoint at {str(path)!r}: give the path of {wanted}")
     try:
@@ -299,25 +272,24 @@ def load(path: Path, mmap: bool = False, who: str = "resume", latest: str = "res
     if ckpt["format"] != FORMAT:
         raise UserError(f"{who}: {str(path)!r} has checkpoint format {ckpt['format']}, this code reads {FORMAT}")
     return ckpt
-{% if cookiecutter.with_fsdp == "yes" %}
 
 
-def is_sharded(ckpt: dict) -> bool:
-    """A sharded checkpoint's `load`: its tensors are still on disk (`model` holds shapes only)."""
-    return bool(ckpt.get("sharded"))
-{% endif %}
+def misfit(own: dict, saved: dict) -> str:
+    """Why the tensors `saved` do not load into a model whose state_dict is `own`, in one line: its missing,
+    unexpected and reshaped names, four of each at most; "" when they fit."""
+    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
+           "other shape": [k for k in own if k in saved and saved[k].shape != own[k].shape]}  # fmt: skip
+    return "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                     for label, names in odd.items() if names)  # fmt: skip
 
 
 def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
-    """`init_from=PATH`: start a run from the weights in `path`, and nothing else: fine-tuning, not resuming, so the
-    optimizer, schedule, step count, loader position and RNG start fresh from this run's config. PATH is a local
-    checkpoint this project wrote (its `model`; `ema` weights are not used{% if cookiecutter.with_fsdp == "yes" %}; a sharded one is gathered whole{% endif %}) or a plain
-    `state_dict` file (`torch.save(model.state_dict(), ...)`, or a dict holding one under `state_dict`), refused in
-    one line when it holds none. With `strict=False` (init_strict=false), only the tensors whose name and shape fit (a
-    new head of another size, say), and one line listing what was left out. `quiet`: no log line (the config check's
-    dry step loads them too, to refuse a misfit before any work). A whole file is memory-mapped: its tensors are read
-    as they are copied.{% if cookiecutter.with_fsdp == "yes" %} `load(fitting)`: how the fitting tensors go into the model instead of its
-    load_state_dict (a sharded model's: fsdp.fill); a sharded save is then read as shapes only.{% endif %}"""
+    """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
+    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
+    file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
+    tensors whose name and shape fit, and a line listing the rest. `quiet`: no log line (the dry step loads them too,
+    to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" %} A sharded checkpoint is gathered whole;
+    `load(fitting)`: how the fitting tensors go in instead of load_state_dict (a sharded model's: fsdp.fill).{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")
@@ -330,15 +302,11 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = 
         raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
     saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
     own = model.state_dict()
-    reshaped = [k for k in own if k in saved and saved[k].shape != own[k].shape]
-    odd = {"missing": [k for k in own if k not in saved], "unexpected": [k for k in saved if k not in own],
-           "other shape": reshaped}  # fmt: skip
-    listing = "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-                        for label, names in odd.items() if names)  # fmt: skip
+    listing = misfit(own, saved)
     if strict and listing:
         raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
                         "(e.g. a new head)")  # fmt: skip
-    fitting = {k: v for k, v in saved.items() if k in own and k not in reshaped}
+    fitting = {k: v for k, v in saved.items() if k in own and v.shape == own[k].shape}
 {% if cookiecutter.with_fsdp == "yes" %}
     if load is not None:
         load(fitting)

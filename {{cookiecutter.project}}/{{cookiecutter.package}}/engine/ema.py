@@ -15,23 +15,22 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 class EMA:
 {% if cookiecutter.with_fsdp == "yes" %}
-    """`average`: the model the average is kept in, a copy of `model`'s weights (parallel=fsdp builds one sharded
-    like it); by default a deep copy."""
+    """`model`: the average, in a copy of the weights of the model passed in (`average`: parallel=fsdp builds one
+    sharded like it; by default a deep copy). A checkpoint's EMA loads into it with `model.load_state_dict`, which
+    copies into the same tensors, so the pairs averaged stay valid."""
 
     def __init__(self, model: torch.nn.Module, decay: float, average: torch.nn.Module | None = None):
-        self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
+        self.average = get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
         self.model = (average if average is not None else copy.deepcopy(model)).eval().requires_grad_(False)
 {% else %}
-    """The average, kept in a deep copy of `model`."""
+    """`model`: the average, in a deep copy of the model passed in. A checkpoint's EMA loads into it with
+    `model.load_state_dict`, which copies into the same tensors, so the pairs averaged stay valid."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay, self.average = decay, get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
+        self.average = get_ema_multi_avg_fn(decay)  # torch's own EMA step, all tensors at once
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 {% endif %}
-        self._pair(model)
-
-    def _pair(self, model: torch.nn.Module) -> None:
-        """The tensors to average, matched by name once: state_dict() hands out the live tensors."""
+        # the tensors to average, matched by name once: state_dict() hands out the live tensors
         ours, theirs = self.model.state_dict(), model.state_dict()
         floats = [k for k, v in ours.items() if v.is_floating_point()]
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -53,9 +52,3 @@ class EMA:
             self.average(ours, theirs, None)
         for mine, theirs in zip(*self.others):
             mine.copy_(theirs)
-
-    def state_dict(self) -> dict:
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state)  # copies into the same tensors, so the pairs stay valid

@@ -1,8 +1,5 @@
 """Resuming: what makes a run the same run, find the checkpoint to continue from, check it fits this run, and load
-it into the live objects.
-
-The file format and its atomic writing are in checkpoint.py.
-"""
+it into the live objects (the file format and its atomic writing: checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ from .stream_loader import RESTART_EPOCH, plain_stream_refusal
 log = logging.getLogger(__name__)
 
 
-# Which keys, when changed, make a resumed run a different run (`changes`). The rule: every key
-# does, except those matched here (fnmatch patterns on dotted keys); with rng_mode=per_worker,
-# loader.num_workers and loader.persistent_workers do too (each worker's own RNG stream feeds the data).
+# The keys (fnmatch patterns on dotted keys) whose change keeps a resumed run the same run, and why; any other key
+# makes another run (`changes_run`, with the exceptions: loader.batch_size, the workers under rng_mode=per_worker).
 SAME_RUN = {
     "resume": "where to start from",
     "resume_strict": "how to treat changes",
@@ -76,9 +72,11 @@ def global_batch(ckpt: dict) -> int:
     return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
 
 
-def splits(batch: int, world_size: int) -> str | None:
-    """Why `world_size` processes cannot share a global batch of `batch` samples, or None when they can."""
-    if batch % world_size == 0:
+def splits(ckpt: dict, cfg, world_size: int) -> str | None:
+    """Why `world_size` processes cannot share the checkpoint's global batch, or None when they can, or when the
+    command changes `loader.batch_size` (resume_strict=false: taken as it is, `per_rank_batch`)."""
+    batch = global_batch(ckpt)
+    if batch % world_size == 0 or cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return None
     fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
     counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
@@ -94,24 +92,16 @@ def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     per-process batch as the run started); a different one (resume_strict=false) is taken as it is."""
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
-    why = splits(global_batch(ckpt), world_size)
-    if why:
-        raise UserError(f"resume: {why}")
-    return global_batch(ckpt) // world_size
+    return global_batch(ckpt) // world_size  # `splits` refused a number of processes that does not divide it
 
 
 def locate(
     value: str, run_dir: Path, cfg, world_size: int | None, is_main: bool = True, only: list[str] | None = None
 ) -> Path | None:
-    """The checkpoint to resume from. A path is taken as given (relative to where the command was run).
-
-    `resume=latest`: this run folder's own checkpoints/last.pth (a requeued or restarted job), else the
-    newest last.pth under `checkpoint.search_dir` that *fits this run*: the same values for every key that
-    changes the run (`changes_run`) and a global batch this run's `world_size` processes can share. Newer
-    ones that do not fit are skipped with a line saying what differs. None fits, or none is there: start fresh.
-    eval.py asks the same with `only`, the keys its command sets (it takes the rest from the checkpoint), and
-    `world_size=None` (any number of processes).
-    """
+    """The checkpoint to resume from: a path as given (relative to where the command was run), or for
+    `resume=latest` this run folder's own last.pth (a requeued job), else the newest last.pth under
+    `checkpoint.search_dir` that fits this run (`misfit`), each newer one skipped in a line; none: start fresh.
+    eval.py asks with `only`, the keys its command sets, and `world_size=None` (any number of processes)."""
     if value != "latest":
         return Path(to_absolute_path(value))
     own = run_dir / "checkpoints" / "last.pth"{% if cookiecutter.with_fsdp == "yes" %}  # a file, or a sharded save's folder (a link to it){% endif +%}
@@ -133,8 +123,8 @@ def locate(
 
 
 def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = None) -> str | None:
-    """Why the checkpoint at `path` cannot continue this run, or None. Reads the file memory-mapped: the
-    tensors are not read, only the config and the progress."""
+    """Why the checkpoint at `path` cannot continue this run, or None: a change of the run (`changes_run`), or a
+    global batch `world_size` processes cannot share. Memory-mapped: the tensors are not read."""
     try:
         ckpt = checkpoint.load(path, mmap=True)
     except UserError:
@@ -144,9 +134,7 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    if world_size is not None and ckpt["config"]["loader"]["batch_size"] == cfg.loader.batch_size:
-        return splits(global_batch(ckpt), world_size)  # another number of processes is fine when it splits the batch
-    return None
+    return splits(ckpt, cfg, world_size) if world_size is not None else None  # any number that splits the batch
 
 
 ABSENT = "(absent)"
@@ -174,15 +162,6 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
-{% if cookiecutter.with_tracking == "yes" %}
-def tracking_note(ckpt: dict, cfg) -> tuple[int, str]:
-    """(the first step this run logs, what a tracked run is told: the step, with resume_strict=false what changed)."""
-    run = changes(ckpt, cfg)
-    said = f"resumed at step {ckpt['step'] + 1}"
-    return ckpt["step"] + 1, f"{said}, changed (resume_strict=false): {describe(run)}" if run else said
-
-
-{% endif %}
 def report(ckpt: dict, cfg, path: Path) -> None:
     """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
     that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
@@ -218,19 +197,16 @@ def precheck(cfg, run_dir: Path) -> None:
                             f"resume with the same {group}")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
-    saved = ckpt["model"]
-    if saved.keys() != current.keys():
-        odd = sorted(saved.keys() ^ current.keys())
-        raise UserError(f"resume: the model's parameters differ from the checkpoint's ({len(odd)} names, "
-                        f"e.g. {odd[0]}): resume with the same model config")  # fmt: skip
-    for name, tensor in current.items():
-        if saved[name].shape != tensor.shape:
-            raise UserError(
-                f"resume: {name} is {tuple(saved[name].shape)} in the checkpoint but {tuple(tensor.shape)} here "
-                f"(data.num_classes {saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): "
-                "resume with the same model and data"
-            )
-    per_rank_batch(ckpt, cfg, world_size)  # refuses a number of processes that does not split the global batch
+    odd = checkpoint.misfit(current, ckpt["model"])
+    if odd:
+        raise UserError(
+            f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
+            f"{saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with the same "
+            "model and data"
+        )
+    why = splits(ckpt, cfg, world_size)
+    if why:
+        raise UserError(f"resume: {why}")
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
@@ -246,21 +222,14 @@ def group_settings(optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int = 0{% if cookiecutter.with_fsdp == "yes" %}, fresh=None{% endif %}) -> int:
-    """Load everything into the live objects; the main RNG last, just before the loop. Returns the global step.
-
-    One copy of the model, optimizer, scheduler and scaler restores every rank (the EMA too: run.py). The ranks'
-    own state (loader, main RNG) comes back rank by rank when the checkpoint was written by as many processes.
-{% if cookiecutter.with_fsdp == "yes" %}
-    A sharded checkpoint's weights and optimizer state are loaded before (run.py); `fresh` is then `group_settings`
-    as they were before that load."""
-{% else %}
-    """
-{% endif %}
+def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:
+    """Load everything into the live objects, the main RNG last, just before the loop; returns the global step. One
+    copy restores every rank (the EMA: run.py); the ranks' own state (loader, main RNG) comes back rank by rank when
+    as many processes wrote the checkpoint.{% if cookiecutter.with_fsdp == "yes" +%}
+    `fresh`: `group_settings` before a sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
-    fresh = fresh if fresh is not None else group_settings(optimizer)
-    if not checkpoint.is_sharded(ckpt):  # a sharded one's weights and optimizer state are in already (run.py)
+    if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
 {% else %}
@@ -284,9 +253,8 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
         train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
         rng.restore_main(mine["rng"])
         return ckpt["step"]
-    # Another number of processes: the position in the epoch is global (every rank's is the same), the per-rank
-    # randomness outside the data (dropout, the loader's worker seeds) cannot be mapped onto other ranks, so it is
-    # derived from (seed, rank, step): the same on every resume of this step with this many processes.
+    # Another number of processes: the position in the epoch is global; the per-rank randomness outside the data
+    # (dropout, worker seeds) cannot be mapped onto other ranks, so it is derived from (seed, rank, step).
     step = ckpt["step"]
     if train_loader.rng_mode == "per_worker" and rank == 0:
         log.warning(
@@ -301,10 +269,9 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
 
 
 def load_optimizer(ckpt: dict, model, optimizer) -> None:
-    """The checkpoint's optimizer state into `optimizer`. When the parameters are grouped otherwise than in the
-    checkpoint (resume_strict=false with other `optim.param_groups`), torch's `load_state_dict` cannot match the
-    groups: each parameter's state (momentum, Adam's moments) is then carried over to where it is now, found through
-    the checkpoint's own grouping of this model, and the groups' settings are this run's."""
+    """The checkpoint's optimizer state into `optimizer`. Parameters grouped otherwise (resume_strict=false with
+    other `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now,
+    found through the checkpoint's grouping of this model; the groups' settings are this run's."""
     saved = ckpt["optimizer"]
     then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
     now = [p for group in optimizer.param_groups for p in group["params"]]
@@ -324,14 +291,9 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
 
 def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int,
           note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
-    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own,
-    to copy as it is, the command that continues it. Paths below the working directory are shown relative to it,
-{% if cookiecutter.with_streams == "yes" %}
-    which keeps the command about one terminal line. `restart_epoch`: a stream without state stopped mid-epoch, which
-    goes on only by starting that epoch over."""
-{% else %}
-    which keeps the command about one terminal line."""
-{% endif %}
+    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own
+    the command that continues it, paths relative to the working directory when below it (about one terminal line).{% if cookiecutter.with_streams == "yes" +%}
+    `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
     folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
 {% if cookiecutter.with_streams == "yes" %}

@@ -247,7 +247,7 @@ def build(
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
-    if sharded and ckpt and not checkpoint.is_sharded(ckpt):
+    if sharded and ckpt and not ckpt.get("sharded"):
         raise UserError(
             f"resume: {found} is a whole checkpoint (parallel=ddp) and parallel=fsdp resumes sharded ones: resume it "
             f"with parallel=ddp, or start from its weights with init_from={found}"
@@ -290,7 +290,7 @@ def build(
         callbacks.named.setdefault("fsdp_peak_memory", peak)  # at the first log line and at the end
         if world.is_main:
             log.info(fsdp.memory_line(model, optimizer, world.world_size, ema is not None))
-    elif ckpt and checkpoint.is_sharded(ckpt):
+    elif ckpt and ckpt.get("sharded"):
         raise UserError(
             f"resume: {found} is a sharded checkpoint (parallel=fsdp): resume it with parallel=fsdp, or write it "
             f"as one file with python -m {__name__.split('.')[0]}.export and start from that with init_from"
@@ -315,7 +315,7 @@ def build(
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
         ema = EMA(model, cfg.ema.decay)
         if ckpt and ckpt.get("ema") is not None:
-            ema.load_state_dict(ckpt["ema"])
+            ema.model.load_state_dict(ckpt["ema"])
     if ema is not None and ckpt and ckpt.get("ema") is None:
         log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
     batch_transform = parts.batch_transform(cfg)
@@ -335,12 +335,12 @@ def build(
     )
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
-    note = resume.tracking_note(ckpt, cfg) if ckpt else None
-    trackers = tracking.start(cfg, run_dir, ckpt, note) if world.is_main else None  # MLflow, W&B
-    runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main, trackers, tracking.chosen(cfg)))
+    trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
+    runlog = RunLog(run_dir, purge, world.is_main, trackers, tracking.chosen(cfg))
 {% else %}
-    runlog = cleanup.enter_context(RunLog(run_dir, purge, world.is_main))
+    runlog = RunLog(run_dir, purge, world.is_main)
 {% endif %}
+    cleanup.callback(runlog.close)
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
     run = Run(
         cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,

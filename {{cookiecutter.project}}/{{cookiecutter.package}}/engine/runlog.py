@@ -1,8 +1,7 @@
-"""What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line
-per `log_every_steps` optimizer steps, with the mean loss over them and of each of a task's loss parts,
-`loss_<name>`), TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, the jsonl lines as
-rows of `steps.csv` and `metrics.csv`, and the same figures to the trackers of `logger.use` (MLflow, W&B:
-tracking.py){% endif %}."""
+"""What a run writes for people to read: `metrics.jsonl` (one line per epoch), `steps.jsonl` (one line per
+`log_every_steps` optimizer steps: the mean loss over them and of each of a task's loss parts, `loss_<name>`),
+TensorBoard event files under `tb/`{% if cookiecutter.with_tracking == "yes" %}, the jsonl lines as rows of `steps.csv` and `metrics.csv`, and the same
+figures to the trackers of `logger.use` (MLflow, W&B: tracking.py){% endif %}."""
 
 from __future__ import annotations
 
@@ -59,19 +58,12 @@ class RunLog:
                 kept = [t for t in path.read_text().splitlines() if t and json.loads(t)["step"] < purge_step]
                 path.write_text("".join(text + "\n" for text in kept))  # the lines past the checkpoint dropped
             self.files[name] = open(path, "a", buffering=1)
-        # purge_step drops events a crashed run wrote past the checkpoint, when resuming into the same folder.
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step){% if cookiecutter.with_tracking == "yes" %} if "tensorboard" in use else None{% endif +%}
 {% if cookiecutter.with_tracking == "yes" %}
         self.csv = run_dir if "csv" in use else None
         for name in ("steps", "metrics") if self.csv else ():  # the rows of the jsonl lines kept (a resume's purge)
             write_table(run_dir, name)
 {% endif %}
-
-    def __enter__(self) -> RunLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def step(
         self, step: int, loss: float, lr: float, grad_norm: float | None = None, parts: dict | None = None
@@ -134,10 +126,6 @@ class RunLog:
             self.tb.add_scalar(f"{group}/{key}", value, step)
 
 {% if cookiecutter.with_tracking == "yes" %}
-    def tracking_ids(self) -> dict:
-        """{tracker: its tracked run's id}, for the checkpoint: a resume logs into the same tracked runs."""
-        return self.tracking.ids() if self.enabled and self.tracking is not None else {}
-
     def close(self, files: dict | None = None, finished: bool = False) -> None:
         """The files closed; the trackers get the checkpoint paths (`files`: last, best) and end their runs, as
         `finished` or stopped to be resumed (an exception too: what was queued is still sent)."""
@@ -157,11 +145,9 @@ class RunLog:
 
 
 class EpochMeter:
-    """One epoch's running figures. The sums stay on the device and are read at log points only (a read makes the
-    host wait for the device); the wait for data and the sample count are host numbers.
-
-    `carried`: the sums over ranks of the epoch's steps before a mid-epoch checkpoint (`state()`), so that a resumed
-    run's steps.jsonl and metrics.jsonl hold the figures of the run that never stopped."""
+    """One epoch's running figures: sums on the device, read at log points only (a read makes the host wait for the
+    device); the data wait and the sample count are host numbers. `carried`: the sums over ranks before a mid-epoch
+    checkpoint (`state()`), so a resumed run logs the figures of the run that never stopped."""
 
     def __init__(self, device: torch.device, carried: dict | None = None, input_key: int | str = 0):
         self.device, self.input_key = device, input_key  # data.input: the batch's part its samples are counted on

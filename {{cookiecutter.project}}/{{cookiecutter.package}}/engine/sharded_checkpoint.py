@@ -1,11 +1,10 @@
 """Sharded checkpoints (`parallel=fsdp`): one torch.distributed.checkpoint (DCP) folder per save, published whole.
 
 A save is a folder under `checkpoints/.saves/`: every rank's shards of the model, the optimizer and the EMA
-(`__<rank>_0.distcp`, DCP's `.metadata`), and `run.pth`, rank 0's file holding the rest of the checkpoint as
-checkpoint.py writes it (progress, every rank's RNG and loader state, config, schedule). `last.pth`,
-`step-XXXXXXXX.pth` and `best.pth` are symbolic links to such folders, each replaced by an atomic rename, so a
-reader sees a complete save or the previous one, never half of one. A kill mid-save leaves a `.tmp-*` folder no link
-names, removed when the next run starts writing there. DCP reshards on load: W ranks' save resumes on W'.
+(`__<rank>_0.distcp`, DCP's `.metadata`), and `run.pth`, the rest of the checkpoint as checkpoint.py writes it.
+`last.pth`, `step-XXXXXXXX.pth` and `best.pth` are symbolic links to such folders, each replaced by an atomic rename,
+so a reader sees a complete save or the previous one. A kill mid-save leaves a `.tmp-*` folder no link names, removed
+when the next run starts writing there. DCP reshards on load: W ranks' save resumes on W'.
 
 Loading reads no pickle that could run code: DCP's `.metadata` is unpickled with only DCP's own classes and
 torch's dtypes allowed, and its non-tensor entries (the optimizer's group settings) with `weights_only=True`.
@@ -68,9 +67,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def tensors(path: Path, whole: bool) -> dict:
-    """The save's `model` and `ema` (None when it has none) for checkpoint.read: as shapes and dtypes (tensors on the
-    meta device, nothing read; `sharded`: resume loads the shards into the run, `load_into`), or, `whole`, gathered
-    from every rank's shards into whole CPU tensors (eval.py, init_from, export; not the optimizer's state)."""
+    """The save's `model` and `ema` (None when it has none) for checkpoint.read: on the meta device, nothing read
+    (`sharded`: a resume loads the shards, `load_into`), or, `whole`, gathered into whole CPU tensors (eval.py,
+    init_from, export; not the optimizer's state)."""
     with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
         found = MetadataUnpickler(f).load()
     if not isinstance(found, Metadata):
@@ -133,10 +132,8 @@ class ShardedCheckpointer:
         dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
         if not self.world.is_main:
             return
-        with open(tmp / RUN_FILE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch.save(state, tmp / RUN_FILE)
+        sync(tmp / RUN_FILE)
         sync(tmp)
         done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
         os.rename(tmp, done)  # complete now; no link names it yet
@@ -166,9 +163,9 @@ class ShardedCheckpointer:
                 shutil.rmtree(save)
 
 
-def sync(folder: Path) -> None:
-    """fsync a folder: the files and renames in it are durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def sync(path: Path) -> None:
+    """fsync a file or a folder: its bytes, or the renames in it, are durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

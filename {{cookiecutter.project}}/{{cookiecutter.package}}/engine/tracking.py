@@ -1,11 +1,10 @@
-"""Experiment trackers besides the run folder's own files (`logger.use`): MLflow and Weights & Biases. (TensorBoard
-and CSV write to the run folder: RunLog keeps those.)
+"""Experiment trackers besides the run folder's own files (`logger.use`): MLflow and Weights & Biases.
 
-RunLog hands every tracker the Python floats it already writes to steps.jsonl and metrics.jsonl, so no tracker reads
-a device tensor. The calls go through a queue to one background thread, which sends whatever has piled up in one
-batch: a slow tracking server delays that thread, never the step. Only the start (the tracked run's id, which every
-checkpoint keeps so that a resume logs into the same tracked run) and the end (the queue drained) wait, each for at
-most `logger.timeout_s`. Rank 0 alone builds trackers.
+RunLog hands every tracker the Python floats it writes to steps.jsonl and metrics.jsonl, so no tracker reads a device
+tensor. The calls go through a queue to one background thread, which sends whatever has piled up in one batch: a slow
+tracking server delays that thread, never the step. Only the start (the tracked run's id, which every checkpoint keeps
+so that a resume logs into the same tracked run) and the end (the queue drained) wait, each at most
+`logger.timeout_s`. Rank 0 alone builds trackers.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from . import resume
 from .errors import UserError
 from .schema import flatten
 
@@ -35,8 +35,7 @@ LOCAL_MLFLOW = "mlflow.db"  # logger.mlflow.on_unreachable=local: a database in 
 
 
 def chosen(cfg) -> list[str]:
-    """`logger.use` (the schema checked the names), each tracker's package importable, else one line naming the
-    pip extra (named after the package)."""
+    """`logger.use`, each tracker's package importable, else one line naming the pip extra (named after it)."""
     use = list(cfg.logger.use)
     for name in [name for name in use if name in REMOTE]:
         try:
@@ -49,14 +48,17 @@ def chosen(cfg) -> list[str]:
     return use
 
 
-def start(cfg, run_dir: Path, ckpt: dict | None, note: tuple[int, str] | None) -> Tracking | None:
+def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
     """The trackers of `logger.use` that live outside the run folder, started; None when there are none. `ckpt`: the
-    checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue; `note`: (the first step this
-    run logs, what the tracked run is told: the step, with resume_strict=false what changed)."""
+    checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue, and whose step and changes
+    (resume_strict=false) the tracked run is told (`note`: the first step this run logs, and that text)."""
     use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`chosen`)
     if not use:
         return None
-    saved = (ckpt or {}).get("tracking") or {}
+    saved, note = (ckpt or {}).get("tracking") or {}, None
+    if ckpt is not None:
+        step, changed, said = ckpt["step"] + 1, resume.changes(ckpt, cfg), f"resumed at step {ckpt['step'] + 1}"
+        note = step, f"{said}, changed (resume_strict=false): {resume.describe(changed)}" if changed else said
     params = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     sweep = None  # in a multirun (-m, Optuna) the sweep folder's name: its jobs share an experiment, a W&B group
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -78,13 +80,8 @@ class Tracking:
         self.thread = threading.Thread(target=self._drain, name="trackers", daemon=True)
         self.thread.start()
 
-    def ids(self) -> dict:
-        """{tracker: its tracked run's id}: what a checkpoint keeps (`tracking`)."""
-        return {t.name: t.run_id for t in self.trackers}
-
     def log(self, step: int, figures: dict) -> None:
-        """Python floats (what steps.jsonl and metrics.jsonl hold), or a picture, (H, W, 3) uint8 numpy, under its
-        tag: queued, sent by the thread."""
+        """Python floats, or a picture ((H, W, 3) uint8 numpy) under its tag: queued, sent by the thread."""
         self.queue.put((step, dict(figures)))
 
     def _drain(self) -> None:
@@ -149,6 +146,7 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(self.timeout_s))))
         uri = self.reachable(str(self.cfg.tracking_uri))
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client, run = MlflowClient(uri), None
@@ -172,7 +170,11 @@ class MlflowTracker(Tracker):
                 number = self.client.get_experiment_by_name(experiment).experiment_id
             self.run_id = self.client.create_run(number, run_name=self.run_dir.name).info.run_id
             said = f"run {self.run_id} in experiment {experiment!r}"
-        self._params(params)
+        items = [
+            Param(k[:250], json.dumps(v) if isinstance(v, (list, dict)) else str(v)[:6000]) for k, v in params.items()
+        ]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
         if note is not None:  # a resume (without ids: from an older checkpoint, or the tracking was off)
             self.client.set_tag(self.run_id, f"resume.step_{note[0]}", note[1][:5000])
         log.info("logger mlflow: %s at %s", said, uri)
@@ -195,15 +197,6 @@ class MlflowTracker(Tracker):
             f"logger.mlflow.tracking_uri={uri} does not answer within logger.timeout_s={self.timeout_s:g} s ({why}): "
             f"start the server, or logger.mlflow.on_unreachable=local to log to the run folder's {LOCAL_MLFLOW}"
         )
-
-    def _params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        items = [
-            Param(k[:250], json.dumps(v) if isinstance(v, (list, dict)) else str(v)[:6000]) for k, v in params.items()
-        ]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log(self, points: list) -> None:
         from mlflow.entities import Metric
@@ -232,8 +225,9 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def start(self, params: dict, saved_id: str | None, note: tuple[int, str] | None) -> None:
-        import wandb
+        import wandb  # the wandb extra's: imported where used
 
+        self.image = wandb.Image  # for `log`
         try:
             self.run = wandb.init(
                 mode=self.cfg.mode,
@@ -260,10 +254,8 @@ class WandbTracker(Tracker):
         log.info("logger wandb: run %s (%s) in %s", self.run_id, self.cfg.mode, self.run_dir / "wandb")
 
     def log(self, points: list) -> None:
-        import wandb  # the wandb extra's: imported where used, as start() does
-
         for step, m in points:
-            self.run.log({k: wandb.Image(v) if picture(v) else v for k, v in m.items()}, step=step)
+            self.run.log({k: self.image(v) if picture(v) else v for k, v in m.items()}, step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
