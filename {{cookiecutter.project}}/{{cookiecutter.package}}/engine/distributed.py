@@ -15,9 +15,7 @@ from . import rng
 from .errors import UserError
 from .preempt import StopRequest
 
-# Seconds a rank asked to stop (SIGTERM) still waits in a collective for its peers before it exits:
-# live peers come within a step, a dead one never does (preempt.py).
-COLLECTIVE_GRACE_S = 10.0
+COLLECTIVE_GRACE_S = 10.0  # a rank asked to stop waits this long on its peers: live ones come within a step
 
 
 @dataclass(frozen=True)
@@ -98,12 +96,11 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
 def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
     resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
-    bits of the averaged gradients: docs/distributed.md, "Exact with any number of ranks"). A collective: every
-    rank calls it.
+    bits of the averaged gradients: docs/distributed.md). A collective: every rank calls it.
 
-    DDP rebuilds its buckets once, at the forward after its first backward. So every process first runs one
-    throwaway step, `throwaway_loss()` (the task's loss on two training samples) and its backward, and undoes its
-    effects: gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
+    DDP rebuilds its buckets once, at the forward after its first backward: so one throwaway step,
+    `throwaway_loss()` (the task's loss on two training samples) and its backward, with its effects undone:
+    gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]
@@ -121,10 +118,7 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
 
 def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
     """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
-    read.
-
-    The read stays inside the grace window: with NCCL the all-reduce is queued and the read is where a rank
-    waits for its peers."""
+    read. The read stays inside the grace window: with NCCL it is where a rank waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
@@ -158,11 +152,6 @@ def gather_all(obj, world: World) -> list:
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.all_gather_object(out, obj)
     return out
-
-
-def from_main(obj, world: World):
-    """Rank 0's `obj` on every rank."""
-    return gather_all(obj, world)[0]
 
 
 def barrier(world: World) -> None:

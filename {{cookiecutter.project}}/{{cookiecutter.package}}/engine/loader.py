@@ -337,7 +337,7 @@ class EpochLoader:
         self.settings, self.seed, self.rng_mode, self.rank, self.world_size = settings, seed, rng_mode, rank, world_size
         self.worker_init, self.start_guard, self.bad_samples = worker_init, start_guard, bad_samples
         self.skip = on_bad_sample == "skip"
-        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
+        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.stalled)
         if settings.num_workers and settings.timeout:
             self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
             weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
@@ -362,7 +362,7 @@ class EpochLoader:
             self.skipped = 0
         iterator = self._early if self._early is not None else self.begin()
         self._early = None
-        for batch, note in self.consume(self.named(iterator)):
+        for batch, note in self.consume(failures.named(iterator, self)):
             self.position += 1
             if note.pid is not None:
                 self.worker_pids.add(note.pid)
@@ -376,20 +376,6 @@ class EpochLoader:
 
     def epoch_ended(self) -> None:
         """What a loader does once an epoch is done, beyond counting it."""
-
-    def named(self, iterator):
-        """The iterator's items; a stall, a bad sample or a full /dev/shm raised as one line naming it."""
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            except Exception as e:
-                failure = failures.from_loader_error(e, self)
-                if failure is None:
-                    raise
-                raise failure from e
-            yield item
 
     def start_next_epoch(self) -> None:
         """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.

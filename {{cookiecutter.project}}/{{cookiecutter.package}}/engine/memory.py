@@ -1,23 +1,21 @@
 """The prefetch memory plan: how many bytes of batches the train loader holds in flight, and a budget for it.
 
-Each worker keeps up to `prefetch_factor` batches ahead of the loop (torch/utils/data/dataloader.py
-keeps that many indices outstanding per worker), so `num_workers x prefetch_factor` batches are in
-flight. A batch lives in a shared-memory file from the moment its worker collates it until the loop
-lets go of it. With pinning, the pin-memory thread copies each arrived batch into page-locked memory
-and PyTorch's caching host allocator keeps those blocks for reuse: one pinned copy per batch in flight.
+Each worker keeps up to `prefetch_factor` batches ahead of the loop (torch/utils/data/dataloader.py keeps that many
+indices outstanding per worker), so `num_workers x prefetch_factor` batches are in flight. A batch lives in a
+shared-memory file from the moment its worker collates it until the loop lets go of it. With pinning, the
+pin-memory thread copies each arrived batch into page-locked memory and PyTorch's caching host allocator keeps those
+blocks for reuse: one pinned copy per batch in flight.
 
     prefetch bytes = bytes of one batch x num_workers x prefetch_factor x (2 when pinned, else 1)
 
-Not in the plan: each worker's copy of the dataset object, decode buffers, collate temporaries and
-the batch the loop is training on. With num_workers=0 nothing is in flight: the main process loads
-each batch when the loop asks for it.
+Not in the plan: each worker's copy of the dataset object, decode buffers, collate temporaries and the batch the
+loop is training on. With num_workers=0 nothing is in flight: the main process loads each batch when asked.
 
-/dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared
-memory), and containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch
-that does not fit fails in the worker ("unable to allocate shared memory(shm)", or SIGBUS when the
-pages were overcommitted: pytorch/pytorch#5040), after the run has started. So before any worker
-starts, `fit_shm` holds what the loaders will put there against the free space of /dev/shm, for
-every rank on this host (`shm_need`), and lowers the profile or refuses.
+/dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared memory), and
+containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch that does not fit fails in the
+worker ("unable to allocate shared memory(shm)", or SIGBUS when the pages were overcommitted: pytorch/pytorch#5040),
+after the run has started. So before any worker starts, `fit_shm` holds what the loaders will put there against
+the free space of /dev/shm, for every rank on this host (`shm_need`), and lowers the profile or refuses.
 """
 
 from __future__ import annotations
@@ -88,12 +86,10 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     """Bytes of one batch, before any worker exists: sample 0{% if cookiecutter.with_streams == "yes" %} (a stream's first record){% endif %} collated once, times
     `batch_size`.
 
-    Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is
-    the size of a batch of sample 0. The sample is fetched in the main process, so whatever random
-    augmentation it draws is undone: the main RNG is captured before and put back after, and the
-    run stays the same with or without a budget. It is fetched from a shallow copy, so a dataset that
-    opens its files lazily on first use does so on the copy, and the workers do not inherit open handles.
-    """
+    Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is the size of a
+    batch of sample 0. The sample is fetched in the main process with the main RNG captured before and put back
+    after, so the run stays the same with or without a budget; and from a shallow copy, so a dataset that opens
+    its files lazily does so on the copy, and the workers do not inherit open handles."""
     saved = rng.capture()
     try:
 {% if cookiecutter.with_streams == "yes" %}
@@ -174,19 +170,27 @@ def plan(batch, settings: LoaderSettings) -> Plan:
     return Plan(settings, batch_bytes(batch), layout(batch))
 
 
-def fit(settings: LoaderSettings, need, limit: float, over: str, todo: str, on_budget: str, lowest_workers: int):
-    """Settings whose `need(settings)` (bytes) is at most `limit`, and a sentence saying what changed (None: nothing
-    did). `step_down` lowers prefetch_factor first (fewer batches ahead, same parallelism), then num_workers, down
-    to `lowest_workers`. `on_budget="error"` refuses instead, in one line: `over` (what is over which limit), `todo`."""
-    if need(settings) <= limit:
+def fit(settings: LoaderSettings, batch: int, need, limit: float, over: str, todo: str, on_budget: str, lowest: int):
+    """Settings whose `need(Plan)` (bytes, for batches of `batch` bytes) is at most `limit`, and a sentence saying
+    what changed (`prefetch_factor 4 -> 2, num_workers 4 -> 3`; None: nothing did). prefetch_factor is lowered first
+    (fewer batches ahead, the same parallelism), then num_workers with one batch ahead each, down to `lowest` (0: the
+    main process loads). `on_budget="error"` refuses instead, in one line: `over` (what is over which limit), `todo`."""
+    if need(Plan(settings, batch)) <= limit:
         return settings, None
-    after, changed = step_down(settings, lambda s: need(s) <= limit, lowest_workers)
+    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor - 1, 0, -1)]
+    workers = range(settings.num_workers - 1, max(lowest, 1) - 1, -1)
+    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in workers]
+    if lowest == 0:
+        candidates.append(replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
+    after = next((c for c in candidates if need(Plan(c, batch)) <= limit), None)
     if after is None:
         raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
     if on_budget == "error":
         raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
+    names = [n for n in ("prefetch_factor", "num_workers") if getattr(settings, n) != getattr(after, n)]
+    changed = ", ".join(f"{n} {getattr(settings, n)} -> {getattr(after, n)}" for n in names)
     where = "; the main process loads each batch" if not after.num_workers else ""
-    return after, f"{over}: {changed} ({need(after) / MiB:.1f} MiB{where})"
+    return after, f"{over}: {changed} ({need(Plan(after, batch)) / MiB:.1f} MiB{where})"
 
 
 def fit_budget(
@@ -196,28 +200,13 @@ def fit_budget(
     down to 0 workers if need be (the main process loads; nothing is in flight)."""
     if max_mib is None:
         return settings, None
-    plan = Plan(settings, one_batch_bytes)
     over = (
-        f"the prefetch plan needs {plan.mib:.1f} MiB ({settings.num_workers} workers x prefetch_factor "
-        f"{settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
+        f"the prefetch plan needs {Plan(settings, one_batch_bytes).mib:.1f} MiB ({settings.num_workers} workers x "
+        f"prefetch_factor {settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
         f"{', x2 pinned' if settings.pin_memory else ''}), over loader.max_prefetch_mib={max_mib:g}"
     )
     todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
-    return fit(settings, lambda s: Plan(s, one_batch_bytes).bytes, max_mib * MiB, over, todo, on_budget, 0)
-
-
-def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> tuple[LoaderSettings | None, str]:
-    """The first settings that `fits`: prefetch_factor lowered first (fewer batches ahead, the same parallelism),
-    then num_workers with one batch ahead each, down to `lowest_workers` (0: the main process loads); and what
-    changed (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). (None, ""): none fits."""
-    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor, 0, -1)]
-    workers = range(settings.num_workers - 1, max(lowest_workers, 1) - 1, -1)
-    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in workers]
-    if lowest_workers == 0:
-        candidates.append(replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
-    after = next((c for c in candidates if fits(c)), None)
-    names = [n for n in ("prefetch_factor", "num_workers") if after and getattr(settings, n) != getattr(after, n)]
-    return after, ", ".join(f"{n} {getattr(settings, n)} -> {getattr(after, n)}" for n in names)
+    return fit(settings, one_batch_bytes, lambda p: p.bytes, max_mib * MiB, over, todo, on_budget, 0)
 
 
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
@@ -264,7 +253,7 @@ def fit_shm(
         "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
         "loader.num_workers=0 (no shared memory)"
     )
-    return fit(settings, lambda s: Plan(s, one_batch_bytes).shm_need(ranks), free, over, todo, on_budget, 1)
+    return fit(settings, one_batch_bytes, lambda p: p.shm_need(ranks), free, over, todo, on_budget, 1)
 
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:

@@ -1,16 +1,15 @@
 """Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits
 on data.
 
-- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages,
-  and RSS counts a shared page once in every process that maps it. PSS splits each shared page
-  between them, so PSS summed over main + workers is what the run really holds (Linux; elsewhere
-  psutil has no PSS and USS is used).
-- A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the
-  worker holds open but no process has mapped yet, so it is in nobody's PSS. `shm_mib` counts those
-  files directly: it is the measured counterpart of the prefetch plan (memory.py).
-- A worker that dies is named with its signal or exit code (failures.worker_death). PyTorch's own SIGCHLD
-  handler usually raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check at each
-  reading here covers the gaps.
+- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages, and RSS counts a
+  shared page once in every process that maps it. PSS splits each shared page between them, so PSS summed over
+  main + workers is what the run really holds (Linux; elsewhere psutil has no PSS and USS is used).
+- A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the worker holds open but
+  no process has mapped yet, so it is in nobody's PSS. `shm_mib` counts those files directly: it is the measured
+  counterpart of the prefetch plan (memory.py).
+- A worker that dies is named with its signal or exit code (failures.worker_death). PyTorch's own SIGCHLD handler
+  usually raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check at each reading here
+  covers the gaps.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psutil
 
 from .failures import WorkerDied, ended_worker
+from .memory import MiB
 
 log = logging.getLogger(__name__)
-
-MiB = 2**20
 
 
 def shared_batches(pids) -> int:
@@ -72,12 +70,9 @@ def pss_mib() -> float:
 
 {% endif %}
 def sample(worker_pids: set[int]) -> dict:
-    """One reading of this process and its children.
-
-    `workers_*` and `fds` cover every live child process: the train loader's workers, the persistent
-    validation workers and anything a dataset spawned; all of it is memory the run holds.
-    `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches).
-    """
+    """One reading of this process and its children. `workers_*` and `fds` cover every live child process: the
+    train loader's workers, the persistent validation workers and anything a dataset spawned; all of it is memory
+    the run holds. `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches)."""
     readings = _readings()
     main_rss, main_pss, _ = readings[os.getpid()]
     rss, pss, fds = (sum(column) for column in zip(*readings.values()))
@@ -95,11 +90,11 @@ def sample(worker_pids: set[int]) -> dict:
 
 
 class Monitor:
-    """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's
-    workers still live); writes TensorBoard scalars under `health/` and hands the epoch figures to
-    metrics.jsonl. Readings run off the loop, in a thread of their own (reading smaps_rollup makes the kernel walk
-    each process's page tables, ~10 ms for a process holding PyTorch), and are written once done (at the latest at
-    the epoch's end). `runlog.enabled` is False on ranks other than 0: those sample but write nothing."""
+    """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's workers still
+    live); writes TensorBoard scalars under `health/` and hands the epoch figures to metrics.jsonl. Readings run off
+    the loop, in a thread of their own (reading smaps_rollup makes the kernel walk each process's page tables, ~10 ms
+    for a process holding PyTorch), and are written once done (at the latest at the epoch's end). `runlog.enabled`
+    is False on ranks other than 0: those sample but write nothing."""
 
     def __init__(self, loader, runlog, every_steps: int):
         self.loader, self.runlog, self.every = loader, runlog, every_steps

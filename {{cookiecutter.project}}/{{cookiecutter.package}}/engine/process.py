@@ -64,13 +64,12 @@ def openmp_wait_policy(argv: list[str], conf_dir: Path):
 @contextlib.contextmanager
 def long_lived_imports():
     """Around an entry point's imports: no cyclic garbage collection while they load, then every object they made
-    moved out of the collector's reach (`gc.freeze`, a public API since Python 3.7, python/cpython#75739).
+    moved out of the collector's reach (`gc.freeze`, python/cpython#75739).
 
     torch, torchvision (which loads torch._dynamo and sympy) and hydra make hundreds of thousands of tracked
-    objects that live as long as the process, yet each full collection walks them all: while they load, and once
-    more at exit. Measured on 2 CPUs: `python -c "import torch, torchvision"` 3.2 s, 1.9 s this way; a two-step
-    train.py run 4.3 s, 3.1 s. Every train.py, eval.py and torchrun rank starts and ends that much sooner. Objects
-    made later (the model, the data, each step's tensors) are collected as before."""
+    objects that live as long as the process, yet each full collection walks them all, while they load and at
+    exit: every train.py, eval.py and torchrun rank starts and ends sooner (docs/training-step.md). Objects made
+    later (the model, the data, each step's tensors) are collected as before."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -119,9 +118,9 @@ def use_deterministic_kernels(fill_uninitialized: bool = False) -> None:
     """deterministic=true: the same inputs give the same bits, which is what makes an exact resume checkable.
 
     PyTorch's deterministic mode also fills every new uninitialized tensor with NaN by default
-    (`torch.utils.deterministic.fill_uninitialized_memory`): an extra write pass that cost ~7% of a SmallCNN step on
-    the CPU and changes no result of an op that writes its whole output, as every op of this loop does. It is off
-    here; to hunt code that reads memory it never wrote, set it back to True after this runs."""
+    (`torch.utils.deterministic.fill_uninitialized_memory`): an extra write pass that changes no result of an op
+    that writes its whole output, as every op of this loop does. It is off here; to hunt code that reads memory it
+    never wrote, pass `fill_uninitialized=True`."""
     import torch  # see apply()
     import torch.utils.deterministic
 
