@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from .errors import UserError, causes
+from .errors import UserError, causes, reason
 from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
@@ -50,7 +50,7 @@ class LoaderFailure(UserError):
 class Stalled(LoaderFailure):
     """No batch came for `loader.timeout` seconds."""
 
-    stacks: dict[int, str] = {}  # pid -> Python stack as faulthandler wrote it (set whole by `stalled`)
+    stacks = ""  # the workers' Python stacks as faulthandler wrote them, the stuck one's first (stall_stacks.txt)
 
 
 class ShmFull(LoaderFailure):
@@ -74,8 +74,7 @@ def describe_error(dataset, index: int, error: BaseException) -> str:
     describe, source = getattr(dataset, "sample_source", None), ""
     with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
         source = f" ({describe(index)})" if describe else ""
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"data set index {index}{source}: {type(error).__name__}: {text}"[:500]
+    return f"data set index {index}{source}: {reason(error)}"[:500]
 
 
 class Samples(list):
@@ -162,7 +161,8 @@ def stalled(loader, wait_s: float = 3.0) -> Stalled:
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
     )
-    failure.stacks = dict(stuck + list(stacks.values()))
+    shown = stuck + list(stacks.values())
+    failure.stacks = "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in shown)
     return failure
 
 
@@ -314,9 +314,7 @@ def save_on_failure(run):
         notes = []
         if isinstance(failure, Stalled) and failure.stacks and run.world.is_main:
             path = run.run_dir / STALL_STACKS
-            path.write_text(
-                "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in failure.stacks.items())
-            )
+            path.write_text(failure.stacks)
             notes.append(f"the workers' Python stacks are in {path}")
         if run.world.distributed:
             notes.append(
