@@ -51,13 +51,12 @@ def join(device: torch.device) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
     The group joined before the run's checks (`join_early`) is the run's."""
 {% endif %}
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 {% endif %}
         return World()
@@ -80,9 +79,7 @@ def join(device: torch.device) -> World:
     with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt{attempt}/", store)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return World(rank, world_size, local_rank)
 
 

@@ -112,9 +112,8 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
 
 def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     """Worker side (worker_init_fn): write this process's Python stack, every thread, into
-    `<stack_dir>/<worker_id>-<pid>.txt` when STACK_SIGNAL comes. faulthandler writes from its C signal handler, so a
-    worker stuck in a read or a lock still answers. The file's name also tells the main process which worker has
-    which pid."""
+    `<stack_dir>/<worker_id>-<pid>.txt` (which worker has which pid) when STACK_SIGNAL comes. faulthandler writes
+    from its C signal handler, so a worker stuck in a read or a lock still answers."""
     if stack_dir is None or STACK_SIGNAL is None:
         return
     out = open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
@@ -130,10 +129,9 @@ def stalled(loader, wait_s: float = 3.0) -> Stalled:
     its next batch, and the workers' Python stacks.
 
     Which worker holds that batch follows from the loader's own order (`worker_due()`): batches go to the workers
-    round-robin (torch/utils/data/dataloader.py). The workers' stacks come first, the stuck one's at the top; the
-    stuck worker is ended with the others as the process exits (its parent's SIGTERM). STACK_SIGNAL goes only to
-    the live children of this process that armed a stack dump (for any other process a real-time signal's default
-    action is to terminate it); a worker of an earlier generation left a file too, but is gone."""
+    round-robin (torch/utils/data/dataloader.py); its stack comes first. STACK_SIGNAL goes only to live children
+    that armed a stack dump: any other process dies of a real-time signal. The stuck worker is ended with the others
+    as the process exits (its parent's SIGTERM)."""
     asked = {}  # worker id -> (pid, the file it writes its stack into)
     if loader.stack_dir is not None and STACK_SIGNAL is not None:
         live = {child.pid for child in psutil.Process().children()}
@@ -235,11 +233,8 @@ def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
 
 
 def worker_death(exc: BaseException) -> str | None:
-    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
-
-    The traceback of such an error shows only where the main process noticed, never why the worker
-    died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
-    """
+    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None: the worker, its
+    signal or exit code, and the usual cause. The traceback shows only where the main process noticed."""
     said = {}  # pid -> how PyTorch's lines in the chain say it ended: what is left once it is reaped
     for line in TORCH_WORKER_DEATH.finditer("\n".join(str(link) for link in causes(exc))):
         sig = next((s for s in signal.Signals if signal.strsignal(s) == line[2]), None)  # "Killed" is SIGKILL's
@@ -275,11 +270,10 @@ def worker_death(exc: BaseException) -> str | None:
 
 
 def named(batches, loader):
-    """`batches` of `loader` (the train loader, or the name of another: "validation"), with a failure of the loader's
-    own raised as its one line: a bad sample or the data set's own UserError, as PyTorch rebuilt it from a worker
-    ("Caught BadSample in DataLoader worker process 1. Original Traceback ..."), reduced to the worker's line (the
-    last of that traceback) in its own type; a stall (the train loader's names the stuck worker and gets the
-    workers' stacks); a full /dev/shm. No checkpoint from here: save_on_failure makes the train loader's."""
+    """`batches` of `loader` (the train loader, or another's name: "validation"), a failure of the loader's own
+    raised as its one line: a UserError PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process
+    1. Original Traceback ...") as the worker's own line, in its own type; a stall (`stalled` for the train
+    loader); a full /dev/shm. No checkpoint from here: save_on_failure makes the train loader's."""
     try:
         yield from batches  # what the loop's body raises stays out there: only the loader's own errors come here
     except Exception as e:

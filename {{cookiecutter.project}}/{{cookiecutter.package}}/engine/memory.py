@@ -1,15 +1,11 @@
 """The prefetch memory plan: how many bytes of batches the train loader holds in flight, and a budget for it.
 
 Each worker keeps up to `prefetch_factor` batches ahead of the loop (torch/utils/data/dataloader.py keeps that many
-indices outstanding per worker), so `num_workers x prefetch_factor` batches are in flight. A batch lives in a
-shared-memory file from the moment its worker collates it until the loop lets go of it. With pinning, the
-pin-memory thread copies each arrived batch into page-locked memory and PyTorch's caching host allocator keeps those
-blocks for reuse: one pinned copy per batch in flight.
+indices outstanding per worker), each in a shared-memory file until the loop lets go of it; with pinning, the
+pin-memory thread copies each into page-locked memory that PyTorch's caching host allocator keeps for reuse. What
+the plan leaves out (the workers' dataset copies, decode buffers...): docs/loader.md.
 
     prefetch bytes = bytes of one batch x num_workers x prefetch_factor x (2 when pinned, else 1)
-
-Not in the plan: each worker's copy of the dataset object, decode buffers, collate temporaries and the batch the
-loop is training on. With num_workers=0 nothing is in flight: the main process loads each batch when asked.
 
 /dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared memory), and
 containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch that does not fit fails in the
@@ -130,12 +126,9 @@ class Plan:
 
     @property
     def shm_batches(self) -> int:
-        """Batches one rank's loaders can hold in /dev/shm at once.
-
-        The plan (in flight, and the pinned copies as the plan counts them), the batch in training, and with
-        persistent workers the validation loader's queue on top: validation runs while the train workers
-        already hold the next epoch's first batches (TrainLoader.start_next_epoch).
-        """
+        """Batches one rank's loaders can hold in /dev/shm at once: the plan's (pinned copies included), the batch
+        in training, and with persistent workers the validation loader's queue on top: validation runs while the
+        train workers already hold the next epoch's first batches (TrainLoader.start_next_epoch)."""
         if not self.settings.num_workers:
             return 0  # the main process loads: nothing goes through shared memory
         validation = self.in_flight if self.settings.persistent_workers else 0
@@ -193,13 +186,10 @@ def local_ranks() -> int:
 
 
 def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", ranks=1, space=None) -> tuple:
-    """Settings whose batches of `batch` bytes fit, and a sentence per change: first to `loader.max_prefetch_mib`
-    (`max_mib` > 0: the schema's rule; None: no budget), the bytes in flight (the plan), down to 0 workers if need be
-    (the main process loads; nothing is in flight); then to the free bytes of /dev/shm (`space`: (free, size); None:
-    nothing to fit), what the `ranks` of this host may put there, but not to 0 workers: a machine whose /dev/shm
-    cannot take one batch per rank is refused, with what to do, since loading everything in the main process is
-    rarely what the user wants and is theirs to choose (loader.num_workers=0).
-
+    """Settings whose batches of `batch` bytes fit, and a sentence per change: first the plan to `max_mib`
+    (loader.max_prefetch_mib; None: no budget), down to 0 workers if need be (the main process loads); then what the
+    `ranks` of this host may put in /dev/shm to its free bytes (`space`: (free, size); None: nothing to fit), but not
+    to 0 workers, which is the user's choice to make (loader.num_workers=0): that is refused, with what to do.
     prefetch_factor is lowered first (fewer batches ahead, the same parallelism), then num_workers with one batch
     ahead each (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). `on_budget="error"` refuses instead, in one line."""
     changes = []

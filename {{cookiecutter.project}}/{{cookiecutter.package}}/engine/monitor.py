@@ -1,12 +1,11 @@
 """Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits
 on data.
 
-- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages, and RSS counts a
-  shared page once in every process that maps it. PSS splits each shared page between them, so PSS summed over
-  main + workers is what the run really holds (Linux; elsewhere psutil has no PSS and USS is used).
+- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages, which RSS counts
+  once in every process that maps them and PSS splits between them (Linux; elsewhere psutil has no PSS: USS).
 - A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the worker holds open but
-  no process has mapped yet, so it is in nobody's PSS. `shm_mib` counts those files directly: it is the measured
-  counterpart of the prefetch plan (memory.py).
+  no process has mapped yet, so it is in nobody's PSS: `shm_mib` counts those files, the measured counterpart of
+  the prefetch plan (memory.py).
 - A worker that dies is named with its signal or exit code (failures.worker_death). PyTorch's own SIGCHLD handler
   usually raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check at each reading here
   covers the gaps.

@@ -3,16 +3,10 @@
 Each one changes the whole process, not one object, so train.py applies them once, here, and nowhere else.
 Nothing is exported to the environment: processes the run starts do not inherit them (forked loader workers
 share the allocator's settings, which live in the process's memory, and run one thread each). What each key does
-and what it measured: docs/training-step.md (#speed-on-the-cpu).
-
-- `process.omp_wait_policy`: OpenMP's threads spin while they wait by default, on the cores the loader workers
-  decode on. OpenMP reads OMP_WAIT_POLICY once, as torch loads: train.py applies the key around its `import torch`
-  (`openmp_wait_policy`). null: OpenMP's own default, or the OMP_WAIT_POLICY you set.
-- `process.keep_freed_memory` (glibc): malloc hands free memory at its heap's top back to the kernel past a
-  threshold it tunes as it goes, and the next step faults it in again, page by page; fixed thresholds end that.
-  MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
-- `process.threads`: torch's intra-op threads; null: torch's default. The count changes the last bits of CPU
-  kernels' results: keep it when you resume on the CPU.
+and what it measured: docs/training-step.md (#speed-on-the-cpu). `process.omp_wait_policy` keeps OpenMP's threads
+from spinning on the cores the loader workers decode on; OpenMP reads it once, as torch loads, so train.py applies
+it around its `import torch` (`openmp_wait_policy`). `process.keep_freed_memory`: glibc's malloc hands free memory
+at its heap's top back to the kernel, and the next step faults it in again, page by page; fixed thresholds end that.
 
 And one setting no key changes: the objects an entry point's imports make are frozen (`long_lived_imports`).
 """

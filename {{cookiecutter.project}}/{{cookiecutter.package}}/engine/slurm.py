@@ -53,10 +53,7 @@ def job_ranks() -> dict[str, str]:
 
 
 def adopt_job_ranks() -> None:
-    """Export `job_ranks()`: first thing in train(), as everything after reads torchrun's variables (join, the
-    dry step's device, the share of /dev/shm per host, preempt.py's exit message).
-
-    Not submitit's own `export()`: it also narrows CUDA_VISIBLE_DEVICES to the local rank's number, after which
-    `cuda:<local rank>` does not exist on any rank but 0; here, as under torchrun, each rank takes
-    `cuda:<local rank>` of the GPUs the job sees."""
+    """Export `job_ranks()`: first thing in train(), as everything after reads torchrun's variables. Not submitit's
+    own `export()`: it also narrows CUDA_VISIBLE_DEVICES to the local rank's GPU, after which `cuda:<local rank>`
+    exists on rank 0 only; here, as under torchrun, each rank takes `cuda:<local rank>` of the GPUs the job sees."""
     os.environ.update(job_ranks())
