@@ -38,23 +38,15 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
 
 
 class LoaderFailure(UserError):
-    """The train loader cannot go on. `str()` is the one line; it names the checkpoint once one is saved."""
+    """The train loader cannot go on (a stalled worker, /dev/shm full, a bad sample). `str()` is the one line; it
+    names the checkpoint once one is saved."""
 
     exit_code = EXIT_RETRY
     saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
+    stacks = ""  # a stall's: the workers' Python stacks as faulthandler wrote them, the stuck one's first
 
     def __str__(self) -> str:
         return self.args[0] + (f"; {self.saved}" if self.saved else "")
-
-
-class Stalled(LoaderFailure):
-    """No batch came for `loader.timeout` seconds."""
-
-    stacks = ""  # the workers' Python stacks as faulthandler wrote them, the stuck one's first (stall_stacks.txt)
-
-
-class ShmFull(LoaderFailure):
-    """A worker found no room in /dev/shm for a batch."""
 
 
 class BadSample(LoaderFailure):
@@ -67,19 +59,9 @@ class BadSample(LoaderFailure):
 # --- bad samples (in the worker) --------------------------------------------------------------------------------
 
 
-def describe_error(dataset, index: int, error: BaseException) -> str:
-    """`data set index 17 (file a/b.png): OSError: image file is truncated`, on one line. Where the sample comes from
-    is the data set's to say (`sample_source(index)`: ImageFiles gives the file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and
-    member{% endif %})."""
-    describe, source = getattr(dataset, "sample_source", None), ""
-    with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
-        source = f" ({describe(index)})" if describe else ""
-    return f"data set index {index}{source}: {reason(error)}"[:500]
-
-
 class Samples(list):
-    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: describe_error
-    lines): the collate in the worker hands both to the main process."""
+    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: their lines, as
+    fetch_guarded words them): the collate in the worker hands both to the main process."""
 
     def __init__(self, samples, skipped=()):
         super().__init__(samples)
@@ -88,9 +70,10 @@ class Samples(list):
 
 def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     """The samples of one batch, each fetched under a try (by `fetch(index)`, e.g. seeded, else `dataset[index]`):
-    a sample that raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed
-    (`skip=True`). A batch with no good sample left is refused either way: that is a broken transform far more
-    often than a broken data set."""
+    a sample that raises becomes a BadSample, one line (`data set index 17 (file a/b.png): OSError: image file is
+    truncated`; where it comes from is the data set's `sample_source(index)` to say: ImageFiles gives the file{% if cookiecutter.with_shards == "yes" %},
+    ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good sample left is
+    refused either way: that is a broken transform far more often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
         try:
@@ -98,7 +81,10 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
         except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
             raise
         except Exception as e:
-            line = describe_error(dataset, index, e)
+            source = ""
+            with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
+                source = f" ({dataset.sample_source(index)})" if hasattr(dataset, "sample_source") else ""
+            line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
                 raise BadSample(line) from e
             skipped.append(line)
@@ -124,7 +110,7 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
 _ARMED: list = []
 
 
-def stalled(loader, wait_s: float = 3.0) -> Stalled:
+def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
     its next batch, and the workers' Python stacks.
 
@@ -154,7 +140,7 @@ def stalled(loader, wait_s: float = 3.0) -> Stalled:
     worker_id = loader.worker_due()
     stuck = [stacks.pop(worker_id)] if worker_id in stacks else []
     holder = f"DataLoader worker {worker_id}" + "".join(f" (pid {pid})" for pid, _ in stuck)
-    failure = Stalled(
+    failure = LoaderFailure(
         f"loader.timeout: no batch for {loader.settings.timeout:g} s: batch {loader.position} of epoch "
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
@@ -169,7 +155,7 @@ def stalled(loader, wait_s: float = 3.0) -> Stalled:
 SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
 
 
-def shm_full(error: BaseException | str) -> ShmFull | None:
+def shm_full(error: BaseException | str) -> LoaderFailure | None:
     """The line for a worker that found no room in /dev/shm, when `error` (or its text) says that; else None."""
     text = str(error)
     if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
@@ -181,7 +167,7 @@ def shm_full(error: BaseException | str) -> ShmFull | None:
         free, size = space
         used = size - free
         how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
-    return ShmFull(
+    return LoaderFailure(
         f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
         f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
         "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
@@ -286,7 +272,7 @@ def named(batches, loader):
             failure = shm_full(e)
         elif isinstance(loader, str):
             waited = text.split("after ")[-1]
-            failure = Stalled(
+            failure = LoaderFailure(
                 f"loader.timeout: no {loader} batch for {waited}: a worker is stuck (a hung read, a dead network "
                 "mount?)"
             )
@@ -306,7 +292,7 @@ def save_on_failure(run):
         yield
     except LoaderFailure as failure:
         notes = []
-        if isinstance(failure, Stalled) and failure.stacks and run.world.is_main:
+        if failure.stacks and run.world.is_main:
             path = run.run_dir / STALL_STACKS
             path.write_text(failure.stacks)
             notes.append(f"the workers' Python stacks are in {path}")
