@@ -80,12 +80,9 @@ def layout(batch) -> str:
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
     """Bytes of one batch, before any worker exists: sample 0{% if cookiecutter.with_streams == "yes" %} (a stream's first record){% endif %} collated once, times
-    `batch_size`.
-
-    Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is the size of a
-    batch of sample 0. The sample is fetched in the main process with the main RNG captured before and put back
-    after, so the run stays the same with or without a budget; and from a shallow copy, so a dataset that opens
-    its files lazily does so on the copy, and the workers do not inherit open handles."""
+    `batch_size` (for variable-size samples: a batch of sample 0's). Fetched in the main process with the main RNG
+    put back after (the run is the same with or without a budget), from a shallow copy (a dataset that opens its
+    files lazily does so on the copy, and the workers inherit no open handles)."""
     saved = rng.capture()
     try:
 {% if cookiecutter.with_streams == "yes" %}

@@ -151,11 +151,9 @@ class Monitor:
 
     def _write_done(self, wait: bool = False) -> None:
         """Write the readings that have finished (all of them, waiting, with `wait`)."""
-        still = []
-        for step, window, reading, what in self._pending:
-            if not (wait or reading.done()):
-                still.append((step, window, reading, what))
-                continue
+        done = [entry for entry in self._pending if wait or entry[2].done()]
+        self._pending = [entry for entry in self._pending if entry not in done]
+        for step, window, reading, what in done:
             figures = {**reading.result(), **window}
             if what == "epoch end":
                 self._epoch_sample = figures
@@ -171,7 +169,6 @@ class Monitor:
                 )
             else:
                 self.runlog.scalars("health", figures, step)
-        self._pending = still
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main

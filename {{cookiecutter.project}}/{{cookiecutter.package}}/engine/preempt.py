@@ -5,11 +5,10 @@ flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill the
 A handler that was there before ours (a job runner's requeue on USR2) is called once the checkpoint is written.
 
 A Python signal handler runs only when the main thread is back in Python, never while it waits inside a
-distributed call (joining the process group, a collective). If a peer died, that wait does not end, and torchrun's
-SIGTERM would only be answered by its SIGKILL 30 s later. So a watcher thread hears signals through
-`signal.set_wakeup_fd` and ends the process itself when a SIGTERM meets such a wait: at once while joining
-(nothing to save yet), after `grace` seconds in a collective (live peers arrive by then and the stop goes on
-normally), at once on a second SIGTERM.
+distributed call: with a dead peer that wait never ends, and torchrun's SIGTERM would only be answered by its
+SIGKILL 30 s later. So a watcher thread hears signals through `signal.set_wakeup_fd` and ends the process itself
+when a SIGTERM meets such a wait (docs/distributed.md): at once while joining (nothing to save yet), after `grace`
+seconds in a collective (live peers arrive by then), at once on a second SIGTERM.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
     check_keys(cfg, choices, overrides)
 {% if cookiecutter.with_slurm == "yes" %}
-    slurm.job_ranks()
+    slurm.adopt_job_ranks()  # refuses N tasks that cannot meet (and exports the ranks, as train() does first)
 {% endif %}
     pick_device(cfg.device)
     precheck_data(cfg)
