@@ -175,11 +175,8 @@ class Monitor:
         process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
         reading = self._epoch_sample or sample(self.loader.worker_pids)
-        record = {
-            "worker_count": reading["worker_count"],
-            "rss_mib": round(reading["rss_mib"], 1),
-            "pss_mib": round(reading["pss_mib"], 1),
-            "fds": reading["fds"],
+        record = {key: round(reading[key], 1) for key in ("worker_count", "rss_mib", "pss_mib", "fds")}  # ints stay ints
+        record |= {
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
             "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
             "dropped_records": self.loader.dropped_records,  # past the epoch's whole (global, lockstep) batches
