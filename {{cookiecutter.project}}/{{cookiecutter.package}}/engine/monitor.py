@@ -175,7 +175,7 @@ class Monitor:
         process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
         reading = self._epoch_sample or sample(self.loader.worker_pids)
-        record = {key: round(reading[key], 1) for key in ("worker_count", "rss_mib", "pss_mib", "fds")}  # ints stay ints
+        record = {key: round(reading[key], 1) for key in ("worker_count", "rss_mib", "pss_mib", "fds")}
         record |= {
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
             "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
