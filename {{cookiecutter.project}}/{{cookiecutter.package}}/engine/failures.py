@@ -38,8 +38,7 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
 
 
 class LoaderFailure(UserError):
-    """The train loader cannot go on (a stalled worker, /dev/shm full, a bad sample). `str()` is the one line; it
-    names the checkpoint once one is saved."""
+    """The train loader cannot go on (a stall, /dev/shm full, a bad sample). `str()`: the one line, and the save."""
 
     exit_code = EXIT_RETRY
     saved: str | None = None  # what save_on_failure did about a checkpoint, for the line

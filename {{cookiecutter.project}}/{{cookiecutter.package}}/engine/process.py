@@ -76,9 +76,8 @@ def long_lived_imports():
 
 def apply(cfg) -> None:
     """The `process` keys that can be set once the config is composed; says when the wait policy came too late."""
-    wanted = cfg.process.omp_wait_policy
-    wanted = None if wanted is None else str(getattr(wanted, "value", wanted))
-    if wanted is not None and applied_wait_policy is not None and wanted != applied_wait_policy:
+    wanted = getattr(cfg.process.omp_wait_policy, "value", cfg.process.omp_wait_policy)  # the enum's value, or None
+    if wanted is not None and applied_wait_policy is not None and str(wanted) != applied_wait_policy:
         log.warning(
             "process.omp_wait_policy=%s is set after OpenMP read its wait policy (%s) as torch loaded: set it on the "
             "command line or in conf/config.yaml", wanted, applied_wait_policy,
