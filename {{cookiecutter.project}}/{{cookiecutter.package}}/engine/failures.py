@@ -70,9 +70,9 @@ class Samples(list):
 def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     """The samples of one batch, each fetched under a try (by `fetch(index)`, e.g. seeded, else `dataset[index]`):
     a sample that raises becomes a BadSample, one line (`data set index 17 (file a/b.png): OSError: image file is
-    truncated`; where it comes from is the data set's `sample_source(index)` to say: ImageFiles gives the file{% if cookiecutter.with_shards == "yes" %},
-    ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good sample left is
-    refused either way: that is a broken transform far more often than a broken data set."""
+    truncated`; where it comes from is the data set's `sample_source(index)` to say: ImageFiles gives the
+    file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good
+    sample left is refused either way: that is a broken transform far more often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
         try:
