@@ -74,7 +74,7 @@ def settings_for(profile: str, dataset):
     cfg = OmegaConf.load(PROJECT / f"conf/loader/{profile}.yaml")
     settings = resolve_settings(cfg, "cpu")
     if cfg.max_prefetch_mib is not None:
-        settings, _ = memory.fit_budget(
+        settings, _ = memory.fit(
             settings, memory.sample_batch_bytes(dataset, settings.batch_size), cfg.max_prefetch_mib, cfg.on_budget
         )
     return settings

@@ -47,30 +47,29 @@ def test_batch_size_is_estimated_before_the_workers_without_touching_the_main_rn
 
 def test_budget_lowers_prefetch_first_then_workers_and_says_so():
     big = loader_settings(16, 4, prefetch=4)  # 16 batches of 1 MiB in flight
-    same, note = memory.fit_budget(big, MiB, 32)
-    assert same == big and note is None
-    assert memory.fit_budget(big, MiB, None) == (big, None)
+    assert memory.fit(big, MiB, 32) == (big, [])
+    assert memory.fit(big, MiB, None) == (big, [])
 
-    fitted, note = memory.fit_budget(big, MiB, 8)  # 8 batches fit: 4 workers x 2
+    fitted, [note] = memory.fit(big, MiB, 8)  # 8 batches fit: 4 workers x 2
     assert (fitted.num_workers, fitted.prefetch_factor) == (4, 2)
     assert "prefetch_factor 4 -> 2 (8.0 MiB)" in note and "num_workers" not in note
 
-    fitted, note = memory.fit_budget(big, MiB, 3.5)  # fewer batches than workers: one each, three workers
+    fitted, [note] = memory.fit(big, MiB, 3.5)  # fewer batches than workers: one each, three workers
     assert (fitted.num_workers, fitted.prefetch_factor, fitted.persistent_workers) == (3, 1, True)
     assert "prefetch_factor 4 -> 1" in note and "num_workers 4 -> 3" in note
 
-    fitted, note = memory.fit_budget(big, MiB, 0.5)  # not even one batch: the main process loads
+    fitted, [note] = memory.fit(big, MiB, 0.5)  # not even one batch: the main process loads
     assert (fitted.num_workers, fitted.prefetch_factor, fitted.persistent_workers) == (0, None, False)
     assert "num_workers 4 -> 0" in note and "main process" in note
 
-    fitted, _ = memory.fit_budget(loader_settings(16, 4, prefetch=4, pin=True), MiB, 8)  # pinned copies count double
+    fitted, _ = memory.fit(loader_settings(16, 4, prefetch=4, pin=True), MiB, 8)  # pinned copies count double
     assert (fitted.num_workers, fitted.prefetch_factor) == (4, 1)
     assert memory.Plan(fitted, MiB).mib <= 8
 
 
 def test_budget_error_refuses_in_one_line():
     with pytest.raises(UserError, match="max_prefetch_mib=8") as caught:
-        memory.fit_budget(loader_settings(16, 4, prefetch=4), MiB, 8, on_budget="error")
+        memory.fit(loader_settings(16, 4, prefetch=4), MiB, 8, on_budget="error")
     assert "\n" not in str(caught.value) and "on_budget=adjust" in str(caught.value)
 
 

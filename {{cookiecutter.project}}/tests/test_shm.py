@@ -44,27 +44,27 @@ def in_small_shm(size_mib: float, run_dir, *overrides) -> list[str]:
     return ["unshare", "-m", "sh", "-c", f"{mount} && exec {train}"]
 
 
-def test_fit_shm_lowers_prefetch_then_workers_and_refuses_below_one_batch():
+def test_fit_to_shm_lowers_prefetch_then_workers_and_refuses_below_one_batch():
     batch = MiB
     roomy = (100 * MiB, 100 * MiB)
     settings = loader_settings(16, 4, prefetch=4)  # 16 in flight + 16 validation + 1 in training = 33 batches
     assert memory.Plan(settings, batch).shm_batches == 33
-    assert memory.fit_shm(settings, batch, space=roomy) == (settings, None)  # negative control: room to spare
+    assert memory.fit(settings, batch, space=roomy) == (settings, [])  # negative control: room to spare
     assert memory.Plan(settings, batch).shm_need(ranks=2) == int(2 * 33 * MiB * memory.SHM_MARGIN)
 
-    fitted, note = memory.fit_shm(settings, batch, space=(30 * MiB, 64 * MiB))  # 2x2 + 2x2 ... 30 / 1.25 = 24 batches
+    fitted, [note] = memory.fit(settings, batch, space=(30 * MiB, 64 * MiB))  # 2x2 + 2x2 ... 30 / 1.25 = 24 batches
     assert (fitted.num_workers, fitted.prefetch_factor) == (4, 2) and memory.Plan(fitted, batch).shm_need() <= 30 * MiB
     assert note.startswith("/dev/shm has 30.0 MiB free of 64.0 MiB") and "prefetch_factor 4 -> 2" in note
 
-    fitted, note = memory.fit_shm(settings, batch, space=(5 * MiB, 64 * MiB))  # 4 batches: 1 worker, 1 ahead
+    fitted, [note] = memory.fit(settings, batch, space=(5 * MiB, 64 * MiB))  # 4 batches: 1 worker, 1 ahead
     assert (fitted.num_workers, fitted.prefetch_factor) == (1, 1) and "num_workers 4 -> 1" in note
 
     with pytest.raises(UserError, match="even one worker with one batch ahead does not fit") as refused:
-        memory.fit_shm(settings, batch, space=(3 * MiB, 64 * MiB))
+        memory.fit(settings, batch, space=(3 * MiB, 64 * MiB))
     assert "--shm-size" in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(UserError, match="on_budget=adjust"):
-        memory.fit_shm(settings, batch, on_budget="error", space=(30 * MiB, 64 * MiB))
-    assert memory.fit_shm(loader_settings(16, 0), batch, space=(0, 64 * MiB))[1] is None  # no workers, no shm
+        memory.fit(settings, batch, on_budget="error", space=(30 * MiB, 64 * MiB))
+    assert memory.fit(loader_settings(16, 0), batch, space=(0, 64 * MiB))[1] == []  # no workers, no shm
 
 
 def test_local_ranks_share_one_shm(monkeypatch):

@@ -15,9 +15,7 @@ from . import rng
 from .errors import UserError
 from .preempt import StopRequest
 
-# Seconds a rank asked to stop (SIGTERM) still waits in a collective for its peers before it exits:
-# live peers come within a step, a dead one never does (preempt.py).
-COLLECTIVE_GRACE_S = 10.0
+COLLECTIVE_GRACE_S = 10.0  # a rank asked to stop waits this long on its peers: live ones come within a step
 
 
 @dataclass(frozen=True)
@@ -53,13 +51,12 @@ def join(device: torch.device) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
     The group joined before the run's checks (`join_early`) is the run's."""
 {% endif %}
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 {% endif %}
         return World()
@@ -82,9 +79,7 @@ def join(device: torch.device) -> World:
     with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt{attempt}/", store)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return World(rank, world_size, local_rank)
 
 
@@ -98,12 +93,11 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
 def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
     resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
-    bits of the averaged gradients: docs/distributed.md, "Exact with any number of ranks"). A collective: every
-    rank calls it.
+    bits of the averaged gradients: docs/distributed.md). A collective: every rank calls it.
 
-    DDP rebuilds its buckets once, at the forward after its first backward. So every process first runs one
-    throwaway step, `throwaway_loss()` (the task's loss on two training samples) and its backward, and undoes its
-    effects: gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
+    DDP rebuilds its buckets once, at the forward after its first backward: so one throwaway step,
+    `throwaway_loss()` (the task's loss on two training samples) and its backward, with its effects undone:
+    gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]
@@ -121,10 +115,7 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
 
 def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
     """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
-    read.
-
-    The read stays inside the grace window: with NCCL the all-reduce is queued and the read is where a rank
-    waits for its peers."""
+    read. The read stays inside the grace window: with NCCL it is where a rank waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
@@ -158,11 +149,6 @@ def gather_all(obj, world: World) -> list:
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.all_gather_object(out, obj)
     return out
-
-
-def from_main(obj, world: World):
-    """Rank 0's `obj` on every rank."""
-    return gather_all(obj, world)[0]
 
 
 def barrier(world: World) -> None:

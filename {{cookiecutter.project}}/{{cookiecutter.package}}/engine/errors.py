@@ -19,17 +19,15 @@ def causes(exc: BaseException | None):
 
 
 def find_user_error(exc: BaseException) -> UserError | None:
-    """The UserError behind `exc`, if any: Hydra's `instantiate` wraps what a `_target_` raises.
-
-    A `_target_` that cannot be found, or that is called with arguments it does not take (a typo in
-    `+data.train.sizes=10`), is a config error too; anything else a target raises keeps its traceback.
-    """
+    """The UserError behind `exc` (Hydra's `instantiate` wraps what a `_target_` raises), if any. A `_target_` that
+    cannot be found, or that is called with arguments it does not take (a typo in `+data.train.sizes=10`), is a
+    config error too; anything else a target raises keeps its traceback."""
     for e in causes(exc):
         if isinstance(e, UserError):
             return e
         if isinstance(e, InstantiationException) and (e.__cause__ is None or isinstance(e.__cause__, TypeError)):
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            cause = f" ({type(e.__cause__).__name__}: {str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
+            cause = f" ({reason(e)})" if e.__cause__ else ""  # the TypeError's own line
             return UserError(f"config: {lines[0] if lines else type(e).__name__}{cause}"[:400])
     return None
 

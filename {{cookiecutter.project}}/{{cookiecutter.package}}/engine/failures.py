@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from .errors import UserError, causes
+from .errors import UserError, causes, reason
 from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
@@ -38,25 +38,14 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
 
 
 class LoaderFailure(UserError):
-    """The train loader cannot go on. `str()` is the one line; it names the checkpoint once one is saved."""
+    """The train loader cannot go on (a stall, /dev/shm full, a bad sample). `str()`: the one line, and the save."""
 
     exit_code = EXIT_RETRY
     saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
+    stacks = ""  # a stall's: the workers' Python stacks as faulthandler wrote them, the stuck one's first
 
     def __str__(self) -> str:
         return self.args[0] + (f"; {self.saved}" if self.saved else "")
-
-
-class Stalled(LoaderFailure):
-    """No batch came for `loader.timeout` seconds."""
-
-    def __init__(self, message: str, stacks: dict[int, str] | None = None):
-        super().__init__(message)
-        self.stacks = stacks or {}  # pid -> Python stack as faulthandler wrote it
-
-
-class ShmFull(LoaderFailure):
-    """A worker found no room in /dev/shm for a batch."""
 
 
 class BadSample(LoaderFailure):
@@ -69,20 +58,9 @@ class BadSample(LoaderFailure):
 # --- bad samples (in the worker) --------------------------------------------------------------------------------
 
 
-def describe_error(dataset, index: int, error: BaseException) -> str:
-    """`data set index 17 (file a/b.png): OSError: image file is truncated`, on one line. Where the sample comes from
-    is the data set's to say (`sample_source(index)`: ImageFiles gives the file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and
-    member{% endif %})."""
-    describe, source = getattr(dataset, "sample_source", None), ""
-    with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
-        source = f" ({describe(index)})" if describe else ""
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"data set index {index}{source}: {type(error).__name__}: {text}"[:500]
-
-
 class Samples(list):
-    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: describe_error
-    lines): the collate in the worker hands both to the main process."""
+    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: their lines, as
+    fetch_guarded words them): the collate in the worker hands both to the main process."""
 
     def __init__(self, samples, skipped=()):
         super().__init__(samples)
@@ -91,9 +69,10 @@ class Samples(list):
 
 def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     """The samples of one batch, each fetched under a try (by `fetch(index)`, e.g. seeded, else `dataset[index]`):
-    a sample that raises becomes a BadSample naming its index and file (`skip=False`), or is left out and listed
-    (`skip=True`). A batch with no good sample left is refused either way: that is a broken transform far more
-    often than a broken data set."""
+    a sample that raises becomes a BadSample, one line (`data set index 17 (file a/b.png): OSError: image file is
+    truncated`; where it comes from is the data set's `sample_source(index)` to say: ImageFiles gives the
+    file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good
+    sample left is refused either way: that is a broken transform far more often than a broken data set."""
     samples, skipped = [], []
     for index in indices:
         try:
@@ -101,7 +80,10 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
         except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
             raise
         except Exception as e:
-            line = describe_error(dataset, index, e)
+            source = ""
+            with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
+                source = f" ({dataset.sample_source(index)})" if hasattr(dataset, "sample_source") else ""
+            line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
                 raise BadSample(line) from e
             skipped.append(line)
@@ -110,24 +92,13 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     return Samples(samples, skipped)
 
 
-def from_worker(exc: UserError) -> UserError:
-    """A UserError or BadSample PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process 1.
-    Original Traceback ..."), reduced to the worker's own line, the last line of that traceback, in its own type."""
-    kind, text = type(exc), str(exc)
-    if f"Caught {kind.__name__}" not in text:
-        return exc
-    found = re.findall(rf"{kind.__name__}: (.*)", text)
-    return kind(found[-1].strip() if found else text.strip().splitlines()[-1])
-
-
 # --- stalls -----------------------------------------------------------------------------------------------------
 
 
 def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     """Worker side (worker_init_fn): write this process's Python stack, every thread, into
-    `<stack_dir>/<worker_id>-<pid>.txt` when STACK_SIGNAL comes. faulthandler writes from its C signal handler, so a
-    worker stuck in a read or a lock still answers. The file's name also tells the main process which worker has
-    which pid."""
+    `<stack_dir>/<worker_id>-<pid>.txt` (which worker has which pid) when STACK_SIGNAL comes. faulthandler writes
+    from its C signal handler, so a worker stuck in a read or a lock still answers."""
     if stack_dir is None or STACK_SIGNAL is None:
         return
     out = open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
@@ -138,51 +109,44 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
 _ARMED: list = []
 
 
-def dump_stacks(stack_dir: str | None, wait_s: float = 3.0) -> dict[int, tuple[int, str]]:
-    """Main side: {worker id: (pid, its Python stack)} of each live child of this process that armed a stack dump.
-    Only these get STACK_SIGNAL (for any other process a real-time signal's default action is to terminate it); a
-    worker of an earlier generation left a file too, but is gone."""
-    if stack_dir is None or STACK_SIGNAL is None:
-        return {}
-    live = {child.pid for child in psutil.Process().children()}
-    named = ((path, *map(int, path.stem.split("-"))) for path in Path(stack_dir).glob("*-*.txt"))
-    asked = {}
-    for path, worker_id, pid in named:
-        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
-            if pid in live:
-                os.kill(pid, STACK_SIGNAL)
-                asked[worker_id] = (pid, path)
-    # faulthandler writes in one go but marks no end: a file that stopped growing for a moment is complete
-    deadline, stacks, sizes = time.monotonic() + wait_s, {}, {}
-    while len(stacks) < len(asked) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        for worker_id, (pid, path) in asked.items():
-            size = path.stat().st_size
-            if worker_id not in stacks and size and sizes.get(worker_id) == size:
-                stacks[worker_id] = (pid, path.read_text())
-            sizes[worker_id] = size
-    for worker_id, (pid, path) in asked.items():  # slow to answer: what there is
-        stacks.setdefault(worker_id, (pid, path.read_text() or f"(no stack written within {wait_s:g} s)\n"))
-    return stacks
-
-
-def stalled(loader) -> Stalled:
+def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
-    its next batch.
+    its next batch, and the workers' Python stacks.
 
     Which worker holds that batch follows from the loader's own order (`worker_due()`): batches go to the workers
-    round-robin (torch/utils/data/dataloader.py). The workers' stacks come first, the stuck one's at the top; the
-    stuck worker is ended with the others as the process exits (its parent's SIGTERM)."""
+    round-robin (torch/utils/data/dataloader.py); its stack comes first. STACK_SIGNAL goes only to live children
+    that armed a stack dump: any other process dies of a real-time signal. The stuck worker is ended with the others
+    as the process exits (its parent's SIGTERM)."""
+    asked = {}  # worker id -> (pid, the file it writes its stack into)
+    if loader.stack_dir is not None and STACK_SIGNAL is not None:
+        live = {child.pid for child in psutil.Process().children()}
+        for path in Path(loader.stack_dir).glob("*-*.txt"):
+            worker_id, pid = map(int, path.stem.split("-"))
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+                if pid in live:
+                    os.kill(pid, STACK_SIGNAL)
+                    asked[worker_id] = (pid, path)
+    # faulthandler writes in one go but marks no end: files that stopped growing for a moment are complete
+    deadline, sizes = time.monotonic() + wait_s, None
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = {worker_id: path.stat().st_size for worker_id, (_, path) in asked.items()}
+        if all(now.values()) and now == sizes:
+            break
+        sizes = now
+    empty = f"(no stack written within {wait_s:g} s)\n"  # slow to answer
+    stacks = {worker_id: (pid, path.read_text() or empty) for worker_id, (pid, path) in asked.items()}
     worker_id = loader.worker_due()
-    stacks = dump_stacks(loader.stack_dir)
     stuck = [stacks.pop(worker_id)] if worker_id in stacks else []
     holder = f"DataLoader worker {worker_id}" + "".join(f" (pid {pid})" for pid, _ in stuck)
-    return Stalled(
+    failure = LoaderFailure(
         f"loader.timeout: no batch for {loader.settings.timeout:g} s: batch {loader.position} of epoch "
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
-        "decoder?)",
-        dict(stuck + list(stacks.values())),
+        "decoder?)"
     )
+    shown = stuck + list(stacks.values())
+    failure.stacks = "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in shown)
+    return failure
 
 
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
@@ -190,7 +154,7 @@ def stalled(loader) -> Stalled:
 SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
 
 
-def shm_full(error: BaseException | str) -> ShmFull | None:
+def shm_full(error: BaseException | str) -> LoaderFailure | None:
     """The line for a worker that found no room in /dev/shm, when `error` (or its text) says that; else None."""
     text = str(error)
     if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
@@ -202,7 +166,7 @@ def shm_full(error: BaseException | str) -> ShmFull | None:
         free, size = space
         used = size - free
         how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
-    return ShmFull(
+    return LoaderFailure(
         f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
         f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
         "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
@@ -229,27 +193,14 @@ class WorkerDied(RuntimeError):
     """A train loader worker is gone while the run still needs it (monitor.py's check between readings)."""
 
 
-# PyTorch's two messages for a dead worker: from its SIGCHLD handler ("DataLoader worker (pid 12) is killed by
-# signal: Killed.") and from the main loop when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited
-# unexpectedly"); which one comes first is a race, and the second has already reaped the worker and lost the signal.
+# PyTorch's lines for a dead worker: its SIGCHLD handler's ("DataLoader worker (pid 12) is killed by signal:
+# Killed.") and the main loop's when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited unexpectedly").
+# Which comes first is a race; the handler's is raised inside the queue read, which then reaps the worker (the
+# kernel forgets how it ended) and raises "exited unexpectedly" from it: the signal is left only in the chain.
 TORCH_WORKER_DEATH = re.compile(
-    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal|exited unexpectedly)"
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: ([^.]+)|exited unexpectedly)"
+    r"(?: with exit code (\d+))?"
 )
-
-
-def _ended(pid: int, chain: str) -> str | None:
-    """How a worker ended: from the kernel if it is not reaped yet, else from PyTorch's SIGCHLD line in `chain` (the
-    text of the error's chain): its handler raises "DataLoader worker (pid 12) is killed by signal: Killed." inside
-    the queue read, which then reaps the worker and raises "exited unexpectedly" from it."""
-    status = exit_status(pid)
-    said = re.search(rf"DataLoader worker \(pid {pid}\) (?:is killed by signal: ([^.]+)|exited unexpectedly with exit "
-                     r"code (\d+))", chain)  # fmt: skip
-    if status is not None or said is None:
-        return status
-    if said[2] is not None:
-        return f"exited with code {said[2]}"
-    named = [s for s in signal.Signals if signal.strsignal(s) == said[1]]  # "Killed" is SIGKILL's strsignal
-    return f"killed by signal {named[0].value} ({named[0].name})" if named else None
 
 
 def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
@@ -267,12 +218,13 @@ def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
 
 
 def worker_death(exc: BaseException) -> str | None:
-    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None.
-
-    The traceback of such an error shows only where the main process noticed, never why the worker
-    died, so a line naming the worker, its signal or exit code, and the usual cause is all there is to say.
-    """
-    chain = "\n".join(str(link) for link in causes(exc))
+    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None: the worker, its
+    signal or exit code, and the usual cause. The traceback shows only where the main process noticed."""
+    said = {}  # pid -> how PyTorch's lines in the chain say it ended: what is left once it is reaped
+    for line in TORCH_WORKER_DEATH.finditer("\n".join(str(link) for link in causes(exc))):
+        sig = next((s for s in signal.Signals if signal.strsignal(s) == line[2]), None)  # "Killed" is SIGKILL's
+        if line[3] or sig:
+            said[int(line[1])] = f"exited with code {line[3]}" if line[3] else f"killed by signal {sig} ({sig.name})"
     for link in causes(exc):
         text = (str(link).strip().splitlines() or [""])[0]
         found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
@@ -281,7 +233,7 @@ def worker_death(exc: BaseException) -> str | None:
             # socket): the read fails bare, PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)
             text = ended_worker(wait_s=2.0)
         elif found:
-            ends = [(pid, _ended(pid, chain)) for pid in map(int, found[1].split(","))]
+            ends = [(pid, exit_status(pid) or said.get(pid)) for pid in map(int, found[1].split(","))]
             if all(how for _, how in ends):
                 text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
         elif not isinstance(link, WorkerDied):
@@ -302,29 +254,30 @@ def worker_death(exc: BaseException) -> str | None:
 # --- in the main process ----------------------------------------------------------------------------------------
 
 
-def from_loader_error(error: BaseException, loader=None, what: str = "") -> UserError | None:
-    """What `error`, raised while a loader waited for its next batch, means; None: not one of ours. `loader` is the
-    train loader (a stall names the stuck worker and gets the workers' stacks); else the `what` loader's stall."""
-    if isinstance(error, UserError):  # a bad sample, or the data set's own line (e.g. a shard changed on disk)
-        return from_worker(error)
-    if not (isinstance(error, RuntimeError) and str(error).startswith("DataLoader timed out after")):
-        return shm_full(error)
-    if loader is not None:
-        return stalled(loader)
-    return Stalled(
-        f"loader.timeout: no {what} batch for {str(error).split('after ')[-1]}: a worker is stuck "
-        "(a hung read, a dead network mount?)"
-    )
-
-
-def named(batches, what: str, loader=None):
-    """`batches` (the `what` loader's: train, validation, eval.py's), a loader failure in it (from_loader_error)
-    turned into its one line; `loader`: the train loader, whose stall names the stuck worker."""
+def named(batches, loader):
+    """`batches` of `loader` (the train loader, or another's name: "validation"), a failure of the loader's own
+    raised as its one line: a UserError PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process
+    1. Original Traceback ...") as the worker's own line, in its own type; a stall (`stalled` for the train
+    loader); a full /dev/shm. No checkpoint from here: save_on_failure makes the train loader's."""
     try:
         yield from batches  # what the loop's body raises stays out there: only the loader's own errors come here
     except Exception as e:
-        failure = from_loader_error(e, loader, what)
-        if failure is None or failure is e:
+        kind, text = type(e), str(e)
+        if isinstance(e, UserError):  # the worker's line, if it comes from a worker
+            found = re.findall(rf"{kind.__name__}: (.*)", text)
+            last = found[-1].strip() if found else text.strip().splitlines()[-1]
+            failure = kind(last) if f"Caught {kind.__name__}" in text else None
+        elif not (isinstance(e, RuntimeError) and text.startswith("DataLoader timed out after")):
+            failure = shm_full(e)
+        elif isinstance(loader, str):
+            waited = text.split("after ")[-1]
+            failure = LoaderFailure(
+                f"loader.timeout: no {loader} batch for {waited}: a worker is stuck (a hung read, a dead network "
+                "mount?)"
+            )
+        else:
+            failure = stalled(loader)
+        if failure is None:
             raise
         raise failure from e
 
@@ -338,11 +291,9 @@ def save_on_failure(run):
         yield
     except LoaderFailure as failure:
         notes = []
-        if isinstance(failure, Stalled) and failure.stacks and run.world.is_main:
+        if failure.stacks and run.world.is_main:
             path = run.run_dir / STALL_STACKS
-            path.write_text(
-                "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in failure.stacks.items())
-            )
+            path.write_text(failure.stacks)
             notes.append(f"the workers' Python stacks are in {path}")
         if run.world.distributed:
             notes.append(

@@ -316,7 +316,7 @@ class EpochLoader:
         self.settings, self.seed, self.rng_mode, self.rank, self.world_size = settings, seed, rng_mode, rank, world_size
         self.worker_init, self.start_guard, self.bad_samples = worker_init, start_guard, bad_samples
         self.skip = on_bad_sample == "skip"
-        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.dump_stacks)
+        self.stack_dir = None  # where workers write their stacks when a stall is reported (failures.stalled)
         if settings.num_workers and settings.timeout:
             self.stack_dir = tempfile.mkdtemp(prefix="worker-stacks-")
             weakref.finalize(self, shutil.rmtree, self.stack_dir, True)
@@ -347,7 +347,7 @@ class EpochLoader:
             self.skipped = 0
         iterator = self._early if self._early is not None else self.begin()
         self._early = None
-        for batch, note in self.consume(failures.named(iterator, "train", self)):
+        for batch, note in self.consume(failures.named(iterator, self)):
             self.position += 1
             if note.pid is not None:
                 self.worker_pids.add(note.pid)

@@ -1,23 +1,17 @@
 """The prefetch memory plan: how many bytes of batches the train loader holds in flight, and a budget for it.
 
-Each worker keeps up to `prefetch_factor` batches ahead of the loop (torch/utils/data/dataloader.py
-keeps that many indices outstanding per worker), so `num_workers x prefetch_factor` batches are in
-flight. A batch lives in a shared-memory file from the moment its worker collates it until the loop
-lets go of it. With pinning, the pin-memory thread copies each arrived batch into page-locked memory
-and PyTorch's caching host allocator keeps those blocks for reuse: one pinned copy per batch in flight.
+Each worker keeps up to `prefetch_factor` batches ahead of the loop (torch/utils/data/dataloader.py keeps that many
+indices outstanding per worker), each in a shared-memory file until the loop lets go of it; with pinning, the
+pin-memory thread copies each into page-locked memory that PyTorch's caching host allocator keeps for reuse. What
+the plan leaves out (the workers' dataset copies, decode buffers...): docs/loader.md.
 
     prefetch bytes = bytes of one batch x num_workers x prefetch_factor x (2 when pinned, else 1)
 
-Not in the plan: each worker's copy of the dataset object, decode buffers, collate temporaries and
-the batch the loop is training on. With num_workers=0 nothing is in flight: the main process loads
-each batch when the loop asks for it.
-
-/dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared
-memory), and containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch
-that does not fit fails in the worker ("unable to allocate shared memory(shm)", or SIGBUS when the
-pages were overcommitted: pytorch/pytorch#5040), after the run has started. So before any worker
-starts, `fit_shm` holds what the loaders will put there against the free space of /dev/shm, for
-every rank on this host (`shm_need`), and lowers the profile or refuses.
+/dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared memory), and
+containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch that does not fit fails in the
+worker ("unable to allocate shared memory(shm)", or SIGBUS when the pages were overcommitted: pytorch/pytorch#5040),
+after the run has started. So before any worker starts, `fit` holds what the loaders will put there against
+the free space of /dev/shm, for every rank on this host (`shm_need`), and lowers the profile or refuses.
 """
 
 from __future__ import annotations
@@ -86,14 +80,9 @@ def layout(batch) -> str:
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
     """Bytes of one batch, before any worker exists: sample 0{% if cookiecutter.with_streams == "yes" %} (a stream's first record){% endif %} collated once, times
-    `batch_size`.
-
-    Exact for fixed-size samples (images after a fixed crop, labels); for variable-size ones it is
-    the size of a batch of sample 0. The sample is fetched in the main process, so whatever random
-    augmentation it draws is undone: the main RNG is captured before and put back after, and the
-    run stays the same with or without a budget. It is fetched from a shallow copy, so a dataset that
-    opens its files lazily on first use does so on the copy, and the workers do not inherit open handles.
-    """
+    `batch_size` (for variable-size samples: a batch of sample 0's). Fetched in the main process with the main RNG
+    put back after (the run is the same with or without a budget), from a shallow copy (a dataset that opens its
+    files lazily does so on the copy, and the workers inherit no open handles)."""
     saved = rng.capture()
     try:
 {% if cookiecutter.with_streams == "yes" %}
@@ -134,12 +123,9 @@ class Plan:
 
     @property
     def shm_batches(self) -> int:
-        """Batches one rank's loaders can hold in /dev/shm at once.
-
-        The plan (in flight, and the pinned copies as the plan counts them), the batch in training, and with
-        persistent workers the validation loader's queue on top: validation runs while the train workers
-        already hold the next epoch's first batches (TrainLoader.start_next_epoch).
-        """
+        """Batches one rank's loaders can hold in /dev/shm at once: the plan's (pinned copies included), the batch
+        in training, and with persistent workers the validation loader's queue on top: validation runs while the
+        train workers already hold the next epoch's first batches (TrainLoader.start_next_epoch)."""
         if not self.settings.num_workers:
             return 0  # the main process loads: nothing goes through shared memory
         validation = self.in_flight if self.settings.persistent_workers else 0
@@ -174,52 +160,6 @@ def plan(batch, settings: LoaderSettings) -> Plan:
     return Plan(settings, batch_bytes(batch), layout(batch))
 
 
-def fit(settings: LoaderSettings, need, limit: float, over: str, todo: str, on_budget: str, lowest_workers: int):
-    """Settings whose `need(settings)` (bytes) is at most `limit`, and a sentence saying what changed (None: nothing
-    did). `step_down` lowers prefetch_factor first (fewer batches ahead, same parallelism), then num_workers, down
-    to `lowest_workers`. `on_budget="error"` refuses instead, in one line: `over` (what is over which limit), `todo`."""
-    if need(settings) <= limit:
-        return settings, None
-    after, changed = step_down(settings, lambda s: need(s) <= limit, lowest_workers)
-    if after is None:
-        raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
-    if on_budget == "error":
-        raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
-    where = "; the main process loads each batch" if not after.num_workers else ""
-    return after, f"{over}: {changed} ({need(after) / MiB:.1f} MiB{where})"
-
-
-def fit_budget(
-    settings: LoaderSettings, one_batch_bytes: int, max_mib: float | None, on_budget: str = "adjust"
-) -> tuple[LoaderSettings, str | None]:
-    """`fit` to `loader.max_prefetch_mib` (> 0: the schema's rule; None: no budget), the bytes in flight (the plan),
-    down to 0 workers if need be (the main process loads; nothing is in flight)."""
-    if max_mib is None:
-        return settings, None
-    plan = Plan(settings, one_batch_bytes)
-    over = (
-        f"the prefetch plan needs {plan.mib:.1f} MiB ({settings.num_workers} workers x prefetch_factor "
-        f"{settings.prefetch_factor} x {one_batch_bytes / MiB:.2f} MiB per batch"
-        f"{', x2 pinned' if settings.pin_memory else ''}), over loader.max_prefetch_mib={max_mib:g}"
-    )
-    todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
-    return fit(settings, lambda s: Plan(s, one_batch_bytes).bytes, max_mib * MiB, over, todo, on_budget, 0)
-
-
-def step_down(settings: LoaderSettings, fits, lowest_workers: int) -> tuple[LoaderSettings | None, str]:
-    """The first settings that `fits`: prefetch_factor lowered first (fewer batches ahead, the same parallelism),
-    then num_workers with one batch ahead each, down to `lowest_workers` (0: the main process loads); and what
-    changed (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). (None, ""): none fits."""
-    candidates = [replace(settings, prefetch_factor=p) for p in range(settings.prefetch_factor, 0, -1)]
-    workers = range(settings.num_workers - 1, max(lowest_workers, 1) - 1, -1)
-    candidates += [replace(settings, num_workers=w, prefetch_factor=1) for w in workers]
-    if lowest_workers == 0:
-        candidates.append(replace(settings, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
-    after = next((c for c in candidates if fits(c)), None)
-    names = [n for n in ("prefetch_factor", "num_workers") if after and getattr(settings, n) != getattr(after, n)]
-    return after, ", ".join(f"{n} {getattr(settings, n)} -> {getattr(after, n)}" for n in names)
-
-
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
 
 
@@ -242,38 +182,63 @@ def local_ranks() -> int:
     return 1
 
 
-def fit_shm(
-    settings: LoaderSettings, one_batch_bytes: int, on_budget: str = "adjust", ranks: int = 1, space=None
-) -> tuple[LoaderSettings, str | None]:
-    """`fit` to the free space of /dev/shm (`space`, else the measured one), what every rank on this host may put
-    there; but not to 0 workers: a machine whose /dev/shm cannot take one batch per rank is refused, with what to
-    do, since loading everything in the main process is rarely what the user wants and is theirs to choose
-    (loader.num_workers=0)."""
-    space = space if space is not None else shm_space()
-    if space is None:
-        return settings, None
-    plan, (free, size) = Plan(settings, one_batch_bytes), space
-    over = (
-        f"{SHM_DIR} has {free / MiB:.1f} MiB free of {size / MiB:.1f} MiB, and the loaders may put "
-        f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
-        f"{one_batch_bytes / MiB:.2f} MiB{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a "
-        f"{SHM_MARGIN:g}x margin)"
-    )
-    todo = (
-        "give it more room (docker run --shm-size=1g, or a larger tmpfs on /dev/shm), lower "
-        "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
-        "loader.num_workers=0 (no shared memory)"
-    )
-    return fit(settings, lambda s: Plan(s, one_batch_bytes).shm_need(ranks), free, over, todo, on_budget, 1)
+def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", ranks=1, space=None) -> tuple:
+    """Settings whose batches of `batch` bytes fit, and a sentence per change: first the plan to `max_mib`
+    (loader.max_prefetch_mib; None: no budget), down to 0 workers if need be (the main process loads); then what the
+    `ranks` of this host may put in /dev/shm to its free bytes (`space`: (free, size); None: nothing to fit), but not
+    to 0 workers, which is the user's choice to make (loader.num_workers=0): that is refused, with what to do.
+    prefetch_factor is lowered first (fewer batches ahead, the same parallelism), then num_workers with one batch
+    ahead each (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). `on_budget="error"` refuses instead, in one line."""
+    changes = []
+    for limit in ("budget", "shm"):
+        was, plan = settings, Plan(settings, batch)
+        if limit == "budget" and max_mib is not None:
+            need, most, lowest = (lambda p: p.bytes), max_mib * MiB, 0
+            over = (
+                f"the prefetch plan needs {plan.mib:.1f} MiB ({was.num_workers} workers x prefetch_factor "
+                f"{was.prefetch_factor} x {batch / MiB:.2f} MiB per batch{', x2 pinned' if was.pin_memory else ''})"
+                f", over loader.max_prefetch_mib={max_mib:g}"
+            )
+            todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
+        elif limit == "shm" and space is not None:
+            need, most, lowest = (lambda p: p.shm_need(ranks)), space[0], 1
+            over = (
+                f"{SHM_DIR} has {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, and the loaders may put "
+                f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
+                f"{batch / MiB:.2f} MiB{f' x {ranks} processes on this host' if ranks > 1 else ''}, with a "
+                f"{SHM_MARGIN:g}x margin)"
+            )
+            todo = (
+                "give it more room (docker run --shm-size=1g, or a larger tmpfs on /dev/shm), lower "
+                "loader.num_workers, loader.prefetch_factor or loader.batch_size, pick loader=memory-tight, or set "
+                "loader.num_workers=0 (no shared memory)"
+            )
+        else:
+            continue
+        if need(plan) <= most:
+            continue
+        candidates = [replace(was, prefetch_factor=p) for p in range(was.prefetch_factor - 1, 0, -1)]
+        workers = range(was.num_workers - 1, max(lowest, 1) - 1, -1)
+        candidates += [replace(was, num_workers=w, prefetch_factor=1) for w in workers]
+        if lowest == 0:
+            candidates.append(replace(was, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
+        settings = next((c for c in candidates if need(Plan(c, batch)) <= most), None)
+        if settings is None:
+            raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
+        if on_budget == "error":
+            raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
+        names = [n for n in ("prefetch_factor", "num_workers") if getattr(was, n) != getattr(settings, n)]
+        changed = ", ".join(f"{n} {getattr(was, n)} -> {getattr(settings, n)}" for n in names)
+        where = "; the main process loads each batch" if not settings.num_workers else ""
+        changes.append(f"{over}: {changed} ({need(Plan(settings, batch)) / MiB:.1f} MiB{where})")
+    return settings, changes
 
 
 def fit_loader(dataset, settings: LoaderSettings, loader_cfg, collate_fn=None) -> tuple[LoaderSettings, list[str]]:
-    """The loader settings a run uses, fitted before any worker starts: to `loader.max_prefetch_mib`, then to the
-    free space of /dev/shm. Returns them and a sentence per change (what train.py{% if cookiecutter.with_doctor == "yes" %} and the doctor log{% else %} logs{% endif %})."""
+    """The loader settings a run uses, fitted (`fit`) before any worker starts: to `loader.max_prefetch_mib`, then to
+    the free space of /dev/shm. Returns them and a sentence per change (what train.py{% if cookiecutter.with_doctor == "yes" %} and the doctor log{% else %} logs{% endif %})."""
     space = shm_space() if settings.num_workers else None
     if loader_cfg.max_prefetch_mib is None and space is None:
         return settings, []
     one_batch = sample_batch_bytes(dataset, settings.batch_size, collate_fn or default_collate)
-    settings, budget = fit_budget(settings, one_batch, loader_cfg.max_prefetch_mib, loader_cfg.on_budget)
-    settings, shm = fit_shm(settings, one_batch, loader_cfg.on_budget, local_ranks(), space)
-    return settings, [change for change in (budget, shm) if change]
+    return fit(settings, one_batch, loader_cfg.max_prefetch_mib, loader_cfg.on_budget, local_ranks(), space)

@@ -1,16 +1,14 @@
 """Loader health while training: live workers, memory (RSS and PSS), open files, and how much of each step waits
 on data.
 
-- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages,
-  and RSS counts a shared page once in every process that maps it. PSS splits each shared page
-  between them, so PSS summed over main + workers is what the run really holds (Linux; elsewhere
-  psutil has no PSS and USS is used).
-- A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the
-  worker holds open but no process has mapped yet, so it is in nobody's PSS. `shm_mib` counts those
-  files directly: it is the measured counterpart of the prefetch plan (memory.py).
-- A worker that dies is named with its signal or exit code (failures.worker_death). PyTorch's own SIGCHLD
-  handler usually raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check at each
-  reading here covers the gaps.
+- PSS, not RSS, is the figure to add up: workers fork from the main process and share its pages, which RSS counts
+  once in every process that maps them and PSS splits between them (Linux; elsewhere psutil has no PSS: USS).
+- A batch waiting in the loader's queue is a shared-memory file (`/dev/shm/torch_*`) that the worker holds open but
+  no process has mapped yet, so it is in nobody's PSS: `shm_mib` counts those files, the measured counterpart of
+  the prefetch plan (memory.py).
+- A worker that dies is named with its signal or exit code (failures.worker_death). PyTorch's own SIGCHLD handler
+  usually raises first ("DataLoader worker (pid N) is killed by signal: ..."); the check at each reading here
+  covers the gaps.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psutil
 
 from .failures import WorkerDied, ended_worker
+from .memory import MiB
 
 log = logging.getLogger(__name__)
-
-MiB = 2**20
 
 
 def shared_batches(pids) -> int:
@@ -72,12 +69,9 @@ def pss_mib() -> float:
 
 {% endif %}
 def sample(worker_pids: set[int]) -> dict:
-    """One reading of this process and its children.
-
-    `workers_*` and `fds` cover every live child process: the train loader's workers, the persistent
-    validation workers and anything a dataset spawned; all of it is memory the run holds.
-    `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches).
-    """
+    """One reading of this process and its children. `workers_*` and `fds` cover every live child process: the
+    train loader's workers, the persistent validation workers and anything a dataset spawned; all of it is memory
+    the run holds. `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches)."""
     readings = _readings()
     main_rss, main_pss, _ = readings[os.getpid()]
     rss, pss, fds = (sum(column) for column in zip(*readings.values()))
@@ -95,11 +89,11 @@ def sample(worker_pids: set[int]) -> dict:
 
 
 class Monitor:
-    """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's
-    workers still live); writes TensorBoard scalars under `health/` and hands the epoch figures to
-    metrics.jsonl. Readings run off the loop, in a thread of their own (reading smaps_rollup makes the kernel walk
-    each process's page tables, ~10 ms for a process holding PyTorch), and are written once done (at the latest at
-    the epoch's end). `runlog.enabled` is False on ranks other than 0: those sample but write nothing."""
+    """Samples health every `every_steps` steps and at the last batch of each epoch (while the epoch's workers still
+    live); writes TensorBoard scalars under `health/` and hands the epoch figures to metrics.jsonl. Readings run off
+    the loop, in a thread of their own (reading smaps_rollup makes the kernel walk each process's page tables, ~10 ms
+    for a process holding PyTorch), and are written once done (at the latest at the epoch's end). `runlog.enabled`
+    is False on ranks other than 0: those sample but write nothing."""
 
     def __init__(self, loader, runlog, every_steps: int):
         self.loader, self.runlog, self.every = loader, runlog, every_steps
@@ -157,11 +151,9 @@ class Monitor:
 
     def _write_done(self, wait: bool = False) -> None:
         """Write the readings that have finished (all of them, waiting, with `wait`)."""
-        still = []
-        for step, window, reading, what in self._pending:
-            if not (wait or reading.done()):
-                still.append((step, window, reading, what))
-                continue
+        done = [entry for entry in self._pending if wait or entry[2].done()]
+        self._pending = [entry for entry in self._pending if entry not in done]
+        for step, window, reading, what in done:
             figures = {**reading.result(), **window}
             if what == "epoch end":
                 self._epoch_sample = figures
@@ -177,18 +169,14 @@ class Monitor:
                 )
             else:
                 self.runlog.scalars("health", figures, step)
-        self._pending = still
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main
         process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
         reading = self._epoch_sample or sample(self.loader.worker_pids)
-        record = {
-            "worker_count": reading["worker_count"],
-            "rss_mib": round(reading["rss_mib"], 1),
-            "pss_mib": round(reading["pss_mib"], 1),
-            "fds": reading["fds"],
+        record = {key: round(reading[key], 1) for key in ("worker_count", "rss_mib", "pss_mib", "fds")}
+        record |= {
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,
             "bad_samples": self.loader.skipped,  # left out by data.on_bad_sample=skip (listed in bad_samples.txt)
             "dropped_records": self.loader.dropped_records,  # past the epoch's whole (global, lockstep) batches

@@ -1,16 +1,14 @@
 """Preemption: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT ask the loop to stop after the current step and save.
 
-Handlers are installed before the DataLoader forks its workers, so workers inherit a handler that
-only sets a flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill them
-while the main process is still saving. A handler that was there before ours (a job runner's, e.g. one that
-requeues a SLURM job on USR2) is called once the checkpoint is written: see `hand_over`.
+Handlers are installed before the DataLoader forks its workers, so workers inherit a handler that only sets a
+flag: a signal sent to the whole process group (Ctrl-C, SLURM) does not kill them while the main process saves.
+A handler that was there before ours (a job runner's requeue on USR2) is called once the checkpoint is written.
 
-A Python signal handler only runs when the main thread is back in Python, never while it waits
-inside a distributed call (joining the process group, a collective). If a peer died, that wait does
-not end, and torchrun's SIGTERM would only be answered by its SIGKILL 30 s later. So a watcher thread
-hears signals through `signal.set_wakeup_fd` and ends the process itself when a SIGTERM meets such a
-wait: at once while joining (nothing to save yet), after `grace` seconds in a collective (live peers
-arrive by then and the stop goes on normally), at once on a second SIGTERM. See `waiting_on_peers`.
+A Python signal handler runs only when the main thread is back in Python, never while it waits inside a
+distributed call: with a dead peer that wait never ends, and torchrun's SIGTERM would only be answered by its
+SIGKILL 30 s later. So a watcher thread hears signals through `signal.set_wakeup_fd` and ends the process itself
+when a SIGTERM meets such a wait (docs/distributed.md): at once while joining (nothing to save yet), after `grace`
+seconds in a collective (live peers arrive by then), at once on a second SIGTERM.
 """
 
 from __future__ import annotations
@@ -85,22 +83,19 @@ class StopRequest:
     def shield_worker(worker_id: int = 0) -> None:
         """worker_init_fn part: a DataLoader worker leaves the stop signals to the main process.
 
-        PyTorch's workers die on a SIGTERM that does not come from their parent, and torchrun (or
-        SLURM) signals the whole process group: the main process would then fail on a dead worker
-        instead of finishing the step and saving. So a worker ignores USR1/USR2/INT, and takes a
-        SIGTERM only from its parent (which is how the parent shuts it down at exit): SIGTERM is
-        blocked and a thread waits for it, reading who sent it.
-        """
+        PyTorch's workers die on a SIGTERM that does not come from their parent, and torchrun (or SLURM) signals the
+        whole process group: the main process would then fail on a dead worker instead of saving. So a worker
+        ignores USR1/USR2/INT, and takes a SIGTERM only from its parent (how the parent shuts it down at exit):
+        SIGTERM is blocked and a thread waits for it, reading who sent it."""
         signal.set_wakeup_fd(-1)  # the parent's watcher pipe, inherited through fork, is not ours to write to
         for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
-        # Linux: the kernel kills this worker (SIGKILL) when the process that forked it dies. Otherwise a worker whose
-        # parent was killed with SIGKILL notices within 5 s (PyTorch's watchdog) and exits, but its exit joins the
-        # result queue's feeder thread, and that thread waits for ever to write batches nobody reads once the pipe is
-        # full: the worker itself holds the pipe's read end, inherited at fork, so the write never fails. The worker
-        # would live on as an orphan, holding its parent's stdout (a job runner then waits for ever).
+        # Linux: the kernel kills this worker (SIGKILL) when its parent dies. Else a worker whose parent was killed
+        # notices within 5 s (PyTorch's watchdog), but its exit joins the result queue's feeder thread, which waits for
+        # ever on a full pipe whose read end the worker itself holds (inherited at fork): an orphan holding its
+        # parent's stdout, which a job runner then waits on for ever.
         if sys.platform.startswith("linux"):
             parent = os.getppid()
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -112,12 +107,10 @@ class StopRequest:
     def starting_workers():
         """Around the start of DataLoader workers that `shield_worker` shields: SIGTERM blocked from their fork on.
 
-        PyTorch's worker dies on a SIGTERM that is not from its parent from the moment it starts, and the shield
-        only takes over once the worker_init_fn runs. A stop signalled to the whole process group as workers start
-        (the validation loader's first pass, an epoch of workers that are not persistent) killed one: "DataLoader
-        worker killed by signal 15" instead of a save. A forked worker keeps its parent's signal mask, so with
-        SIGTERM blocked for the fork the signal waits in the worker until the shield reads it and leaves it to the
-        main process. Here it is blocked for the fork only, and delivered to the handler right after."""
+        PyTorch's worker dies on a SIGTERM not from its parent from the moment it starts, before its worker_init_fn
+        shields it: a stop signalled to the process group as workers start would kill one instead of saving. A
+        forked worker keeps its parent's signal mask, so the signal waits in the worker until the shield reads it;
+        in the main process it is blocked for the fork only, and delivered to the handler right after."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return

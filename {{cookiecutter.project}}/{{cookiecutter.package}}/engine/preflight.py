@@ -69,7 +69,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
     check_keys(cfg, choices, overrides)
 {% if cookiecutter.with_slurm == "yes" %}
-    slurm.job_ranks()
+    slurm.adopt_job_ranks()  # refuses N tasks that cannot meet (and exports the ranks, as train() does first)
 {% endif %}
     pick_device(cfg.device)
     precheck_data(cfg)
@@ -106,7 +106,7 @@ class CheckBeforeRun(Callback):
         made = []  # the folders this command made, the run folder and any new parents, to remove on a refusal
         if world.is_main and not (explicit and task.get("resume")):  # going on in a folder takes both, explicitly
             run_dir, made = claim(asked)
-        run_dir = distributed.from_main(run_dir, world)
+        run_dir = distributed.gather_all(run_dir, world)[0]  # rank 0's
         with read_write(config.hydra), open_dict(config.hydra):  # the folder run_job makes (if need be) and uses
             config.hydra.run.dir = run_dir
             config.hydra.runtime.output_dir = run_dir  # as run_job sets it, so `${hydra:runtime.output_dir}` resolves

@@ -3,16 +3,10 @@
 Each one changes the whole process, not one object, so train.py applies them once, here, and nowhere else.
 Nothing is exported to the environment: processes the run starts do not inherit them (forked loader workers
 share the allocator's settings, which live in the process's memory, and run one thread each). What each key does
-and what it measured: docs/training-step.md (#speed-on-the-cpu).
-
-- `process.omp_wait_policy`: OpenMP's threads spin while they wait by default, on the cores the loader workers
-  decode on. OpenMP reads OMP_WAIT_POLICY once, as torch loads: train.py applies the key around its `import torch`
-  (`openmp_wait_policy`). null: OpenMP's own default, or the OMP_WAIT_POLICY you set.
-- `process.keep_freed_memory` (glibc): malloc hands free memory at its heap's top back to the kernel past a
-  threshold it tunes as it goes, and the next step faults it in again, page by page; fixed thresholds end that.
-  MALLOC_*_ variables or glibc.malloc tunables of yours take precedence.
-- `process.threads`: torch's intra-op threads; null: torch's default. The count changes the last bits of CPU
-  kernels' results: keep it when you resume on the CPU.
+and what it measured: docs/training-step.md (#speed-on-the-cpu). `process.omp_wait_policy` keeps OpenMP's threads
+from spinning on the cores the loader workers decode on; OpenMP reads it once, as torch loads, so train.py applies
+it around its `import torch` (`openmp_wait_policy`). `process.keep_freed_memory`: glibc's malloc hands free memory
+at its heap's top back to the kernel, and the next step faults it in again, page by page; fixed thresholds end that.
 
 And one setting no key changes: the objects an entry point's imports make are frozen (`long_lived_imports`).
 """
@@ -64,13 +58,12 @@ def openmp_wait_policy(argv: list[str], conf_dir: Path):
 @contextlib.contextmanager
 def long_lived_imports():
     """Around an entry point's imports: no cyclic garbage collection while they load, then every object they made
-    moved out of the collector's reach (`gc.freeze`, a public API since Python 3.7, python/cpython#75739).
+    moved out of the collector's reach (`gc.freeze`, python/cpython#75739).
 
     torch, torchvision (which loads torch._dynamo and sympy) and hydra make hundreds of thousands of tracked
-    objects that live as long as the process, yet each full collection walks them all: while they load, and once
-    more at exit. Measured on 2 CPUs: `python -c "import torch, torchvision"` 3.2 s, 1.9 s this way; a two-step
-    train.py run 4.3 s, 3.1 s. Every train.py, eval.py and torchrun rank starts and ends that much sooner. Objects
-    made later (the model, the data, each step's tensors) are collected as before."""
+    objects that live as long as the process, yet each full collection walks them all, while they load and at
+    exit: every train.py, eval.py and torchrun rank starts and ends sooner (docs/training-step.md). Objects made
+    later (the model, the data, each step's tensors) are collected as before."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -83,9 +76,8 @@ def long_lived_imports():
 
 def apply(cfg) -> None:
     """The `process` keys that can be set once the config is composed; says when the wait policy came too late."""
-    wanted = cfg.process.omp_wait_policy
-    wanted = None if wanted is None else str(getattr(wanted, "value", wanted))
-    if wanted is not None and applied_wait_policy is not None and wanted != applied_wait_policy:
+    wanted = getattr(cfg.process.omp_wait_policy, "value", cfg.process.omp_wait_policy)  # the enum's value, or None
+    if wanted is not None and applied_wait_policy is not None and str(wanted) != applied_wait_policy:
         log.warning(
             "process.omp_wait_policy=%s is set after OpenMP read its wait policy (%s) as torch loaded: set it on the "
             "command line or in conf/config.yaml", wanted, applied_wait_policy,
@@ -119,9 +111,9 @@ def use_deterministic_kernels(fill_uninitialized: bool = False) -> None:
     """deterministic=true: the same inputs give the same bits, which is what makes an exact resume checkable.
 
     PyTorch's deterministic mode also fills every new uninitialized tensor with NaN by default
-    (`torch.utils.deterministic.fill_uninitialized_memory`): an extra write pass that cost ~7% of a SmallCNN step on
-    the CPU and changes no result of an op that writes its whole output, as every op of this loop does. It is off
-    here; to hunt code that reads memory it never wrote, set it back to True after this runs."""
+    (`torch.utils.deterministic.fill_uninitialized_memory`): an extra write pass that changes no result of an op
+    that writes its whole output, as every op of this loop does. It is off here; to hunt code that reads memory it
+    never wrote, pass `fill_uninitialized=True`."""
     import torch  # see apply()
     import torch.utils.deterministic
 

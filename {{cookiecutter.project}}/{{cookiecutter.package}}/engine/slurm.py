@@ -10,10 +10,13 @@ import socket
 from .errors import UserError
 
 
-def job_ranks() -> dict[str, str]:
-    """torchrun's variables for this process when submitit started it as one of N > 1 tasks, {} when there is
-    nothing to add (one task, torchrun, a plain process). N tasks that cannot meet are refused (UserError): without
-    a rendezvous each task would train alone, all of them into the same run folder and checkpoint files."""
+def adopt_job_ranks() -> None:
+    """Export torchrun's variables for this process when submitit started it as one of N > 1 tasks (none to add for
+    one task, torchrun, a plain process): first thing in train(), as everything after reads them. N tasks that
+    cannot meet are refused (UserError): without a rendezvous each task would train alone, all of them into the same
+    run folder and checkpoint files. Not submitit's own `export()`: it also narrows CUDA_VISIBLE_DEVICES to the local
+    rank's GPU, after which `cuda:<local rank>` exists on rank 0 only; here, as under torchrun, each rank takes
+    `cuda:<local rank>` of the GPUs the job sees."""
     world = os.environ.get("WORLD_SIZE")
     if not os.environ.get("SUBMITIT_EXECUTOR"):
         tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
@@ -23,12 +26,12 @@ def job_ranks() -> dict[str, str]:
                 "started it, so there is no rendezvous and each task would train alone into the same folder: "
                 "use hydra/launcher=slurm, or one task per node running torchrun, or --ntasks=1"
             )
-        return {}
+        return
     import submitit  # started this process (SUBMITIT_EXECUTOR set): the `slurm` extra is installed
 
     job = submitit.JobEnvironment()
     if job.num_tasks == 1:
-        return {}
+        return
     if world is not None:  # exported already (a second call), or torchrun inside each task
         if int(world) < job.num_tasks:  # then not every task is in this process group
             raise UserError(
@@ -36,7 +39,7 @@ def job_ranks() -> dict[str, str]:
                 "train in separate process groups; unset WORLD_SIZE and start no torchrun in the tasks (the ranks "
                 "come from the job)"
             )
-        return {}
+        return
     # MASTER_ADDR: the job's first host (SLURM's node list; the local executor's own host); MASTER_PORT: drawn from
     # the job id, so a requeued job meets on the same port, unless MASTER_PORT is set.
     env = submitit.helpers.TorchDistributedEnvironment()
@@ -49,14 +52,4 @@ def job_ranks() -> dict[str, str]:
         ) from None
     ranks = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank}
     ranks.update(LOCAL_WORLD_SIZE=env.local_world_size, MASTER_ADDR=env.master_addr, MASTER_PORT=env.master_port)
-    return {name: str(value) for name, value in ranks.items()}
-
-
-def adopt_job_ranks() -> None:
-    """Export `job_ranks()`: first thing in train(), as everything after reads torchrun's variables (join, the
-    dry step's device, the share of /dev/shm per host, preempt.py's exit message).
-
-    Not submitit's own `export()`: it also narrows CUDA_VISIBLE_DEVICES to the local rank's number, after which
-    `cuda:<local rank>` does not exist on any rank but 0; here, as under torchrun, each rank takes
-    `cuda:<local rank>` of the GPUs the job sees."""
-    os.environ.update(job_ranks())
+    os.environ.update({name: str(value) for name, value in ranks.items()})
