@@ -24,7 +24,7 @@ with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"), p
     import torch
     from hydra.core.hydra_config import HydraConfig
 
-    from {{ cookiecutter.package }}.engine import preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+    from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
     from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
     from {{ cookiecutter.package }}.engine.evaluate import evaluate
     from {{ cookiecutter.package }}.engine.failures import worker_death
@@ -61,10 +61,11 @@ def train(cfg) -> tuple[int, float]:
                 # One process acts on a signal at the next step (the flag is a Python bool, no device read);
                 # ranks agree on it where they read the loss anyway, so all stop after the same step.
                 stopping = stop.requested and not run.world.distributed
-                if stopping or run.log_point():
+                # the loss read to the host (each read waits for the device) at log lines, saves among them, only
+                if stopping or run.log_line_due() or run.at_max_steps():
                     stopping = log_step(run, meter)  # a non-finite loss stops here, before anything is saved
                 run.monitor.step(run.step, meter.data_wait, meter.started)  # health every monitor.every_steps
-                if run.at_epoch_end():
+                if run.train_loader.at_epoch_end:
                     continue  # the epoch's end validates and saves below, whatever stops the run there
                 if run.validation_due():  # val_every_steps: validate mid-epoch and save with its record
                     stopping = validate(run, meter, epoch_end=False) or stopping
@@ -100,7 +101,8 @@ def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Ten
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
 {% if cookiecutter.with_fsdp == "yes" %}
-    run.share_buffers()  # FSDP: rank 0's BatchNorm statistics on every rank, as DDP has them
+    if fsdp.is_sharded(run.model):  # rank 0's buffers (BatchNorm statistics) on every rank, as DDP has them: FSDP
+        distributed.main_buffers(run.model, run.world)  # leaves each its own; a sharded checkpoint keeps one copy
 {% endif %}
     if run.ema is not None:
         run.ema.update()

@@ -187,7 +187,7 @@ class PrepareBatch:
 {% endif %}
 
     `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch. `stage(key)`
-    is around each stage: the dry step's (dry_step.stage) turns an error there into a line naming that key.
+    is around each stage: the dry step's (parts.stage) turns an error there into a line naming that key.
     """
 
     def __init__(

@@ -1,15 +1,8 @@
-"""The optimizer from `conf/optim/`, and the two knobs the loop applies around it.
+"""The optimizer from `conf/optim/`, and the knobs the loop applies around it.
 
-`conf/optim/*.yaml` names any optimizer class (`_partial_: true`; the parameters come from here). Two keys of
-the group are the loop's, not the optimizer's, and are taken out before it is built:
-
-- `grad_clip`: clip the global gradient norm to this value before each optimizer step (null = off).
-- `decay_norm_and_bias`: false (the default) puts biases and normalization weights, every parameter with fewer
-  than two dimensions, in a group without weight decay, as nanoGPT and timm do.
-- `param_groups`: a list of `{match, lr_scale, weight_decay}` (the last two optional): the parameters whose
-  `named_parameters()` name matches the glob `match` (the first entry that matches wins) get `lr x lr_scale` and
-  that weight decay; the rest keep the optimizer's. The no-decay rule above applies inside each group. The
-  schedule scales each group's own lr, and the groups travel in the optimizer's state_dict, so a resume is exact.
+`conf/optim/*.yaml` names any optimizer class (`_partial_: true`; the parameters come from here). Its keys
+`grad_clip`, `decay_norm_and_bias` and `param_groups` (docs/config.md) are the loop's, taken out before it is built.
+The schedule scales each group's own lr, and the groups travel in the optimizer's state_dict, so a resume is exact.
 """
 
 from __future__ import annotations
@@ -27,10 +20,9 @@ LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the 
 
 
 def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
-    """The optimizer's groups: the parameters no `param_groups` entry matches first, then each entry's, in order.
-    Each of them is one group, or two when its weight decay is on and `decay_norm_and_bias` is false: matrices and
-    convolution kernels decay, biases and normalization weights (ndim < 2) do not. Without entries this is the
-    one or two groups of the optimizer's own settings, as before param_groups existed (older checkpoints load)."""
+    """The optimizer's groups: the parameters no `param_groups` entry's glob `match` matches first, then each entry's
+    (the first that matches wins) with its `lr x lr_scale` and weight decay, each split by `_split_decay`. Without
+    entries: the optimizer's own one or two groups (older checkpoints load)."""
     entries = list(optim_cfg.get("param_groups") or [])
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(entries) + 1)]  # [0]: matched by no entry
     for name, p in model.named_parameters():
@@ -58,7 +50,8 @@ def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
 
 
 def _split_decay(params: list, settings: dict, optim_cfg, decay) -> list[dict]:
-    """`params` as one group with `settings`, or two when `decay` is on and norms and biases are kept from it."""
+    """`params` as one group with `settings`, or two when `decay` is on and decay_norm_and_bias=false: biases and
+    normalization weights (ndim < 2) then get none, as in nanoGPT and timm."""
     if optim_cfg.get("decay_norm_and_bias", True) or not decay:
         return [{"params": params, **settings}]
     return [
@@ -68,9 +61,8 @@ def _split_decay(params: list, settings: dict, optim_cfg, decay) -> list[dict]:
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, scaler) -> torch.Tensor | None:
-    """The global gradient norm before clipping (a device tensor, never read here), or None when clipping is off.
-
-    With fp16's GradScaler the gradients are unscaled first, so the norm and the limit are in true units."""
+    """The global gradient norm before clipping (a device tensor, never read here), or None when clipping is off;
+    with fp16's GradScaler the gradients are unscaled first, so the norm and the limit are in true units."""
     if max_norm is None:
         return None
     if scaler.is_enabled():

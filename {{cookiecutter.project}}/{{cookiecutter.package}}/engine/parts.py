@@ -7,6 +7,7 @@ yours is built the same way everywhere, and a failure to build it is the same on
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -18,26 +19,50 @@ from .errors import UserError, reason
 from .optim import LOOP_KEYS, parameter_groups
 
 
-def build(node, key: str, *args):
-    """`node` (a Hydra `_target_`) built, and called with `args` if any (a `_partial_` one); a failure is one line
-    naming `key`, or a data set's own one-line refusal (a missing folder) raised through Hydra, as it is."""
+@contextlib.contextmanager
+def one_line(what: str):
+    """Anything raised inside stops the command in one line, `what` and the error's first line, where a traceback
+    would name neither; a UserError (also one a data set raised through Hydra: a missing folder) as it is."""
     try:
-        built = instantiate(node)
-        return built(*args) if args else built
+        yield
     except UserError:
         raise
     except Exception as e:
         cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
-        if cause is not None:
-            raise cause from None
-        raise UserError(f"{key}: cannot build {node._target_}: {reason(e)}") from None
+        raise cause or UserError(f"{what}: {reason(e)}") from None
 
 
-def model(cfg) -> torch.nn.Module:
-    """`model`, on the CPU as its class makes it."""
+def stage(cfg, key: str, where: str):
+    """One stage of preparing the batches (or the model), its failure one line naming `key` as this run sets it: with
+    its `_target_` (`data.collate (text.pad_batch)`), its value (`channels_last=true`), or as not set (the default)."""
+    node = OmegaConf.select(cfg, key, default=None)
+    if OmegaConf.is_dict(node):
+        key = f"{key} ({node.get('_target_')})"
+    elif node is None:
+        key = f"{key} (not set)"
+    else:
+        key = f"{key}={str(node).lower() if isinstance(node, bool) else node}"
+    return one_line(f"{key} fails {where}")
+
+
+def build(node, key: str, *args):
+    """`node` (a Hydra `_target_`) built, and called with `args` if any (a `_partial_` one)."""
+    with one_line(f"{key}: cannot build {node._target_}"):
+        built = instantiate(node)
+        return built(*args) if args else built
+
+
+def model(cfg, device: torch.device | None = None) -> torch.nn.Module:
+    """`model`: on the CPU as its class makes it, or on `device`, channels-last when `channels_last` is on."""
     built = build(cfg.model, "model")
     if not isinstance(built, torch.nn.Module):
         raise UserError(f"model: {cfg.model._target_} built a {type(built).__name__}, not a torch.nn.Module")
+    if device is None:
+        return built
+    built = built.to(device)
+    if cfg.channels_last:
+        with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
+            built = built.to(memory_format=torch.channels_last)
     return built
 
 
@@ -63,19 +88,10 @@ def data_set(cfg, split: str):
 {% endif %}
 
 
-def data_sets(cfg) -> tuple:
-    """(data.train, data.val), checked to fit each other and `data.num_classes` by the classes a folder data set
-    found (its `classes`), so a wrong count is one line here rather than `IndexError: Target 6 is out of bounds`
-    mid-run."""
-    train, val = data_set(cfg, "train"), data_set(cfg, "val")
-    check_classes({"train": getattr(train, "classes", None), "val": getattr(val, "classes", None)},
-                  cfg.data.get("num_classes"))  # fmt: skip
-    return train, val
-
-
 def check_classes(found: dict, num_classes: int | None) -> None:
-    """`found`: split -> the class names its data holds, or None where the data set does not say (the data sets
-    built, or their `precheck`, preflight.precheck_data)."""
+    """The train and val data checked to fit each other and `data.num_classes`, by `found`: split -> the class names
+    its data holds (a folder data set's `classes`, or its `precheck`'s), or None where the data set does not say. One
+    line before any work rather than `IndexError: Target 6 is out of bounds` mid-run."""
     found = {name: list(classes or []) for name, classes in found.items()}
     for name, classes in found.items():
         if classes and num_classes is not None and len(classes) != num_classes:
@@ -93,13 +109,10 @@ def check_classes(found: dict, num_classes: int | None) -> None:
 
 
 def collate(cfg, dataset):
-    """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`;
-{% if cookiecutter.with_photos == "yes" %}
-    else None, torch's default_collate. Under data.decode=gpu the data sets name decode.py's CropDecoder.collate,
-    which keeps a batch's JPEG files as a list (one EncodedBatch): a data.collate of yours beside it is refused."""
-{% else %}
-    else None, torch's default_collate. A data.collate of yours beside a data set's own is refused: which of the two
-    the data set's samples are made for, only you can say."""
+    """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`{% if cookiecutter.with_photos == "yes" %} (as
+    data.decode=gpu's do); else None, torch's default_collate. Both at once: refused, only you know which fits."""
+{% else %};
+    else None, torch's default_collate. Both at once: refused, only you know which the samples are made for."""
 {% endif %}
     node, own = cfg.data.get("collate"), getattr(dataset, "collate_fn", None)
     if node is not None and own is not None:
@@ -129,8 +142,7 @@ def batch_transform(cfg):
 
 
 def optimizer(cfg, net: torch.nn.Module) -> torch.optim.Optimizer:
-    """`optim` over `net`'s parameters, in its parameter groups (a param_groups entry that matches nothing: its own
-    line). The optimizer class is built from the optim config without the loop's keys."""
+    """`optim` over `net`'s parameters in their groups (optim.parameter_groups), built without the loop's keys."""
     node = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if k not in LOOP_KEYS}
     return build(OmegaConf.create(node), "optim", parameter_groups(net, cfg.optim))
 
@@ -142,8 +154,7 @@ def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int | None):
 def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int):
     """`schedule` over `total_steps` optimizer steps."""
 {% endif %}
-    # The schedule spans the planned run (epochs) or `schedule.total_steps`, never max_steps: max_steps is where a
-    # run stops and saves, and a run stopped there and resumed must see the lr the run never stopped sees.
+    # never over max_steps: a run stopped there and resumed must see the lr of the run that never stopped
     factory = build(cfg.schedule, "schedule")
     if cfg.schedule.get("total_steps") is not None:  # a schedule of its own length
         return factory(optim)

@@ -4,20 +4,19 @@
   every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
   one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
 - `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
-  the run folder, and for each job of a multirun as it starts (`-m`, sweeps, SLURM jobs).
+  the run folder; `check_once` in train() for each job of a multirun (`-m`, sweeps, SLURM jobs).
 - `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
-  config (a mistyped key, a value of the wrong type, an unknown group option, a syntax error) into one `error:` line
-  and exit code 2, like every other refusal. The config is composed once, by Hydra.
+  config (a mistyped key, a wrong type, an unknown group option, a syntax error) into one `error:` line, exit code 2.
 """
 
 import contextlib
 import dataclasses
 import difflib
-import importlib
 import inspect
 import itertools
 import logging
 import os
+import pydoc
 import re
 import sys
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
@@ -43,16 +41,13 @@ from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
 
-# Run folders check_run passed in this process, each with the ops the dry step found without a deterministic kernel
-checked: dict[str, list[str]] = {}
-# Run folders claimed under another name than the one the config resolved, which another run holds: {got: asked}
-renamed: dict[str, str] = {}
+checked: dict[str, list[str]] = {}  # run folders check_run passed: the ops without a deterministic kernel it found
+renamed: dict[str, str] = {}  # {run folder claimed: the one the config resolved, which another run holds}
 
 
 def check_once(cfg: DictConfig) -> list[str]:
-    """train()'s call: `check_run`, unless CheckBeforeRun ran it for this run already (it always does, unless
-    `hydra.callbacks.checks` was taken out of the config): one check per run either way. Returns the ops the run
-    uses that have no deterministic kernel (any only under `deterministic=warn`)."""
+    """train()'s call: `check_run`, unless CheckBeforeRun ran it for this run already (a single run): one check per
+    run either way. Returns the ops without a deterministic kernel the dry step found (deterministic=warn)."""
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     if run_dir not in checked:
@@ -79,22 +74,22 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
 
 
 class CheckBeforeRun(Callback):
-    """`check_run` for train.py (eval.py composes the same config with keys of its own), exiting with its one line.
+    """`check_run` for train.py (not eval.py, whose config has keys of its own), exiting with its one line.
 
     Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function, so a
     refusal from inside train() would already have overwritten a resumed run's saved config: a single run is checked
-    in `on_run_start`, before anything is written. A multirun's jobs (Hydra calls no `on_run_start` for them) are
-    checked in `on_job_start`, each in its own new folder."""
+    in `on_run_start`, before anything is written. A multirun's jobs, each in a new folder, are train()'s to check."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name != "train":
             return
-        # Hydra calls on_run_start before run_job, and only run_job sets HydraConfig, which the `${hydra:...}` parts of
-        # hydra.run.dir need (hydra-ecosystem/hydra#1301; run-level callbacks run first, #1884): set it first, as
-        # run_job does, or the folder cannot be resolved, and Hydra turns the error into a UserWarning and skips this
-        # check (callbacks.py's _notify).
+        # Only run_job, after this, sets HydraConfig, which the `${hydra:...}` parts of hydra.run.dir need
+        # (hydra-ecosystem/hydra#1301, #1884): set here as run_job does, or Hydra turns the error into a UserWarning
+        # and skips this check.
         HydraConfig.instance().set_config(config)
-        task = without_hydra(config)
+        task = config.copy()  # the task's config: without the `hydra` node, as the task function sees it
+        with open_dict(task):
+            del task["hydra"]
         # Under torchrun the ranks join their process group now, before anything is written: every rank takes the
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
         # starts straddle a second, hydra#2070), and rank 0 alone reports a refusal for all of them.
@@ -123,25 +118,18 @@ class CheckBeforeRun(Callback):
             for folder in made:  # claimed a moment ago: empty, unless another run made a folder inside
                 with contextlib.suppress(OSError):
                     os.rmdir(folder)
-            refuse_together(first, world)
+            refuse(first, world)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        # Under torchrun every rank would run the whole sweep by itself: each resolves a sweep folder of its own (the
-        # time straddling a second splits it), and the second job's process group cannot form where the first one's
-        # was. A sweep of several processes each needs a launcher that starts each job's processes.
+        # Under torchrun every rank would run the whole sweep by itself, in sweep folders of their own (the time
+        # straddling a second splits it), and the second job's process group cannot form where the first one's was.
         if config.hydra.job.name == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             advice = "run one torchrun command per job, without -m"
 {% if cookiecutter.with_slurm == "yes" %}
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
             world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
-            refuse_together(f"a sweep (-m) cannot run under torchrun: {advice}", world)
-
-    def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        if config.hydra.job.name == "train" and HydraConfig.get().mode == RunMode.MULTIRUN:
-            hydra = config.hydra
-            task, run_dir = without_hydra(config), Path(hydra.runtime.output_dir)
-            self.refusing(lambda: check_run(task, run_dir, hydra.runtime.choices, list(hydra.overrides.task)))
+            refuse(f"a sweep (-m) cannot run under torchrun: {advice}", world)
 
     @staticmethod
     def refusing(work: Callable, quiet: bool = False):
@@ -149,32 +137,18 @@ class CheckBeforeRun(Callback):
         try:
             return work()
         except UserError as e:
-            refuse(str(e), quiet)
+            refuse(str(e), quiet=quiet)
 
 
-def without_hydra(config: DictConfig) -> DictConfig:
-    """The task's config: Hydra's callbacks get it with the `hydra` node, which the task function does not see."""
-    task = config.copy()
-    with open_dict(task):
-        del task["hydra"]
-    return task
-
-
-def refuse(error: str, quiet: bool = False) -> None:
-    """Exit with code 2, saying `error` in one line unless `quiet` (another rank says it)."""
-    if not quiet:
-        print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
-
-
-def refuse_together(error: str, world: distributed.World) -> None:
-    """`refuse` on every rank of `world` at once: rank 0 says `error`, and no rank exits before it has, since torchrun
-    stops the other ranks as soon as one exits. The ranks then leave their group (a rank leaving a live gloo group as
-    its peer exits can abort, SIGABRT)."""
-    if world.is_main:
+def refuse(error: str, world: distributed.World | None = None, quiet: bool = False) -> None:
+    """Exit with code 2, saying `error` in one line unless `quiet` (another rank says it). With `world`, every rank
+    at once: rank 0 says it, and no rank exits before it has, since torchrun stops the other ranks as soon as one
+    exits; the ranks then leave their group (a rank leaving a live gloo group as its peer exits can abort, SIGABRT)."""
+    if not quiet and (world is None or world.is_main):
         print(f"error: {error}", file=sys.stderr, flush=True)
-    distributed.gather_all(None, world)
-    distributed.leave(world)
+    if world is not None:
+        distributed.gather_all(None, world)
+        distributed.leave(world)
     sys.exit(2)
 
 
@@ -205,22 +179,20 @@ def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         GlobalHydra.instance().clear()  # the failed composition left Hydra initialised
-
-        def composed(overrides):
-            with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
-                return compose("config", overrides=overrides, return_hydra_config=True)
-
-        refuse(composition_error(e, argv, composed))
+        refuse(composition_error(e, argv, config_dir))
 
 
-def composition_error(e: BaseException, argv: list[str], composed: Callable) -> str:
-    """Hydra's composition error in one line; for an unknown key, the nearest known one."""
+def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> str:
+    """Hydra's composition error in one line; for an unknown key, the nearest known one (in the config composed
+    without it)."""
     typo = re.match(r"Could not override '([^']+)'", str(e))
     if typo:
         key = typo[1]
         parent, _, name = key.rpartition(".")
+        rest_argv = [a for a in argv if not a.startswith((key + "=", "-"))]
         try:
-            rest = composed([a for a in argv if not a.startswith((key + "=", "-"))])
+            with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
+                rest = compose("config", overrides=rest_argv, return_hydra_config=True)
             node = OmegaConf.select(rest, parent) if parent else rest
             known = list(node) if OmegaConf.is_dict(node) else []
         except Exception:  # the other overrides fail too: no suggestion, the error still says which key
@@ -259,14 +231,15 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
 {% if cookiecutter.with_tracking == "yes" %}
     tracking.chosen(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
-    for name, rule in {**OPEN_KEYS, **LOOP_OPEN_KEYS}.items():  # the loop's keys whatever the group's target
-        value = OmegaConf.select(cfg, name, default=MISSING)
-        if value is not MISSING and (name in LOOP_OPEN_KEYS or shipped(cfg, name.split(".")[0])):
-            refuse_if(name, value, rule)
-    for name in (*map(target_key, OPEN_GROUPS), "data.val._target_"):
+    for name in (*TARGET_KEYS.values(), "data.val._target_"):
         if OmegaConf.select(cfg, name, default=None) is None:
             group = name.split(".")[0]
             raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
+    shipped = {group for group, name in TARGET_KEYS.items() if str(OmegaConf.select(cfg, name)).startswith(SHIPPED)}
+    for name, rule in {**OPEN_KEYS, **LOOP_OPEN_KEYS}.items():  # the loop's keys whatever the group's target
+        value = OmegaConf.select(cfg, name, default=MISSING)
+        if value is not MISSING and (name in LOOP_OPEN_KEYS or name.split(".")[0] in shipped):
+            refuse_if(name, value, rule)
     added_data_keys(cfg, overrides or [])
     raw = OmegaConf.to_container(cfg, resolve=False)
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
@@ -276,21 +249,10 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
     targets(raw, "")
 
 
-# The groups whose keys depend on the `_target_` chosen (schema.py's open fields); a group's keys in OPEN_KEYS are
-# checked when its target is one this project ships (this package's, torch's optimizers): yours may mean otherwise.
-OPEN_GROUPS = ("data", "model", "optim", "task", "schedule")
-PACKAGE = __name__.split(".")[0]
-
-
-def target_key(group: str) -> str:
-    """The key of an open group's `_target_` (data: its train data set's)."""
-    return "data.train._target_" if group == "data" else f"{group}._target_"
-
-
-def shipped(cfg, group: str) -> bool:
-    """Whether the group's target is one this project ships (so its keys mean what OPEN_KEYS says)."""
-    target = str(OmegaConf.select(cfg, target_key(group), default="") or "")
-    return target.startswith((f"{PACKAGE}.", "torch.optim.", "torchvision."))
+# The `_target_` of each group whose keys depend on it (schema.py's open fields; data: its train data set's). A
+# group's keys in OPEN_KEYS are checked when its target is one this project ships: yours may mean otherwise.
+TARGET_KEYS = {"data": "data.train._target_", **{g: f"{g}._target_" for g in ("model", "optim", "task", "schedule")}}
+SHIPPED = (f"{__name__.split('.')[0]}.", "torch.optim.", "torchvision.")  # this package's, torch's optimizers
 
 
 def missing(cfg, choices: dict, overrides: list[str]) -> None:
@@ -362,10 +324,12 @@ def targets(tree, prefix: str) -> None:
         return
     target = tree.get("_target_")
     if isinstance(target, str):
-        try:
-            found = locate(target)
-        except Exception as e:
-            raise UserError(f"{prefix}_target_={target} cannot be imported: {reason(e)}") from None
+        try:  # as Hydra's instantiate finds it: the longest importable module prefix, then attributes
+            found = pydoc.locate(target)  # None: no such module or attribute
+        except pydoc.ErrorDuringImport as e:  # a module that exists failed to import something
+            raise UserError(f"{prefix}_target_={target} cannot be imported: {reason(e.value)}") from None
+        if found is None:
+            raise UserError(f"{prefix}_target_={target} cannot be imported: no module or attribute of that name")
         try:
             parameters = inspect.signature(found).parameters.values()
         except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
@@ -383,32 +347,14 @@ def targets(tree, prefix: str) -> None:
         targets(value, f"{prefix}{name}.")
 
 
-def locate(path: str):
-    """The object a dotted `_target_` path names, as Hydra's instantiate finds it: the longest importable module
-    prefix, then attributes. An ImportError or AttributeError says why not."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as e:
-            if e.name is None or not path.startswith(e.name):  # a module that exists failed to import something
-                raise
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
-        return obj
-    raise ImportError(f"no module named {parts[0]!r}")
-
-
 def precheck_data(cfg) -> None:
-    """The data errors that show without opening the data sets: each `data.<split>._target_` that has a `precheck`
-    (data.shapes, ImageFiles, {% if cookiecutter.with_shards == "yes" %}ShardDataset, {% endif %}cifar10 do) is called with the node's plain arguments (`check_keys` checked
-    them) and returns the class names it will find, or None. A data set of yours gets the same early refusal by
-    giving it one."""
+    """The data errors that show without opening the data sets: each `data.<split>._target_` with a `precheck` (as the
+    shipped data sets have) is called with the node's plain arguments (`check_keys` checked them) and returns the
+    class names it will find, or None; a data set of yours gets the same early refusal by giving it one."""
     found = {}
     for split in ("train", "val"):
         node = cfg.data.get(split)
-        precheck = getattr(locate(node._target_), "precheck", None) if OmegaConf.is_dict(node) else None
+        precheck = getattr(pydoc.locate(node._target_), "precheck", None) if OmegaConf.is_dict(node) else None
         if precheck is not None:
             args = OmegaConf.to_container(node, resolve=True)
             args = {k: v for k, v in args.items() if k != "_target_" and not (isinstance(v, dict) and "_target_" in v)}

@@ -14,15 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import default_collate
 from tqdm import tqdm
 
 from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
-from .device import amp_dtype, device_batches, pick_device, to_device
-from .dry_step import first_samples, placed, quiet
+from .device import amp_dtype, device_batches, pick_device
+from .dry_step import kept_rng, quiet, two_prepared
 from .ema import EMA
 {% if cookiecutter.with_fsdp == "yes" %}
 from .errors import UserError
@@ -86,13 +85,6 @@ class Run:
         if skip and fsdp.is_sharded(self.model):
             return fsdp.no_gradient_sync(self.model)
         return contextlib.nullcontext()
-
-    def share_buffers(self) -> None:
-        """After each optimizer step under FSDP: rank 0's buffers (BatchNorm's running statistics) on every rank, as
-        DDP hands them out at every forward. FSDP leaves each rank its own, and a sharded checkpoint keeps one copy:
-        equal on every rank, it is each rank's, and a resume continues all of them exactly."""
-        if fsdp.is_sharded(self.model):
-            distributed.main_buffers(self.model, self.world)
 {% else %}
         """On all but a window's last micro-batch, DDP's no_sync: their gradients add up locally, unreduced."""
         if skip and self.ddp is not None:
@@ -100,14 +92,10 @@ class Run:
         return contextlib.nullcontext()
 {% endif %}
 
-    def at_epoch_end(self) -> bool:
-        """The batch just taken is the epoch's last."""
-        return self.train_loader.at_epoch_end
-
     def window_ends(self) -> bool:
         """Whether the micro-batch just taken closes an accumulation window (`accumulate_steps`): its last one,
         or the epoch's last batch. Windows start at each epoch's first batch; stops and saves fall on their ends."""
-        return self.train_loader.position % self.cfg.accumulate_steps == 0 or self.at_epoch_end()
+        return self.train_loader.position % self.cfg.accumulate_steps == 0 or self.train_loader.at_epoch_end
 
     def finished(self) -> bool:
         """All epochs done, or `max_steps` reached."""
@@ -119,22 +107,16 @@ class Run:
     def validation_due(self) -> bool:
         """A mid-epoch validation (`val_every_steps`); the epoch's end has its own."""
         every = self.cfg.val_every_steps
-        return bool(every) and self.step % every == 0 and not self.at_epoch_end()
-
-    def log_point(self) -> bool:
-        """The loss is read to the host (and ranks agree on a stop) only here: each read waits for the device.
-        Every save and validation is one too, so a non-finite loss is seen before weights are written."""
-        return self.log_line_due() or self.at_max_steps()
+        return bool(every) and self.step % every == 0 and not self.train_loader.at_epoch_end
 
     def log_line_due(self) -> bool:
         """A steps.jsonl line: every `log_every_steps`, at saves, validations and epoch ends; the same steps in a run
         that stopped and was resumed as in one that never stopped."""
         every = self.step % self.cfg.log_every_steps == 0 or self.checkpoints.due(self.step) or self.validation_due()
-        return every or self.at_epoch_end()
+        return every or self.train_loader.at_epoch_end
 
     def epoch_meter(self) -> EpochMeter:
-        """A new epoch's running figures (`meter`); the first after a mid-epoch resume starts from the sums the
-        checkpoint carried."""
+        """A new epoch's running figures (`meter`); the first after a mid-epoch resume from the checkpoint's sums."""
         self.meter = EpochMeter(self.device, self.carried, self.cfg.data.get("input", 0))
         self.carried = None
         return self.meter
@@ -193,12 +175,8 @@ def build(
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None  # refused before the run when it changes the run (preflight)
 
-    train_set, val_set = parts.data_sets(cfg)
-{% if cookiecutter.with_photos == "yes" %}
-    collate = parts.collate(cfg, train_set)  # data.decode=gpu's data sets name their own
-{% else %}
-    collate = parts.collate(cfg, train_set)
-{% endif %}
+    train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")  # checked by the dry step
+    collate = parts.collate(cfg, train_set)  # None: torch's default_collate
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
@@ -213,6 +191,9 @@ def build(
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
         log.warning("loader: %s", change)
+    # what both loaders share: this rank's part, workers kept from stop signals until shielded, the collate
+    shared = dict(rank=world.rank, world_size=world.world_size, worker_init=StopRequest.shield_worker,
+                  collate_fn=collate, start_guard=StopRequest.starting_workers)  # fmt: skip
 {% if cookiecutter.with_streams == "yes" %}
     streamed = {"stream_resume": cfg.data.get("stream_resume", "exact")} if is_stream(train_set) else {}
     train_loader = (StreamLoader if streamed else TrainLoader)(
@@ -223,45 +204,39 @@ def build(
         settings,
         seed=cfg.seed,
         rng_mode=cfg.rng_mode.value,
-        rank=world.rank,
-        world_size=world.world_size,
-        worker_init=StopRequest.shield_worker,
-        collate_fn=collate,
         on_bad_sample=cfg.data.get("on_bad_sample", "error"),
         bad_samples=failures.BadSampleLog(run_dir / failures.BAD_SAMPLES, world.rank),
-        start_guard=StopRequest.starting_workers,
+        **shared,
 {% if cookiecutter.with_streams == "yes" %}
         **streamed,
     )  # built once: a stream's (engine/stream_loader.py) or an indexed data set's
-    val_loader = eval_loader(  # an indexed data set's or a stream's, as eval.py's
+    val_loader = eval_loader(val_set, settings, **shared)  # an indexed data set's or a stream's, as eval.py's
 {% else %}
     )  # built once
-    val_loader = eval_loader(  # as eval.py's
+    val_loader = eval_loader(val_set, settings, **shared)  # as eval.py's
 {% endif %}
-        val_set, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker, collate_fn=collate,
-        start_guard=StopRequest.starting_workers,
-    )  # fmt: skip
     prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
-    if sharded and ckpt and not ckpt.get("sharded"):
-        raise UserError(
-            f"resume: {found} is a whole checkpoint (parallel=ddp) and parallel=fsdp resumes sharded ones: resume it "
-            f"with parallel=ddp, or start from its weights with init_from={found}"
-        )
+    if ckpt and bool(ckpt.get("sharded")) != sharded:  # fsdp resumes sharded checkpoints, ddp whole ones
+        kind, other = ("whole", "ddp") if sharded else ("sharded", "fsdp")
+        package = __name__.split(".")[0]
+        how = f"init_from={found}" if sharded else f"init_from on the file python -m {package}.export writes"
+        raise UserError(f"resume: {found} is a {kind} checkpoint (parallel={other}): resume it with parallel={other}, "
+                        f"or start from its weights with {how}")  # fmt: skip
 {% endif %}
 {% if cookiecutter.with_fsdp == "yes" %}
     peak = fsdp.PeakMemory(world) if sharded else None  # from before the model exists
     if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
         model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
     else:
-        model = placed(cfg, parts.model(cfg), device)
+        model = parts.model(cfg, device)
     load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
 {% else %}
-    model = placed(cfg, parts.model(cfg), device)
+    model = parts.model(cfg, device)
 {% endif %}
     if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
@@ -276,13 +251,16 @@ def build(
 {% endif %}
     scheduler = parts.schedule(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
-    spare = spare_task(cfg, world)  # for the throwaway step that settles DDP's buckets: the run's task sees none of it
+    with kept_rng():  # DDP: a task of its own for settle_buckets' throwaway step, drawing nothing from the run's RNG,
+        spare = parts.task(cfg) if world.distributed else None  # so the run's task sees only the run's batches
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     callbacks = Callbacks(cfg)  # likewise
 {% if cookiecutter.with_fsdp == "yes" %}
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
-        ema = sharded_ema(cfg, model, amp, device)
+        if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
+            twin = fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
+            ema = EMA(model, cfg.ema.decay, twin)
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
@@ -290,11 +268,6 @@ def build(
         callbacks.named.setdefault("fsdp_peak_memory", peak)  # at the first log line and at the end
         if world.is_main:
             log.info(fsdp.memory_line(model, optimizer, world.world_size, ema is not None))
-    elif ckpt and ckpt.get("sharded"):
-        raise UserError(
-            f"resume: {found} is a sharded checkpoint (parallel=fsdp): resume it with parallel=fsdp, or write it "
-            f"as one file with python -m {__name__.split('.')[0]}.export and start from that with init_from"
-        )
     step = 0
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
@@ -308,8 +281,8 @@ def build(
 
     def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        batch = (collate or default_collate)(first_samples(copy.copy(train_set), "data.train"))
-        return split_loss(spare.loss(net, prepare(to_device(batch, device))))[0]
+        batch = two_prepared(cfg, copy.copy(train_set), collate, prepare, device, "training")
+        return split_loss(spare.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway)
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
@@ -357,30 +330,6 @@ def build(
     cleanup.push(lambda *exc: end_tracking(run))  # closes RunLog first; returns None: an exception goes on
 {% endif %}
     return run
-
-
-{% if cookiecutter.with_fsdp == "yes" %}
-def sharded_ema(cfg, model: torch.nn.Module, amp, device) -> EMA | None:
-    """`ema.decay` under FSDP: the average kept in a second model sharded like the first (fsdp.twin)."""
-    if cfg.ema.decay is None:
-        return None
-    return EMA(
-        model, cfg.ema.decay, fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
-    )
-
-
-{% endif %}
-def spare_task(cfg, world: distributed.World):
-    """Under DDP, a task of its own for settle_buckets' throwaway step, as the dry step has one: built before the run's
-    and without drawing from the run's generators, so whatever a task keeps (counters, metric states) sees only the
-    run's batches. None in one process."""
-    if not world.distributed:
-        return None
-    saved = rng.capture_main()
-    try:
-        return parts.task(cfg)
-    finally:
-        rng.restore_main(saved)
 {% if cookiecutter.with_tracking == "yes" %}
 
 

@@ -1,13 +1,9 @@
 """The learning-rate schedule (`conf/schedule/`), stepped once per optimizer step.
 
-Each file in conf/schedule/ is a `_target_` with `_partial_: true`: any torch LR scheduler class, or a function
-returning one, takes the optimizer from the loop; `total_steps` (the optimizer steps of all epochs) is passed too
-when the target takes an argument of that name. Shipped: `warmup_cosine` (linear warm-up, cosine decay; the
-default), `constant` (an optional warm-up, then flat) and `multistep` (torch's MultiStepLR).
-
-A resume restores the schedule through its `state_dict()`; a `resume_strict=false` resume that changes the run
-builds this run's schedule and steps it to the checkpoint's step instead (`fast_forward`), so the LR is the one
-this config plans there. ReduceLROnPlateau, which steps on a metric, is not supported.
+Each file in conf/schedule/ is a `_target_` with `_partial_: true` (docs/config.md): any torch LR scheduler class,
+or a function returning one, takes the optimizer from the loop, and `total_steps` when it takes an argument of that
+name (parts.schedule). A `resume_strict=false` resume that changes the run steps this run's schedule to the
+checkpoint's step (`fast_forward`). ReduceLROnPlateau, which steps on a metric, is not supported.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 @dataclass
 class WarmupCosine:
     """lr factor at a step: linear warm-up over `warmup_steps`, then a cosine decay to `min_lr_ratio` at
-    `total_steps` (min_lr_ratio=1: flat). A callable object rather than a lambda, so LambdaLR's state_dict can hold
-    it."""
+    `total_steps` (min_lr_ratio=1: flat). An object, not a lambda, so LambdaLR's state_dict holds it."""
 
     warmup_steps: int
     total_steps: int = 1

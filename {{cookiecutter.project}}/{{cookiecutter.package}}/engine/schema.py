@@ -11,13 +11,13 @@ import math
 from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif +%}
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-
-SEED_MAX = 2**32 - 1  # numpy's np.random.seed takes 0 .. 2**32 - 1; torch and python take at least that
 {% if cookiecutter.with_tracking == "yes" %}
+
 TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/tracking.py)
 {% endif %}
 
@@ -46,9 +46,7 @@ def number(low: float, high: float | None = None, above: bool = False, null: str
     return check
 
 
-def integer(low: int, high: int | None = None, null: str | None = None) -> Callable:
-    """A whole `number`."""
-    return number(low, high, null=null, whole=True)
+integer = partial(number, whole=True)
 
 
 def flag(v):
@@ -92,25 +90,17 @@ def key(check: Callable | None = None) -> Any:
     return field(default=MISSING, metadata={"check": check})
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def choices(name: str, *values: str) -> type[Enum]:
+    """A string Enum of `values`, each its own name: Hydra refuses any other value as it composes."""
+    return Enum(name, {value: value for value in values}, module=__name__, type=str)
 
 
-class RngMode(str, Enum):
-    per_sample = "per_sample"
-    per_worker = "per_worker"
-
-
-class OnBudget(str, Enum):
-    adjust = "adjust"  # lower prefetch_factor, then num_workers, until the prefetch plan fits
-    error = "error"  # refuse to start instead
-
-
-class BestMode(str, Enum):
-    max = "max"  # higher is better (accuracy)
-    min = "min"  # lower is better (a loss)
+Device = choices("Device", "auto", "cpu", "cuda")
+RngMode = choices("RngMode", "per_sample", "per_worker")
+OnBudget = choices("OnBudget", "adjust", "error")  # lower prefetch_factor, then num_workers, until it fits | refuse
+BestMode = choices("BestMode", "max", "min")  # higher is better (accuracy) | lower is better (a loss)
+WaitPolicy = choices("WaitPolicy", "passive", "active")  # OpenMP threads sleep while they wait | spin
+Strategy = choices("Strategy", "ddp"{% if cookiecutter.with_fsdp == "yes" %}, "fsdp"{% endif %})
 
 
 @dataclass
@@ -174,22 +164,12 @@ class LoggerConfig:
 
 
 {% endif %}
-class WaitPolicy(str, Enum):
-    passive = "passive"  # OpenMP threads sleep while they wait (frees the cores for loader workers)
-    active = "active"  # they spin: faster without workers
-
-
 @dataclass
 class ProcessConfig:
     omp_wait_policy: WaitPolicy | None = key()
     keep_freed_memory: bool = key()
     threads: int | None = key(integer(1, null="torch's default"))
-
-
-class Strategy(str, Enum):
-    ddp = "ddp"  # a whole copy of the model per rank, gradients all-reduced
 {% if cookiecutter.with_fsdp == "yes" %}
-    fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the ranks (engine/fsdp.py)
 
 
 def class_paths(v):
@@ -206,7 +186,7 @@ def callback_nodes(v):
 
 @dataclass
 class ParallelConfig:
-    strategy: Strategy = key()
+    strategy: Strategy = key()  # ddp: a whole model per rank, gradients all-reduced{% if cookiecutter.with_fsdp == "yes" %}; fsdp: sharded (engine/fsdp.py){% endif +%}
 {% if cookiecutter.with_fsdp == "yes" %}
     shard_modules: Any = key(class_paths)  # fsdp: the classes whose instances each become an FSDP unit
     reshard_after_forward: bool = key()  # fsdp: free the gathered weights after each unit's forward
@@ -215,7 +195,7 @@ class ParallelConfig:
 
 @dataclass
 class Config:
-    seed: int = key(integer(0, SEED_MAX))
+    seed: int = key(integer(0, 2**32 - 1))  # numpy's np.random.seed range; torch and python take at least that
     epochs: int = key(integer(1))
     max_steps: int | None = key(integer(1, null="run all epochs"))
     resume: str | None = key(text(null="start fresh"))
@@ -250,8 +230,7 @@ class Config:
     schedule: Any = MISSING
 
 
-# Keys of the open groups that the shipped targets give a meaning: checked when present and the group's target is
-# one of the shipped ones (this package's, torch's optimizers), since a target of yours may mean something else.
+# Keys of the open groups that the shipped targets give a meaning: checked when the group's target is one of them.
 OPEN_KEYS = {
     "data.num_classes": integer(2),
     "data.image_size": integer(1),
