@@ -13,9 +13,10 @@ import math
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
+from torchvision.utils import make_grid
 
 from .engine import rng
-from .engine.device import to_device
+from .engine.device import has_part, to_device
 from .engine.dry_step import first_samples, kept_rng
 from .engine.errors import UserError
 from .engine.schema import flatten
@@ -88,7 +89,7 @@ class SampleGrid:
         images = undo_normalize(images.float(), run.cfg.data.get("normalize"))
         if mask is not None:
             images = overlay(images, mask)
-        run.runlog.image("samples/train", grid(images, self.columns), run.step)
+        run.runlog.image("samples/train", make_grid(images.cpu(), nrow=self.columns), run.step)  # rows 2 px apart
 
 
 class HParams:
@@ -117,8 +118,7 @@ def picture_parts(batch, key) -> tuple[torch.Tensor | None, torch.Tensor | None]
     if not isinstance(batch, (dict, list, tuple)):
         batch = [batch]
     items = list(batch.values()) if isinstance(batch, dict) else list(batch)
-    has = key in batch if isinstance(batch, dict) else isinstance(key, int) and key < len(batch)
-    images = batch[key] if has else items[0]
+    images = batch[key] if has_part(batch, key) else items[0]
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None, None
     masks = [t for t in items if torch.is_tensor(t) and t.dim() == 3 and not t.is_floating_point()
@@ -149,16 +149,3 @@ def overlay(images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     colours = PALETTE.to(images.device)[(mask % len(PALETTE)).long()].permute(0, 3, 1, 2)
     shown = ((mask > 0) & (mask != 255)).unsqueeze(1)
     return torch.where(shown, 0.5 * images + 0.5 * colours, images)
-
-
-def grid(images: torch.Tensor, columns: int, pad: int = 2) -> torch.Tensor:
-    """(3, H', W') on the CPU: the images in rows of `columns`, `pad` pixels apart."""
-    images = images.expand(-1, 3, -1, -1).cpu()
-    n, _, h, w = images.shape
-    columns = min(columns, n)
-    rows = -(-n // columns)
-    out = torch.zeros(3, rows * (h + pad) + pad, columns * (w + pad) + pad)
-    for i, image in enumerate(images):
-        top, left = pad + (i // columns) * (h + pad), pad + (i % columns) * (w + pad)
-        out[:, top : top + h, left : left + w] = image
-    return out

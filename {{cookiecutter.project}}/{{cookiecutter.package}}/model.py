@@ -20,10 +20,15 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 
 class GlobalAvgPool(nn.Module):
-    """(N, C, H, W) -> (N, C): the mean over H and W; its backward is deterministic on every device."""
+    """(N, C, H, W) -> (N, C), or (N, C, 1, 1) with `keepdim`: the mean over H and W; its backward is deterministic on
+    every device."""
+
+    def __init__(self, keepdim: bool = False):
+        super().__init__()
+        self.keepdim = keepdim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=(2, 3))
+        return x.mean(dim=(2, 3), keepdim=self.keepdim)
 
 
 def conv_block(c_in: int, c_out: int) -> nn.Sequential:
@@ -56,7 +61,7 @@ def resnet18(num_classes: int) -> nn.Module:
     from torchvision.models import resnet18 as tv_resnet18
 
     model = tv_resnet18(weights=None, num_classes=num_classes)
-    model.avgpool = KeepDims(GlobalAvgPool())  # torchvision flattens after avgpool: keep (N, C, 1, 1) for it
+    model.avgpool = GlobalAvgPool(keepdim=True)  # torchvision flattens after avgpool
     return model
 
 
@@ -100,17 +105,6 @@ def vit(
         image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
         hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
     )  # fmt: skip
-
-
-class KeepDims(nn.Module):
-    """`inner`'s (N, C) output as (N, C, 1, 1), where the surrounding code expects a pooled map."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)[:, :, None, None]
 
 
 class UNet(nn.Module):

@@ -49,9 +49,8 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
         for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
 {% endif %}
-    read = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
-    if not hasattr(task, "compute"):  # every sum is one number: the floats as they came, no tensor to read again
-        return report(task, dict(zip(sums, read, strict=True)), target)
-    # each total back in its shape, on the CPU (built, not read)
-    pieces = torch.tensor(read, dtype=torch.float64).split([total.numel() for total in sums.values()])
-    return report(task, {k: piece.reshape(sums[k].shape) for k, piece in zip(sums, pieces)}, target)
+    totals = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
+    if hasattr(task, "compute"):  # each total back in its shape, on the CPU (built, not read); else the floats
+        pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
+        totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
+    return report(task, dict(zip(sums, totals, strict=True)), target)

@@ -286,10 +286,7 @@ def build(
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
-        peak.plan = fsdp.planned_mib(model, optimizer, ema is not None)
-        callbacks.named.setdefault("fsdp_peak_memory", peak)  # at the first log line and at the end
-        if world.is_main:
-            log.info(fsdp.memory_line(model, optimizer, world.world_size, ema is not None))
+        callbacks.add("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # the plan, then the peaks
     elif ckpt and checkpoint.is_sharded(ckpt):
         raise UserError(
             f"resume: {found} is a sharded checkpoint (parallel=fsdp): resume it with parallel=fsdp, or write it "
