@@ -91,8 +91,7 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
 
 
 def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
-    """The model `make` builds, sharded without ever being whole: built on the meta device, sharded, each rank's
-    slices allocated on `device`, then initialised unit by unit (`initialize`)."""
+    """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
     if device.type == "cpu":
         return_freed_memory()
     model = on_meta(make, channels_last)
@@ -113,19 +112,9 @@ def return_freed_memory() -> bool:
     return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
-def inside(name: str, unit: str) -> bool:
-    """Whether module `name` is unit `unit` or inside it ("": the root, which holds every module)."""
-    return not unit or name == unit or name.startswith(unit + ".")
-
-
 def tensors(module: torch.nn.Module, recurse: bool = False):
     """The module's (name, tensor) pairs, parameters then buffers: its own alone unless `recurse`."""
     return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
-
-
-def unit_seed(seed: int, path: str) -> int:
-    """A generator seed for one unit from the run's seed and the unit's name: the same on every rank and world size."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little")
 
 
 def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) -> None:
@@ -138,8 +127,8 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
     init_weights = getattr(blueprint, "init_weights", None)
     paths = unit_paths(blueprint, parallel_cfg)
     units: dict[str, list] = {path: [] for path in paths}
-    for name, module in blueprint.named_modules():  # parents before children
-        units[next(path for path in paths if inside(name, path))].append((name, module))
+    for name, module in blueprint.named_modules():  # parents before children, each in the first unit holding it
+        units[next(p for p in paths if not p or name == p or name.startswith(p + "."))].append((name, module))
     for path, modules in units.items():
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for _, module in modules:
@@ -147,7 +136,8 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
                 for _, t in tensors(module):
                     if (mark := not_set(t)) is not None:
                         t.fill_(mark)  # a value no initialiser leaves: what is still so after them was not set
-            torch.manual_seed(unit_seed(seed, path))
+            # from the run's seed and the unit's name: the same on every rank and world size
+            torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little"))
             for _, module in reversed(modules):
                 if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
