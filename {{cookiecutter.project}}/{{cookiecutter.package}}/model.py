@@ -11,6 +11,7 @@ from __future__ import annotations
 
 {% endif %}
 import torch
+import torchvision
 from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
 from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
@@ -40,16 +41,10 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int, width: int = 32, in_channels: int = 3):
         super().__init__()
-        self.features = nn.Sequential(
-            conv_block(in_channels, width),
-            nn.MaxPool2d(2),
-            conv_block(width, 2 * width),
-            nn.MaxPool2d(2),
-            conv_block(2 * width, 4 * width),
-            nn.MaxPool2d(2),
-            conv_block(4 * width, 4 * width),
-            GlobalAvgPool(),
-        )
+        widths, layers = [width, 2 * width, 4 * width, 4 * width], []
+        for c_in, c_out in zip([in_channels, *widths], widths):
+            layers += [conv_block(c_in, c_out), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*layers[:-1], GlobalAvgPool())  # the last block pooled globally, not halved
         self.head = nn.Linear(4 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +53,7 @@ class SmallCNN(nn.Module):
 
 def resnet18(num_classes: int) -> nn.Module:
     """torchvision's ResNet-18, randomly initialised (no weights are downloaded), its pooling a plain mean."""
-    from torchvision.models import resnet18 as tv_resnet18
-
-    model = tv_resnet18(weights=None, num_classes=num_classes)
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     model.avgpool = GlobalAvgPool(keepdim=True)  # torchvision flattens after avgpool
     return model
 

@@ -1,8 +1,6 @@
 """What moves between the host and the device, and when: batches in, a few numbers out.
 
-- `device_batches` copies each batch to the device. On CUDA with pinned memory, the copy runs on a side
-  stream, so it overlaps the previous step's kernels, which are still running because the loop never
-  waits for the device between steps. On the CPU it hands the batches through unchanged.
+- `device_batches` copies each batch to the device; on CUDA on a side stream, overlapping the previous step's kernels.
 - `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
   workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
 {% if cookiecutter.with_photos == "yes" %}
@@ -11,9 +9,8 @@
 {% else %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
 {% endif %}
-- `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
-  to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
-  calls it once per `log_every_steps` steps, once per validation and once per epoch.
+- `sum_and_read` is the loop's only way back, one read of a few sums: on a GPU every read waits for the device to
+  finish its queued work, so the loop calls it once per `log_every_steps` steps, per validation and per epoch.
 """
 
 from __future__ import annotations

@@ -75,9 +75,8 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None) -> torch.nn.Module:
-    """`model` (on the meta device: `build`) sharded in place: each unit, then the root. Each rank keeps its own slice
-    of every parameter."""
-    mixed, reshard = policy(amp), bool(parallel_cfg.get("reshard_after_forward", True))
+    """`model` (on the meta device) sharded in place, each unit then the root: each rank keeps its slice of each."""
+    mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
     for path in unit_paths(model, parallel_cfg):
         fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
     return model
@@ -118,12 +117,10 @@ def tensors(module: torch.nn.Module, recurse: bool = False):
 
 
 def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) -> None:
-    """Each unit's own tensors (`unit_paths`; a module belongs to the innermost unit it is in) made whole on the CPU,
-    one unit at a time, and initialised as a constructor would: each module's `reset_parameters()`, children before
-    their parent, then the model's own `init_weights()` when it has one (timm's and torchtitan's models do), called on
-    the whole model: the other units' tensors are on the meta device there, where its draws touch nothing. `put(name,
-    whole)` takes each initialised tensor (None: only check, as the dry step does on the meta-device model). A tensor
-    nothing set is refused in one line: under the meta device the constructor's own initialisation never ran."""
+    """The units' tensors initialised one unit at a time (this module's docstring), as a constructor would: each
+    module's `reset_parameters()`, children first, then the model's own `init_weights()` when it has one (timm's and
+    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. `put(name, whole)` takes
+    each tensor (None: only check, as the dry step does); a tensor nothing set is refused in one line."""
     init_weights = getattr(blueprint, "init_weights", None)
     paths = unit_paths(blueprint, parallel_cfg)
     units: dict[str, list] = {path: [] for path in paths}
@@ -241,17 +238,14 @@ def peak_rss_mib() -> float:
 
 
 class PeakMemory:
-    """What each rank holds of the model, planned (`plan`) and measured: in the run's log, how much the process's peak
-    resident memory grew from before the model was built, and on CUDA the peak of the tensors on the device, at the
-    run's first log line and at its end. Added to the run's callbacks under parallel=fsdp; every rank measures its
-    own."""
+    """What each rank holds of the model in the run's log, planned (`plan`) and measured at the first log line and at
+    the end: the growth of the peak resident memory since before the model was built, on CUDA the device's peak."""
 
     def __init__(self, world):
         self.world, self.before, self.planned, self.told = world, peak_rss_mib(), 0.0, False
 
     def plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
-        """Itself, once the run's log has what each rank holds of the model: its parameters, their gradients (as
-        large), the optimizer's state and the EMA's copy when on; the measured peaks are later set against it."""
+        """Itself, once the log has the plan: parameters, gradients, optimizer state and the EMA's copy when on."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
         params = sum(p.numel() * p.element_size() for p in local) / MIB
         whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
@@ -276,8 +270,7 @@ class PeakMemory:
         self.tell(run, "over the run")
 
     def tell(self, run, when: str) -> None:
-        device = run.device
-        on_device = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
+        on_device = torch.cuda.max_memory_allocated(run.device) / MIB if run.device.type == "cuda" else None
         every = distributed.gather_all((peak_rss_mib(), self.before, on_device), self.world)
         if not self.world.is_main:
             return

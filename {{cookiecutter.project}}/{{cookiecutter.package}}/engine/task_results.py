@@ -92,12 +92,9 @@ def report(task, totals: dict, target: str) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(task, model, loader, device: torch.device, world=None, prepare=None) -> dict[str, float]:
-    """The figures of `task.metrics` over every batch of `loader` (see `report`), `count` included as the total.
-
-    Each rank takes its share of the split (see `eval_loader`); the sums, of any shape, are added over ranks in one
-    all-reduce of their flattened elements and read to the host once. `prepare` is the data's device-side transform
-    (train.py builds it from `data.normalize`); pass the same one the model was trained with.
-    """
+    """The figures of `task.metrics` over every batch of `loader` (`report`), `count` included as the total: each
+    rank's share of the split (`eval_loader`), the sums added over ranks in one all-reduce and read once. `prepare`:
+    the data's device-side transform (`data.normalize`), the one the model was trained with."""
     model.eval()
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
