@@ -228,8 +228,7 @@ for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3)
                           ("vit", lambda: vit(10, 16, num_layers=2, num_heads=2, hidden_dim=12, mlp_dim=20), None)]:
     cfg = OmegaConf.create({"shard_modules": units})
     if sys.argv[2] == "naive":
-        model = fsdp.shard(fsdp.on_meta(make), cfg, None)
-        model.to_empty(device="cpu")
+        model = fsdp.shard(fsdp.on_meta(make), cfg, None, torch.device("cpu"))
         torch.manual_seed(5)
         for module in model.modules():
             if hasattr(module, "reset_parameters"):

@@ -16,7 +16,7 @@ from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
 from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
 {% else %}
-from torchvision.models.vision_transformer import VisionTransformer
+from torchvision.models.vision_transformer import VisionTransformer as ViT
 {% endif %}
 
 
@@ -66,10 +66,8 @@ class ViT(VisionTransformer):
     shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
 
     def init_weights(self) -> None:
-        """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters() (the
-        patch projection, class token, position embedding, attention's input projection, the MLPs and the head), the
-        same distributions: for parallel=fsdp, which builds the model on the meta device and initialises it unit by
-        unit (engine/fsdp.py)."""
+        """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters(), the
+        same distributions: for parallel=fsdp, which builds the model on the meta device (engine/fsdp.py)."""
         conv = self.conv_proj
         nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
         nn.init.zeros_(conv.bias)
@@ -94,10 +92,7 @@ def vit(
     hidden_dim: int = 64, mlp_dim: int = 128,
 ) -> nn.Module:  # fmt: skip
     """torchvision's VisionTransformer, randomly initialised, sized by the arguments."""
-    return {% if cookiecutter.with_fsdp == "yes" %}ViT{% else %}VisionTransformer{% endif %}(
-        image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
-        hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
-    )  # fmt: skip
+    return ViT(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim, num_classes=num_classes)
 
 
 class UNet(nn.Module):
@@ -111,9 +106,8 @@ class UNet(nn.Module):
     def __init__(self, num_classes: int, width: int = 16, levels: int = 4, in_channels: int = 3):
         super().__init__()
         widths = [width * 2**i for i in range(levels)]
-        self.down = nn.ModuleList()
-        for c_in, c_out in zip([in_channels, *widths], widths):
-            self.down.append(nn.Sequential(conv_block(c_in, c_out), conv_block(c_out, c_out)))
+        pairs = zip([in_channels, *widths], widths)
+        self.down = nn.ModuleList(nn.Sequential(conv_block(a, b), conv_block(b, b)) for a, b in pairs)
         self.pool = nn.MaxPool2d(2)
         self.up = nn.ModuleList(nn.ConvTranspose2d(c, c // 2, 2, stride=2) for c in reversed(widths[1:]))
         self.merge = nn.ModuleList(

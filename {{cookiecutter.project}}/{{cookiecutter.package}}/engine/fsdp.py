@@ -15,7 +15,6 @@ most one unit is ever whole in memory, on the CPU, never on a device.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import itertools
 import logging
@@ -42,15 +41,13 @@ MIB = 2**20
 def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
     """The qualified names of the modules that become FSDP units, innermost first (fully_shard wants a child before
     its parent), the root ("") last: every instance of the classes `parallel.shard_modules` names by import path, or
-    when it is null of the model's own `shard_modules` attribute (model=vit: its encoder blocks), else none. A name
-    that is no module class, or that names nothing in the model, is refused in one line."""
+    when it is null of the model's own `shard_modules` attribute (model=vit: its encoder blocks), else none."""
     names = parallel_cfg.get("shard_modules")
     classes = []
     for name in getattr(model, "shard_modules", []) if names is None else names:
-        try:
+        found = None
+        with contextlib.suppress(Exception):
             found = get_class(name)
-        except Exception:
-            found = None
         if not isinstance(found, type) or not issubclass(found, torch.nn.Module):
             raise UserError(
                 f"parallel.shard_modules: {name!r} is not an importable torch.nn.Module class: give its import path, "
@@ -74,12 +71,13 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None) -> torch.nn.Module:
-    """`model` (on the meta device) sharded in place, each unit then the root: each rank keeps its slice of each."""
+def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
+    """`model` (on the meta device) sharded in place, each unit then the root, and each rank's slices allocated on
+    `device`, not initialised."""
     mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
     for path in unit_paths(model, parallel_cfg):
         fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
-    return model
+    return model.to_empty(device=device)
 
 
 def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) -> torch.nn.Module:
@@ -93,10 +91,8 @@ def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channe
     """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
     if device.type == "cpu":
         return_freed_memory()
-    model = on_meta(make, channels_last)
-    blueprint = copy.deepcopy(model)  # on the meta device: free; where each unit is made whole in turn
-    shard(model, parallel_cfg, amp)
-    model.to_empty(device=device)
+    model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
+    blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
     initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
     return model
 
@@ -105,9 +101,8 @@ def return_freed_memory() -> bool:
     """On the CPU under glibc: every large block a mapping of its own, returned to the system when freed (both malloc
     thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
     heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
-    A sharded run frees a gathered unit and its whole gradient at every step: kept, the heap held about twice the
-    run's model state per rank (docs/distributed.md). False where that is not so (another C library, or
-    MALLOC_*_ settings of yours)."""
+    A sharded run frees a gathered unit and its whole gradient at every step, which the heap would keep
+    (docs/distributed.md). False where that is not so (another C library, or MALLOC_*_ settings of yours)."""
     return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
@@ -184,8 +179,7 @@ def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
 def twin(make, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device, channels_last: bool = False):
     """A second model sharded like `model` from the start, holding a copy of each rank's slices: the EMA's (FSDP
     modules refuse deepcopy). Built on the meta device, so it draws nothing from the run's generators."""
-    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp)
-    copy_.to_empty(device=device)
+    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
     with torch.no_grad():
         for (_, mine), (_, theirs) in zip(tensors(copy_, recurse=True), tensors(model, recurse=True), strict=True):
             mine.copy_(theirs)
