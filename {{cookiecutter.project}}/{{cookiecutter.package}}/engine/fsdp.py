@@ -158,8 +158,7 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
 
 
 def not_set(t: torch.Tensor) -> float | int | None:
-    """The mark of a tensor no initialiser has set yet: NaN for floats, the least integer for integers (None: a bool
-    or complex tensor, not checked)."""
+    """The mark of a tensor no initialiser has set: NaN for floats, the least integer for integers, else None."""
     if t.is_floating_point():
         return float("nan")
     return torch.iinfo(t.dtype).min if t.dtype != torch.bool and not t.is_complex() else None
