@@ -34,9 +34,9 @@ with process.long_lived_imports():
     from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, resume, schema
     from {{ cookiecutter.package }}.engine.device import pick_device
     from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-    from {{ cookiecutter.package }}.engine.evaluate import evaluate
     from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
     from {{ cookiecutter.package }}.engine.preempt import StopRequest
+    from {{ cookiecutter.package }}.engine.task_results import evaluate
 
 log = logging.getLogger("eval")
 

@@ -26,13 +26,12 @@ with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"), p
 
     from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
     from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-    from {{ cookiecutter.package }}.engine.evaluate import evaluate
     from {{ cookiecutter.package }}.engine.failures import worker_death
     from {{ cookiecutter.package }}.engine.optim import clip_gradients
     from {{ cookiecutter.package }}.engine.preempt import StopRequest
     from {{ cookiecutter.package }}.engine.run import Run, build
     from {{ cookiecutter.package }}.engine.runlog import EpochMeter
-    from {{ cookiecutter.package }}.engine.task_results import split_loss
+    from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
 
 log = logging.getLogger("train")
 

@@ -1,4 +1,4 @@
-"""Dataset-level metrics (evaluate.py, task_results.py): a task's `metrics` returns per-class sums, `compute`
+"""Dataset-level metrics (task_results.py): a task's `metrics` returns per-class sums, `compute`
 turns the split's totals into the figures; the reported figure is the one recomputed over the whole split."""
 
 import json

@@ -228,8 +228,7 @@ for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3)
                           ("vit", lambda: vit(10, 16, num_layers=2, num_heads=2, hidden_dim=12, mlp_dim=20), None)]:
     cfg = OmegaConf.create({"shard_modules": units})
     if sys.argv[2] == "naive":
-        model = fsdp.shard(fsdp.on_meta(make), cfg, None)
-        model.to_empty(device="cpu")
+        model = fsdp.shard(fsdp.on_meta(make), cfg, None, torch.device("cpu"))
         torch.manual_seed(5)
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
@@ -290,18 +289,18 @@ class ScaledWithOtherInit(Scaled):
 
 
 def test_a_tensor_no_initialiser_sets_is_refused_and_init_weights_sets_it(tmp_path):
-    """The dry step's check (fsdp.check_init) on meta-device models: refused in one line naming the tensor; the same
+    """The dry step's check (fsdp.initialize) on meta-device models: refused in one line naming the tensor; the same
     model with an init_weights(), and a model of Linear and LayerNorm blocks, pass; an init_weights() that fails is
     refused in one line naming it. Built (one process), init_weights() has the last word."""
     root_only = OmegaConf.create({"shard_modules": []})
     with pytest.raises(UserError, match=r"^parallel=fsdp: scale \(Scaled\) is not set by any initialiser"):
-        fsdp.check_init(fsdp.on_meta(Scaled), root_only, seed=0)
+        fsdp.initialize(fsdp.on_meta(Scaled), root_only, seed=0)
     with pytest.raises(UserError, match=r"^parallel=fsdp: ScaledWithOtherInit.init_weights\(\) fails .*TypeError"):
-        fsdp.check_init(fsdp.on_meta(ScaledWithOtherInit), root_only, seed=0)
-    fsdp.check_init(fsdp.on_meta(ScaledWithInit), root_only, seed=0)
+        fsdp.initialize(fsdp.on_meta(ScaledWithOtherInit), root_only, seed=0)
+    fsdp.initialize(fsdp.on_meta(ScaledWithInit), root_only, seed=0)
     blocks = OmegaConf.create({"shard_modules": ["tests.blocks.ResidualBlock"]})
     model = fsdp.on_meta(lambda: BlockNet(10, 8))
-    fsdp.check_init(model, blocks, seed=0)
+    fsdp.initialize(model, blocks, seed=0)
     assert all(t.is_meta for t in model.state_dict().values())  # checked one unit at a time, let go again
 
     init = tmp_path / "init.pg"

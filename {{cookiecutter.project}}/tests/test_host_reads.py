@@ -19,7 +19,7 @@ STEPS, EPOCHS = 64, 2
 LOOP = (
     "train.py",
     "{{ cookiecutter.package }}/engine/run.py",
-    "{{ cookiecutter.package }}/engine/evaluate.py",
+    "{{ cookiecutter.package }}/engine/task_results.py",
     "{{ cookiecutter.package }}/engine/device.py",
     "{{ cookiecutter.package }}/engine/runlog.py",
     "{{ cookiecutter.package }}/engine/distributed.py",

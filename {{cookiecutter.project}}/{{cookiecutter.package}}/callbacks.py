@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from .engine import rng
-from .engine.device import to_device
+from .engine.device import has_part, tensors, to_device
 from .engine.dry_step import first_samples, kept_rng
 from .engine.errors import UserError
 from .engine.schema import flatten
@@ -41,10 +41,7 @@ class EarlyStopping:
         value = record[self.monitor]
         margin = value - self.best if self.best is not None else math.inf
         better = (margin if self.mode == "max" else -margin) > self.min_delta and not math.isnan(value)
-        if better:
-            self.best, self.waited = value, 0
-            return None
-        self.waited += 1
+        self.best, self.waited = (value, 0) if better else (self.best, self.waited + 1)
         if self.waited < self.patience:
             return None
         return f"{self.monitor} has not improved on {self.best} for {self.patience} validations"
@@ -85,7 +82,7 @@ class SampleGrid:
         images, mask = picture_parts(batch, run.cfg.data.get("input", 0))
         if images is None:
             return  # no (N, C, H, W) images in the batch: nothing to show
-        images = undo_normalize(images.float(), run.cfg.data.get("normalize"))
+        images = undo_normalize(images.float(), run.prepare.normalize)
         if mask is not None:
             images = overlay(images, mask)
         run.runlog.image("samples/train", grid(images, self.columns), run.step)
@@ -114,25 +111,21 @@ class HParams:
 
 def picture_parts(batch, key) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the images (N, C, H, W) with 1 or 3 channels, an integer mask (N, H, W) beside them or None)."""
-    if not isinstance(batch, (dict, list, tuple)):
-        batch = [batch]
-    items = list(batch.values()) if isinstance(batch, dict) else list(batch)
-    has = key in batch if isinstance(batch, dict) else isinstance(key, int) and key < len(batch)
-    images = batch[key] if has else items[0]
+    found = tensors(batch)  # however nested
+    images = batch[key] if has_part(batch, key) else found[0] if found else None
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None, None
-    masks = [t for t in items if torch.is_tensor(t) and t.dim() == 3 and not t.is_floating_point()
-             and t.shape == images.shape[:1] + images.shape[2:]]  # fmt: skip
+    side = images.shape[:1] + images.shape[2:]  # (N, H, W)
+    masks = [t for t in found if t.dim() == 3 and not t.is_floating_point() and t.shape == side]
     return images, masks[0] if masks else None
 
 
 def undo_normalize(images: torch.Tensor, normalize) -> torch.Tensor:
-    """Images in [0, 1] as people see them: data.normalize's mean and std undone, else each image stretched."""
-    mean, std = (normalize.get("mean"), normalize.get("std")) if normalize is not None else (None, None)
-    if mean is not None and std is not None:
-        shape = (1, -1, 1, 1)
-        images = images * torch.tensor(list(std), device=images.device).view(shape)
-        images = images + torch.tensor(list(mean), device=images.device).view(shape)
+    """Images in [0, 1] as people see them: the run's built data.normalize undone where it holds per-channel `mean`
+    and `std` tensors (device.Normalize does), else each image stretched."""
+    mean, std = getattr(normalize, "mean", None), getattr(normalize, "std", None)
+    if isinstance(mean, torch.Tensor) and isinstance(std, torch.Tensor):
+        images = images * std + mean
     else:
         low = images.amin(dim=(1, 2, 3), keepdim=True)
         images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp_min(1e-8)
@@ -152,7 +145,7 @@ def overlay(images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grid(images: torch.Tensor, columns: int, pad: int = 2) -> torch.Tensor:
-    """(3, H', W') on the CPU: the images in rows of `columns`, `pad` pixels apart."""
+    """(3, H', W') on the CPU: the images in rows of `columns`, `pad` pixels apart (no torchvision: see test_task)."""
     images = images.expand(-1, 3, -1, -1).cpu()
     n, _, h, w = images.shape
     columns = min(columns, n)

@@ -11,19 +11,25 @@ from __future__ import annotations
 
 {% endif %}
 import torch
+import torchvision
 from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
 from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
 {% else %}
-from torchvision.models.vision_transformer import VisionTransformer
+from torchvision.models.vision_transformer import VisionTransformer as ViT
 {% endif %}
 
 
 class GlobalAvgPool(nn.Module):
-    """(N, C, H, W) -> (N, C): the mean over H and W; its backward is deterministic on every device."""
+    """(N, C, H, W) -> (N, C), or (N, C, 1, 1) with `keepdim`: the mean over H and W; its backward is deterministic on
+    every device."""
+
+    def __init__(self, keepdim: bool = False):
+        super().__init__()
+        self.keepdim = keepdim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=(2, 3))
+        return x.mean(dim=(2, 3), keepdim=self.keepdim)
 
 
 def conv_block(c_in: int, c_out: int) -> nn.Sequential:
@@ -35,16 +41,10 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int, width: int = 32, in_channels: int = 3):
         super().__init__()
-        self.features = nn.Sequential(
-            conv_block(in_channels, width),
-            nn.MaxPool2d(2),
-            conv_block(width, 2 * width),
-            nn.MaxPool2d(2),
-            conv_block(2 * width, 4 * width),
-            nn.MaxPool2d(2),
-            conv_block(4 * width, 4 * width),
-            GlobalAvgPool(),
-        )
+        widths, layers = [width, 2 * width, 4 * width, 4 * width], []
+        for c_in, c_out in zip([in_channels, *widths], widths):
+            layers += [conv_block(c_in, c_out), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*layers[:-1], GlobalAvgPool())  # the last block pooled globally, not halved
         self.head = nn.Linear(4 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +53,8 @@ class SmallCNN(nn.Module):
 
 def resnet18(num_classes: int) -> nn.Module:
     """torchvision's ResNet-18, randomly initialised (no weights are downloaded), its pooling a plain mean."""
-    from torchvision.models import resnet18 as tv_resnet18
-
-    model = tv_resnet18(weights=None, num_classes=num_classes)
-    model.avgpool = KeepDims(GlobalAvgPool())  # torchvision flattens after avgpool: keep (N, C, 1, 1) for it
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    model.avgpool = GlobalAvgPool(keepdim=True)  # torchvision flattens after avgpool
     return model
 
 
@@ -68,10 +66,8 @@ class ViT(VisionTransformer):
     shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
 
     def init_weights(self) -> None:
-        """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters() (the
-        patch projection, class token, position embedding, attention's input projection, the MLPs and the head), the
-        same distributions: for parallel=fsdp, which builds the model on the meta device and initialises it unit by
-        unit (engine/fsdp.py)."""
+        """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters(), the
+        same distributions: for parallel=fsdp, which builds the model on the meta device (engine/fsdp.py)."""
         conv = self.conv_proj
         nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
         nn.init.zeros_(conv.bias)
@@ -96,21 +92,7 @@ def vit(
     hidden_dim: int = 64, mlp_dim: int = 128,
 ) -> nn.Module:  # fmt: skip
     """torchvision's VisionTransformer, randomly initialised, sized by the arguments."""
-    return {% if cookiecutter.with_fsdp == "yes" %}ViT{% else %}VisionTransformer{% endif %}(
-        image_size=image_size, patch_size=patch_size, num_layers=num_layers, num_heads=num_heads,
-        hidden_dim=hidden_dim, mlp_dim=mlp_dim, num_classes=num_classes,
-    )  # fmt: skip
-
-
-class KeepDims(nn.Module):
-    """`inner`'s (N, C) output as (N, C, 1, 1), where the surrounding code expects a pooled map."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)[:, :, None, None]
+    return ViT(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim, num_classes=num_classes)
 
 
 class UNet(nn.Module):
@@ -124,9 +106,8 @@ class UNet(nn.Module):
     def __init__(self, num_classes: int, width: int = 16, levels: int = 4, in_channels: int = 3):
         super().__init__()
         widths = [width * 2**i for i in range(levels)]
-        self.down = nn.ModuleList()
-        for c_in, c_out in zip([in_channels, *widths], widths):
-            self.down.append(nn.Sequential(conv_block(c_in, c_out), conv_block(c_out, c_out)))
+        pairs = zip([in_channels, *widths], widths)
+        self.down = nn.ModuleList(nn.Sequential(conv_block(a, b), conv_block(b, b)) for a, b in pairs)
         self.pool = nn.MaxPool2d(2)
         self.up = nn.ModuleList(nn.ConvTranspose2d(c, c // 2, 2, stride=2) for c in reversed(widths[1:]))
         self.merge = nn.ModuleList(

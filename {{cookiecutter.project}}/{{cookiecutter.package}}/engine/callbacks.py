@@ -35,6 +35,10 @@ class Callbacks:
         self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items() if node is not None}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
 
+    def add(self, name: str, callback) -> None:
+        """`callback` under `name` after the configured ones, unless the config has a callback of that name."""
+        self.named.setdefault(name, callback)
+
     def call(self, hook: str, run, *args) -> dict:
         """`hook` of each callback that has it, in order: {name: what it returned}."""
         methods = {name: getattr(callback, hook, None) for name, callback in self.named.items()}
@@ -56,10 +60,8 @@ class Callbacks:
         mine = {name for name, obj in self.named.items() if stateful(obj)}
         gone, new = sorted(saved.keys() - mine), sorted(mine - saved.keys())
         if gone or new:
-            what = "; ".join(
-                part for part in (f"saved but not configured: {', '.join(gone)}" if gone else "",
-                                  f"configured but not saved: {', '.join(new)}" if new else "") if part
-            )  # fmt: skip
+            pairs = (("saved but not configured", gone), ("configured but not saved", new))
+            what = "; ".join(f"{label}: {', '.join(names)}" for label, names in pairs if names)
             if strict:
                 raise UserError(
                     f"resume: the checkpoint's callbacks with state differ from this run's ({what}): resume with the "

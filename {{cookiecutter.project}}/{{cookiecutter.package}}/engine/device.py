@@ -1,19 +1,16 @@
 """What moves between the host and the device, and when: batches in, a few numbers out.
 
-- `device_batches` copies each batch to the device. On CUDA with pinned memory, the copy runs on a side
-  stream, so it overlaps the previous step's kernels, which are still running because the loop never
-  waits for the device between steps. On the CPU it hands the batches through unchanged.
-- `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the
-  workers, shared memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
+- `device_batches` copies each batch to the device; on CUDA on a side stream, overlapping the previous step's kernels.
+- `Normalize` turns the uint8 images the workers ship into normalized floats, on the device: the workers, shared
+  memory, pinned memory and the host-to-device copy then move 1 byte per pixel, not 4.
 {% if cookiecutter.with_photos == "yes" %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids. With
   data.decode=gpu the input arrives as JPEG files, which it first decodes there (decode.py's `EncodedBatch`).
 {% else %}
   `PrepareBatch` applies it to the model's input alone (`data.input`), never to masks or token ids.
 {% endif %}
-- `sum_and_read` is the loop's only way back: it sums a few values over ranks (one all-reduce) and reads them
-  to the host at once. On a GPU every read waits for the device to finish its queued work, so the loop
-  calls it once per `log_every_steps` steps, once per validation and once per epoch.
+- `sum_and_read` is the loop's only way back, one read of a few sums: on a GPU every read waits for the device to
+  finish its queued work, so the loop calls it once per `log_every_steps` steps, per validation and per epoch.
 """
 
 from __future__ import annotations
@@ -87,14 +84,13 @@ def to_device(batch, device: torch.device, non_blocking: bool = True):
 class device_batches:  # noqa: N801 (used like a function: `for batch in device_batches(loader, device)`)
     """Iterate `loader` with its batches on `device`.
 
-    Batch i+1 is taken from the loader only when the loop asks for it, after step i's work is queued:
-    which batch the loop consumes when, and so the loader state a checkpoint records, stay exactly what
-    they are without this class. On CUDA the copy of batch i+1 is issued on a side stream at that moment;
-    the GPU runs it while it still computes step i (the host is ahead of it), and the compute stream waits
-    for the copy only before step i+1's first kernel (`wait_stream`). The copies are allocated on the side
-    stream and used on the compute stream: `record_stream` keeps the allocator from handing that memory out
-    again before the compute stream is done with it. Only pinned host memory copies asynchronously, which
-    is why `loader.pin_memory` is on for CUDA by default.
+    Batch i+1 is taken from the loader only when the loop asks for it, after step i's work is queued: which batch
+    the loop consumes when, and so the loader state a checkpoint records, stay exactly what they are without this
+    class. On CUDA the copy of batch i+1 is issued on a side stream at that moment; the GPU runs it while it still
+    computes step i (the host is ahead of it), and the compute stream waits for the copy only before step i+1's
+    first kernel (`wait_stream`). The copies are allocated on the side stream and used on the compute stream:
+    `record_stream` keeps the allocator from handing that memory out again before the compute stream is done with
+    it. Only pinned host memory copies asynchronously, which is why `loader.pin_memory` is on for CUDA by default.
     """
 
     def __init__(self, loader: Iterable, device: torch.device, overlap: bool = True):
@@ -156,7 +152,6 @@ def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[flo
     """Sum `values` (device tensors and plain numbers) over ranks in one all-reduce, then read them: one host read.
     A tensor of several elements (a metric's per-class sums) gives its elements, flattened, in its place."""
     parts = [torch.as_tensor(v, dtype=torch.float64).detach().reshape(-1).to(device, non_blocking=True) for v in values]
-    # a rank told to stop while its peers are gone exits (preempt.py)
     return distributed.all_reduce(torch.cat(parts), world)
 
 
@@ -164,10 +159,8 @@ AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16
 
 
 def amp_dtype(value, device: torch.device):
-    """The autocast dtype for `amp` (off | bf16 | fp16; the older true/false mean fp16/off), or None for float32.
-
-    fp16 needs a GradScaler and is for CUDA only: on the CPU it is ignored (and said so by the caller).
-    """
+    """The autocast dtype for `amp` (the older true/false mean fp16/off), or None for float32: fp16 needs a GradScaler
+    and is for CUDA only, ignored on the CPU (the caller says so)."""
     dtype = AMP[str(value).lower()]  # the schema refused any other value
     return None if dtype is torch.float16 and device.type != "cuda" else dtype
 
@@ -176,14 +169,13 @@ class PrepareBatch:
     """The data's device-side transform (`data.normalize`) applied to the model's input alone.
 
     `data.input` names the input: a position in a tuple or list batch (`0` for `(image, label)`), or a key of a
-    dict batch (`image`); a batch that is one tensor is the input. There uint8 images become normalized floats and
-    float ones are only laid out for `channels_last`. Every other part of the batch (labels, masks, token ids,
+    dict batch (`image`); a batch that is one tensor is the input. Every other part of the batch (labels, masks,
 {% if cookiecutter.with_photos == "yes" %}
-    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask. An input
-    that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files, still
-    on the host (decode.EncodedBatch, known here by that method alone: this module imports no torchvision).
+    token ids, attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
+    An input that is not images yet says how to become them on `device` (`to_images`): data.decode=gpu's JPEG files,
+    still on the host (decode.EncodedBatch, known by that method alone: this module imports no torchvision).
 {% else %}
-    attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
+    token ids, attention masks) passes untouched, whatever its dtype or rank: a uint8 (N, 1, H, W) mask stays a mask.
 {% endif %}
 
     `needed_by`: the keys set that work on the input, named when `data.input` names no part of the batch. `stage(key)`
@@ -231,12 +223,10 @@ class PrepareBatch:
 
 
 def input_transform(data_cfg, device: torch.device, channels_last: bool = False) -> PrepareBatch:
-    """`data.normalize` (a Hydra `_target_`) built on `device`, for the input `data.input` names (0 when absent);
+    """`data.normalize` (a Hydra `_target_`; without one uint8 images are only scaled to [0, 1]) built on `device` for
+    the input `data.input` names (0 when absent), which must name a part of the batch only where something set works on
 {% if cookiecutter.with_photos == "yes" %}
-    without a normalize, uint8 images are only scaled to [0, 1]. data.decode=gpu decodes there too: refused when
-    `device` is not a CUDA device (device=cpu on a machine with one). `data.input` must name a part of the batch only
-    where something set works on the input: data.normalize, channels_last, data.batch_transform (MixUp needs float
-    images), data.decode=gpu."""
+    the input (`users`: MixUp needs float images). data.decode=gpu decodes there too, refused off CUDA."""
     node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
     if data_cfg.get("decode") == "gpu" and device.type != "cuda":
         raise UserError(
@@ -244,9 +234,7 @@ def input_transform(data_cfg, device: torch.device, channels_last: bool = False)
             f"{device.type}: use data.decode=auto, or device=cuda"
         )
 {% else %}
-    without a normalize, uint8 images are only scaled to [0, 1]. `data.input` must name a part of the batch only
-    where something set works on the input: data.normalize, channels_last, data.batch_transform (MixUp needs float
-    images)."""
+    the input (`users`: MixUp needs float images)."""
     node, key = data_cfg.get("normalize"), data_cfg.get("input", 0)
 {% endif %}
     users = {

@@ -40,7 +40,7 @@ def dry_step(cfg) -> list[str]:
         meta = cfg.parallel.strategy == "fsdp"  # the model on the meta device: forms and shapes, no whole model
         if meta:  # a shard class naming nothing in the model, amp=fp16, a tensor no initialiser sets: refused here
             model = fsdp.on_meta(lambda: parts.model(cfg), cfg.channels_last)
-            fsdp.check_init(model, cfg.parallel, cfg.seed)
+            fsdp.initialize(model, cfg.parallel, cfg.seed)
             fsdp.policy(amp_dtype(cfg.amp, device))
         else:
             model = parts.model(cfg, device)  # model, optimizer and task first: they cost less than the data

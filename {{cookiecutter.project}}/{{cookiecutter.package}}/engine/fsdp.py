@@ -15,7 +15,6 @@ most one unit is ever whole in memory, on the CPU, never on a device.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import itertools
 import logging
@@ -39,44 +38,28 @@ log = logging.getLogger("train")
 MIB = 2**20
 
 
-def shard_classes(names: list[str]) -> tuple[type, ...]:
-    """The module classes `parallel.shard_modules` names by import path, each refused in one line when it is none."""
+def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
+    """The qualified names of the modules that become FSDP units, innermost first (fully_shard wants a child before
+    its parent), the root ("") last: every instance of the classes `parallel.shard_modules` names by import path, or
+    when it is null of the model's own `shard_modules` attribute (model=vit: its encoder blocks), else none."""
+    names = parallel_cfg.get("shard_modules")
     classes = []
-    for name in names:
-        try:
+    for name in getattr(model, "shard_modules", []) if names is None else names:
+        found = None
+        with contextlib.suppress(Exception):
             found = get_class(name)
-        except Exception:
-            found = None
         if not isinstance(found, type) or not issubclass(found, torch.nn.Module):
             raise UserError(
                 f"parallel.shard_modules: {name!r} is not an importable torch.nn.Module class: give its import path, "
                 "e.g. torchvision.models.vision_transformer.EncoderBlock or a block of your own model"
             )
-        classes.append(found)
-    return tuple(classes)
-
-
-def unit_names(parallel_cfg, model: torch.nn.Module) -> list[str]:
-    """The shard classes: `parallel.shard_modules`, or when it is null the model's own `shard_modules` attribute
-    (model=vit: its encoder blocks), else none (the root alone)."""
-    names = parallel_cfg.get("shard_modules")
-    if names is None:
-        names = getattr(model, "shard_modules", [])
-    return list(names)
-
-
-def units(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
-    """The submodules that become FSDP units, innermost first (fully_shard wants a child before its parent); a named
-    class with no instance in the model is refused in one line."""
-    classes = shard_classes(names)
-    found = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    for name, cls in zip(names, classes):
-        if not any(isinstance(m, cls) for m in found):
+        if not any(isinstance(m, found) for path, m in model.named_modules() if path):
             raise UserError(
                 f"parallel.shard_modules: {name} names nothing in {type(model).__name__}: list a class the model "
                 "is built of, or [] to shard the root only"
             )
-    return found[::-1]
+        classes.append(found)
+    return [path for path, m in model.named_modules() if path and isinstance(m, tuple(classes))][::-1] + [""]
 
 
 def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -88,14 +71,13 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None) -> torch.nn.Module:
-    """`model` (on the meta device: `build`) sharded in place: each unit, then the root. Each rank keeps its own slice
-    of every parameter."""
-    mixed, reshard = policy(amp), bool(parallel_cfg.get("reshard_after_forward", True))
-    for unit in units(model, unit_names(parallel_cfg, model)):
-        fully_shard(unit, mp_policy=mixed, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=mixed, reshard_after_forward=reshard)
-    return model
+def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
+    """`model` (on the meta device) sharded in place, each unit then the root, and each rank's slices allocated on
+    `device`, not initialised."""
+    mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
+    for path in unit_paths(model, parallel_cfg):
+        fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
+    return model.to_empty(device=device)
 
 
 def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) -> torch.nn.Module:
@@ -106,78 +88,48 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
 
 
 def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
-    """The model `make` builds, sharded without ever being whole: built on the meta device, sharded, each rank's
-    slices allocated on `device`, then initialised unit by unit (`initialize`)."""
+    """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
     if device.type == "cpu":
         return_freed_memory()
-    model = on_meta(make, channels_last)
-    blueprint = copy.deepcopy(model)  # on the meta device: free; where each unit is made whole in turn
-    paths = unit_paths(model, parallel_cfg)
-    shard(model, parallel_cfg, amp)
-    model.to_empty(device=device)
-    initialize(blueprint, paths, seed, lambda name, whole: put(model, name, whole))
+    model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
+    blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
+    initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
     return model
-
-
-def check_init(model: torch.nn.Module, parallel_cfg, seed: int) -> None:
-    """The dry step's check of `build` on the meta-device `model`: its units found, each initialised on the CPU in
-    turn and let go; a shard class naming nothing, or a tensor no initialiser sets, refused in one line."""
-    initialize(model, unit_paths(model, parallel_cfg), seed)
 
 
 def return_freed_memory() -> bool:
     """On the CPU under glibc: every large block a mapping of its own, returned to the system when freed (both malloc
     thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
     heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
-    A sharded run frees a gathered unit and its whole gradient at every step: kept, the heap held about twice the
-    run's model state per rank (docs/distributed.md). False where that is not so (another C library, or
-    MALLOC_*_ settings of yours)."""
+    A sharded run frees a gathered unit and its whole gradient at every step, which the heap would keep
+    (docs/distributed.md). False where that is not so (another C library, or MALLOC_*_ settings of yours)."""
     return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
-def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
-    """The qualified names of the modules that become FSDP units (`units`), the root ("") last."""
-    found = units(model, unit_names(parallel_cfg, model))
-    return [name for name, m in model.named_modules() if any(m is unit for unit in found)] + [""]
+def tensors(module: torch.nn.Module, recurse: bool = False):
+    """The module's (name, tensor) pairs, parameters then buffers: its own alone unless `recurse`."""
+    return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
 
 
-def owned(blueprint: torch.nn.Module, path: str, paths: list[str]) -> list[tuple[str, torch.nn.Module]]:
-    """The modules of unit `path` that no deeper unit takes, by qualified name, parents before children."""
-    deeper = [p for p in paths if p != path and inside(p, path)]
-    return [(n, m) for n, m in blueprint.named_modules() if inside(n, path) and not any(inside(n, d) for d in deeper)]
-
-
-def inside(name: str, unit: str) -> bool:
-    """Whether module `name` is unit `unit` or inside it ("": the root, which holds every module)."""
-    return not unit or name == unit or name.startswith(unit + ".")
-
-
-def own_tensors(module: torch.nn.Module):
-    return itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
-
-
-def unit_seed(seed: int, path: str) -> int:
-    """A generator seed for one unit from the run's seed and the unit's name: the same on every rank and world size."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little")
-
-
-def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None) -> None:
-    """Each unit's own tensors made whole on the CPU, one unit at a time, and initialised as a constructor would:
-    each module's `reset_parameters()`, children before their parent, then the model's own `init_weights()` when it
-    has one (timm's and torchtitan's models do), called on the whole model: the other units' tensors are on the meta
-    device there, where its draws touch nothing. `put(name, whole)` takes each initialised tensor (None: only check,
-    as the dry step does). A tensor nothing set is refused in one line: under the meta device the constructor's own
-    initialisation never ran."""
+def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) -> None:
+    """The units' tensors initialised one unit at a time (this module's docstring), as a constructor would: each
+    module's `reset_parameters()`, children first, then the model's own `init_weights()` when it has one (timm's and
+    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. `put(name, whole)` takes
+    each tensor (None: only check, as the dry step does); a tensor nothing set is refused in one line."""
     init_weights = getattr(blueprint, "init_weights", None)
-    for path in paths:
-        modules = owned(blueprint, path, paths)
+    paths = unit_paths(blueprint, parallel_cfg)
+    units: dict[str, list] = {path: [] for path in paths}
+    for name, module in blueprint.named_modules():  # parents before children, each in the first unit holding it
+        units[next(p for p in paths if not p or name == p or name.startswith(p + "."))].append((name, module))
+    for path, modules in units.items():
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for _, module in modules:
                 module.to_empty(device="cpu", recurse=False)
-                for _, t in own_tensors(module):
-                    if not_set(t) is not None:
-                        t.fill_(not_set(t))  # a value no initialiser leaves: what is still so after them was not set
-            torch.manual_seed(unit_seed(seed, path))
+                for _, t in tensors(module):
+                    if (mark := not_set(t)) is not None:
+                        t.fill_(mark)  # a value no initialiser leaves: what is still so after them was not set
+            # from the run's seed and the unit's name: the same on every rank and world size
+            torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little"))
             for _, module in reversed(modules):
                 if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
@@ -191,7 +143,7 @@ def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None
                         "with no arguments and must set tensors in place (docs/distributed.md)"
                     ) from None
         for name, module in modules:
-            for key, t in own_tensors(module):
+            for key, t in tensors(module):
                 mark, full = not_set(t), f"{name}.{key}" if name else key
                 if mark is not None and (t.isnan().any() if t.is_floating_point() else (t == mark).all()):
                     raise UserError(
@@ -206,8 +158,7 @@ def initialize(blueprint: torch.nn.Module, paths: list[str], seed: int, put=None
 
 
 def not_set(t: torch.Tensor) -> float | int | None:
-    """The mark of a tensor no initialiser has set yet: NaN for floats, the least integer for integers (None: a bool
-    or complex tensor, not checked)."""
+    """The mark of a tensor no initialiser has set: NaN for floats, the least integer for integers, else None."""
     if t.is_floating_point():
         return float("nan")
     return torch.iinfo(t.dtype).min if t.dtype != torch.bool and not t.is_complex() else None
@@ -227,14 +178,9 @@ def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
 def twin(make, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device, channels_last: bool = False):
     """A second model sharded like `model` from the start, holding a copy of each rank's slices: the EMA's (FSDP
     modules refuse deepcopy). Built on the meta device, so it draws nothing from the run's generators."""
-    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp)
-    copy_.to_empty(device=device)
+    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
     with torch.no_grad():
-        for (_, mine), (_, theirs) in zip(
-            itertools.chain(copy_.named_parameters(), copy_.named_buffers()),
-            itertools.chain(model.named_parameters(), model.named_buffers()),
-            strict=True,
-        ):
+        for (_, mine), (_, theirs) in zip(tensors(copy_, recurse=True), tensors(model, recurse=True), strict=True):
             mine.copy_(theirs)
     return copy_
 
@@ -270,15 +216,6 @@ def full(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def local_bytes(tensors) -> int:
-    """Bytes this rank holds of `tensors` (its shard of a DTensor)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 # Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
 # momentum buffer when momentum is on.
 def state_slots(optimizer: torch.optim.Optimizer) -> int:
@@ -288,38 +225,34 @@ def state_slots(optimizer: torch.optim.Optimizer) -> int:
     return 1 if defaults.get("momentum") else 0
 
 
-def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int, ema: bool) -> str:
-    """What each rank holds of the model: its parameters, their gradients (as large), the optimizer's state and the
-    EMA's copy when on; the run's log later sets the measured peak against it (PeakMemory)."""
-    params = local_bytes(model.parameters())
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    slots = state_slots(optimizer)
-    return (
-        f"fsdp: per rank of {world_size}: parameters {params / MIB:.1f} MiB, gradients {params / MIB:.1f} MiB, "
-        f"optimizer state {slots * params / MIB:.1f} MiB ({slots} per parameter)"
-        + (f", EMA {params / MIB:.1f} MiB" if ema else "")
-        + f"; {planned_mib(model, optimizer, ema):.1f} MiB in all ({whole / MIB:.1f} MiB of parameters unsharded), "
-        "besides the loader's batches in flight and the activations"
-    )
-
-
-def planned_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> float:
-    """MiB of model state one rank holds: parameters, gradients, optimizer state and the EMA's copy when on."""
-    return (2 + state_slots(optimizer) + ema) * local_bytes(model.parameters()) / MIB
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class PeakMemory:
-    """The measured per-rank peak against the plan (`memory_line`), in the run's log at its first log line and at its
-    end: how much the process's peak resident memory grew from before the model was built, and on CUDA the peak of
-    the tensors on the device. Added to the run's callbacks under parallel=fsdp; every rank measures its own."""
+    """What each rank holds of the model in the run's log, planned (`plan`) and measured at the first log line and at
+    the end: the growth of the peak resident memory since before the model was built, on CUDA the device's peak."""
 
     def __init__(self, world):
-        self.world, self.before, self.plan, self.told = world, peak_rss_mib(), 0.0, False
+        self.world, self.before, self.planned, self.told = world, peak_rss_mib(), 0.0, False
+
+    def plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
+        """Itself, once the log has the plan: parameters, gradients, optimizer state and the EMA's copy when on."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        params = sum(p.numel() * p.element_size() for p in local) / MIB
+        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+        slots = state_slots(optimizer)
+        self.planned = (2 + slots + ema) * params
+        if self.world.is_main:
+            log.info(
+                f"fsdp: per rank of {self.world.world_size}: parameters {params:.1f} MiB, gradients {params:.1f} MiB, "
+                f"optimizer state {slots * params:.1f} MiB ({slots} per parameter)"
+                + (f", EMA {params:.1f} MiB" if ema else "")
+                + f"; {self.planned:.1f} MiB in all ({whole:.1f} MiB of parameters unsharded), "
+                "besides the loader's batches in flight and the activations"
+            )
+        return self
 
     def on_log(self, run, figures: dict) -> None:
         if not self.told:
@@ -330,8 +263,7 @@ class PeakMemory:
         self.tell(run, "over the run")
 
     def tell(self, run, when: str) -> None:
-        device = run.device
-        on_device = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
+        on_device = torch.cuda.max_memory_allocated(run.device) / MIB if run.device.type == "cuda" else None
         every = distributed.gather_all((peak_rss_mib(), self.before, on_device), self.world)
         if not self.world.is_main:
             return
@@ -341,4 +273,4 @@ class PeakMemory:
         )
         if on_device is not None:
             line += f"; tensors on the device {', '.join(f'{d:.0f}' for _, _, d in every)} MiB"
-        log.info("%s (planned: %.0f MiB of model state per rank)", line, self.plan)
+        log.info("%s (planned: %.0f MiB of model state per rank)", line, self.planned)

@@ -264,10 +264,7 @@ def build(
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
-        peak.plan = fsdp.planned_mib(model, optimizer, ema is not None)
-        callbacks.named.setdefault("fsdp_peak_memory", peak)  # at the first log line and at the end
-        if world.is_main:
-            log.info(fsdp.memory_line(model, optimizer, world.world_size, ema is not None))
+        callbacks.add("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # the plan, then the peaks
     step = 0
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
