@@ -1,18 +1,10 @@
 """The train loader of an indexed data set and the validation loader: built once, reused every epoch, and the train
 loader resumable bit for bit.
 
-Why the train loader can be resumed exactly (facts from torch/utils/data/dataloader.py):
-- Batches go to workers round-robin and the cycle restarts at worker 0 every epoch, so batch `i`
-  of an epoch is made by worker `i % num_workers`. We call that worker's RNG the *stream* `i % W`.
-- Each batch leaves its worker together with a snapshot of that worker's RNG taken right after
-  making it. The main process keeps the snapshot of the last batch it *consumed* for each stream;
-  batches still prefetched are ahead of the loop and not counted.
-- A resumed run restores the streams in the worker_init_fn. Mid-epoch, a one-off set of workers
-  finishes the epoch, rotated so that batch `i` still meets stream `i % W`; the persistent
-  workers then start at the next epoch from the streams as they stand.
-- The order of batches comes from `EpochBatchSampler`, a pure function of (seed, epoch), so a
-  resume skips the consumed batches without loading them. The loader's own generator only
-  draws worker base seeds; it is saved too.
+Why it resumes exactly is docs/resume.md's "What is saved" (facts from torch/utils/data/dataloader.py): the batch
+order is a pure function of (seed, epoch) (`EpochBatchSampler`); under rng_mode=per_worker, batch `i` of an epoch
+is made by worker `i % W` (round robin from worker 0 each epoch), and each batch brings back a snapshot of that
+worker's RNG, its *stream* `i % W`, of which the loop keeps the last one it consumed (TrainLoader).
 """
 
 from __future__ import annotations
