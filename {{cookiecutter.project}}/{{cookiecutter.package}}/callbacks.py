@@ -16,7 +16,7 @@ from torch.utils.data import default_collate
 
 from .engine import rng
 from .engine.device import has_part, tensors, to_device
-from .engine.dry_step import first_samples, kept_rng
+from .engine.dry_step import first_samples
 from .engine.errors import UserError
 from .engine.schema import flatten
 
@@ -75,7 +75,7 @@ class SampleGrid:
     def draw(self, run, epoch: int) -> None:
         if not run.world.is_main:
             return
-        with kept_rng():  # a shallow copy: a data set that opens its files on first use does so on the copy
+        with rng.kept():  # a shallow copy: a data set that opens its files on first use does so on the copy
             rng.seed_everything(rng.derived(run.cfg.seed, epoch, 7))  # this epoch's draws, the same on every run
             samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
             batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))

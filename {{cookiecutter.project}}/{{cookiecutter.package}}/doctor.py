@@ -35,7 +35,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .engine.device import pick_device, to_device
-from .engine.dry_step import first_samples, kept_rng
+from .engine.dry_step import first_samples
 from .engine.errors import UserError, find_user_error
 {% if cookiecutter.with_fsdp == "yes" %}
 from .engine.fsdp import state_slots
@@ -186,7 +186,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
 
 def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> float:
     """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
-    with kept_rng():  # the model's initialisation draws from the main RNG; leave it as it was
+    with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
         model, task = parts.model(cfg).to(device), parts.task(cfg)
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
         batch = (collate or default_collate)([samples[i % len(samples)] for i in range(batch_size)])
@@ -210,7 +210,7 @@ def model_memory(cfg) -> dict:
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP (the loader's
     batches in flight come on top)."""
 {% endif %}
-    with kept_rng():  # the model's initialisation draws: leave the RNG as it was
+    with rng.kept():  # the model's initialisation draws: leave the RNG as it was
         model = parts.model(cfg)
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
     slots = state_slots(parts.optimizer(cfg, model))

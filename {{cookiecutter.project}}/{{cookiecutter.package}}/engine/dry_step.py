@@ -35,7 +35,7 @@ def dry_step(cfg) -> list[str]:
     """Refuses the run in one line, or returns the ops without a deterministic kernel it runs (deterministic=warn)."""
     device = pick_device(cfg.device)
     unexact: list[str] = []
-    with kept_rng():
+    with rng.kept():
 {% if cookiecutter.with_fsdp == "yes" %}
         meta = cfg.parallel.strategy == "fsdp"  # the model on the meta device: forms and shapes, no whole model
         if meta:  # a shard class naming nothing in the model, amp=fp16, a tensor no initialiser sets: refused here
@@ -117,16 +117,6 @@ def dry_step(cfg) -> list[str]:
             f"pick one of {', '.join(reported)}"
         )
     return unexact
-
-
-@contextlib.contextmanager
-def kept_rng():
-    """Python, numpy and torch RNG (CPU and CUDA) as they were before: the check draws nothing from the run."""
-    saved = rng.capture_main()
-    try:
-        yield
-    finally:
-        rng.restore_main(saved)
 
 
 @contextlib.contextmanager

@@ -30,14 +30,19 @@ def apply(raw: RawState) -> None:
 
 @contextlib.contextmanager
 def kept(keep: bool = True):
-    """Around code that seeds the global generators (python, numpy, torch CPU): their state is put back afterwards,
-    when `keep`."""
-    saved = capture() if keep else None
-    try:
+    """Around code that draws from or seeds the global generators: python's, numpy's and torch's (CPU and, once in
+    use, CUDA's) are put back afterwards, when `keep`. torch's own fork_rng keeps its states: no tensor is read back
+    to the host."""
+    if not keep:
         yield
-    finally:
-        if saved is not None:
-            apply(saved)
+        return
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def seed_cpu(seed: int) -> None:

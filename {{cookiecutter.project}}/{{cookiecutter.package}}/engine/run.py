@@ -21,7 +21,7 @@ from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device
-from .dry_step import kept_rng, quiet, two_prepared
+from .dry_step import quiet, two_prepared
 from .ema import EMA
 {% if cookiecutter.with_fsdp == "yes" %}
 from .errors import UserError
@@ -251,7 +251,7 @@ def build(
 {% endif %}
     scheduler = parts.schedule(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
-    with kept_rng():  # DDP: a task of its own for settle_buckets' throwaway step, drawing nothing from the run's RNG,
+    with rng.kept():  # DDP: a task of its own for settle_buckets' throwaway step, drawing nothing from the run's RNG,
         spare = parts.task(cfg) if world.distributed else None  # so the run's task sees only the run's batches
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     callbacks = Callbacks(cfg)  # likewise
