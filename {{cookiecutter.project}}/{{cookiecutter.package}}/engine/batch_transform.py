@@ -23,6 +23,6 @@ class SeededBatchTransform:
 
     def __call__(self, batch, epoch: int, number: int):
         key = np.random.SeedSequence([self.seed, self.rank, epoch, number, SALT]).generate_state(2, np.uint32)
-        with rng.kept(), torch.no_grad():
+        with rng.kept(cuda=False), torch.no_grad():
             rng.seed_cpu(int(key[0]) << 32 | int(key[1]))
             return self.transform(batch)

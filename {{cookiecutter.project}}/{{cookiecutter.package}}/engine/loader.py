@@ -153,7 +153,7 @@ class SeededBatches(torch.utils.data.Dataset):
         if not self.per_sample:
             return self._fetch(batch)
         # in the main process (num_workers=0) its RNG is put back afterwards, untouched by the data
-        with rng.kept(get_worker_info() is None):
+        with rng.kept(get_worker_info() is None, cuda=False):
             prefetch = getattr(self.dataset, "prefetch", None)
             if prefetch is not None:
                 prefetch(list(batch))

@@ -29,15 +29,16 @@ def apply(raw: RawState) -> None:
 
 
 @contextlib.contextmanager
-def kept(keep: bool = True):
-    """Around code that draws from or seeds the global generators: python's, numpy's and torch's (CPU and, once in
-    use, CUDA's) are put back afterwards, when `keep`. torch's own fork_rng keeps its states: no tensor is read back
-    to the host."""
+def kept(keep: bool = True, cuda: bool = True):
+    """Around code that draws from or seeds the global generators: python's, numpy's and torch's (CPU and, with
+    `cuda` once CUDA is in use, every device's) are put back afterwards, when `keep`. torch's own fork_rng keeps its
+    states: no tensor is read back to the host. The per-batch callers keep the CPU generators only."""
     if not keep:
         yield
         return
     python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+    devices = range(torch.cuda.device_count()) if cuda and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:

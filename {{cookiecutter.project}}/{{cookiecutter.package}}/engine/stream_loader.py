@@ -82,7 +82,7 @@ class ReaderStream(IterableDataset):
         """The reader's next batch and its BatchNote (`self.collate`'s, with where the reader stands after it), None
         at the end of its records."""
         samples, skipped, ends, state = [], [], {}, None
-        with rng.kept(get_worker_info() is None):  # num_workers=0: the main process's RNG stays the loop's
+        with rng.kept(get_worker_info() is None, cuda=False):  # num_workers=0: the main process's RNG stays the loop's
             for kind, shard, index, item in records:
                 if kind == SKIPPED:
                     skipped.append(item)
