@@ -9,9 +9,10 @@ Data sets, each through the project's ImageFiles and its shapes training transfo
 - digits: scikit-learn's handwritten digits (1,797 real 8x8 scans), as PNG files, cropped to 32;
 - photos: scikit-learn's two sample photographs, cut into 500x375 JPEG files (shifted and mirrored crops), cropped
   to 224 as an ImageNet pipeline does.
-Per round and data set, the ratio of the seeded to the unseeded fetch time of the same batches; printed: the median
-ratio over the rounds, with the lowest and highest. The time is the thread's CPU time (time.thread_time), so that
-the moments another process holds the core count for neither variant, and the two fetch each batch one right after
+Per round and data set, the ratio of the seeded to the unseeded fetch time of the same batches, for the project's
+seeding (torch alone for these torchvision transforms) and for all three generators seeded, as once a data set is
+seen drawing from numpy or python; printed: the median ratio over the rounds, with the lowest and highest. The time is the thread's CPU time (time.thread_time), so that
+the moments another process holds the core count for no variant, and the three fetch each batch one right after
 the other, which goes first taking turns. Each round seeds with another seed: one seed alone gives every round the
 same crops, one draw of their cost, while the unseeded fetch draws new ones each round.
 """
@@ -51,7 +52,10 @@ def photo_folder(root: Path, per_photo: int = 48) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         height, width = photo.shape[:2]
         for n in range(per_photo):
-            top, left = rng.integers(0, height - 375 + 1), rng.integers(0, width - 500 + 1)
+            top, left = (
+                rng.integers(0, height - 375 + 1),
+                rng.integers(0, width - 500 + 1),
+            )
             crop = photo[top : top + 375, left : left + 500]
             Image.fromarray(crop[:, ::-1] if n % 2 else crop).save(folder / f"{n:03d}.jpg", quality=90)
     return root / "train"
@@ -64,13 +68,13 @@ def fetch_seconds(wrapped, key) -> float:
     return time.thread_time() - began
 
 
-def round_seconds(plain, seeded, keys) -> tuple[float, float]:
-    """(unseeded, seeded) fetch time of all `keys`, batch by batch, the first of each pair taking turns."""
-    times = {plain: 0.0, seeded: 0.0}
+def round_seconds(variants, keys) -> list[float]:
+    """Each variant's fetch time of all `keys`, batch by batch, the order of the variants turning each batch."""
+    times = [0.0] * len(variants)
     for n, key in enumerate(keys):
-        for wrapped in (plain, seeded) if n % 2 else (seeded, plain):
-            times[wrapped] += fetch_seconds(wrapped, key)
-    return times[plain], times[seeded]
+        for v in [*range(n % len(variants), len(variants)), *range(n % len(variants))]:
+            times[v] += fetch_seconds(variants[v], key)
+    return times
 
 
 def main() -> None:
@@ -92,22 +96,30 @@ def main() -> None:
             "photos 500x375 JPEG, crop 224": (photo_folder(tmp / "photos"), 224),
         }
         print(f"per_sample seeding cost: batch fetch time seeded / unseeded, batches of {BATCH}, {args.rounds} rounds")
-        for name, (folder, size) in sets.items():
+        for name_of_set, (folder, size) in sets.items():
             dataset = data.ImageFiles(folder, transform=common.train_transform(size))
             batches = max(2, min(12, len(dataset) // BATCH))
             order = np.random.default_rng(1).permutation(len(dataset))
             keys = [loader.BatchIndices(order[i * BATCH : (i + 1) * BATCH].tolist(), 0, i) for i in range(batches)]
             plain = loader.SeededBatches(dataset, 0, per_sample=False)
-            round_seconds(plain, loader.SeededBatches(dataset, 0, per_sample=True), keys)  # warm the files and code
-            ratios, per_batch = [], []
-            for seed in range(1, args.rounds + 1):
-                a, b = round_seconds(plain, loader.SeededBatches(dataset, seed, per_sample=True), keys)
-                ratios.append(b / a)
-                per_batch.append((b - a) / batches * 1e6)
-            print(
-                f"  {name:<32} {statistics.median(ratios):.4f} (lowest {min(ratios):.4f}, highest {max(ratios):.4f}); "
-                f"{statistics.median(per_batch):+.0f} us per batch, unseeded fetch {a / batches * 1e3:.1f} ms per batch"
+            ratios, per_batch = (
+                {"seeded": [], "all three": []},
+                {"seeded": [], "all three": []},
             )
+            for seed in range(args.rounds + 1):  # round 0 warms the files and code
+                seeded, every = (loader.SeededBatches(dataset, seed, per_sample=True) for _ in range(2))
+                every.seeding.all = True
+                a, *times = round_seconds([plain, seeded, every], keys)
+                for name, b in zip(ratios, times):
+                    if seed:
+                        ratios[name].append(b / a)
+                        per_batch[name].append((b - a) / batches * 1e6)
+            print(f"  {name_of_set} (unseeded fetch {a / batches * 1e3:.1f} ms per batch)")
+            for name, values in ratios.items():
+                print(
+                    f"    {name:<10} {statistics.median(values):.4f} (lowest {min(values):.4f}, highest "
+                    f"{max(values):.4f}); {statistics.median(per_batch[name]):+.0f} us per batch"
+                )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """P2: samples/s of TrainLoader (with its resume bookkeeping) vs a plain DataLoader vs torchdata's StatefulDataLoader.
 
 TrainLoader runs in both rng modes: per_worker (worker streams snapshotted with every batch: its
-ratio to DataLoader is the cost of exact resume) and per_sample (reseeding the three generators
-before every sample instead: its ratio to per_worker is the cost of that seeding).
+ratio to DataLoader is the cost of exact resume) and per_sample (reseeding the generators the data set draws
+from before every sample instead: its ratio to per_worker is the cost of that seeding).
 
     python -m benchmarks.p2_loaders            # pip install -e ".[bench]" (torchdata) for the StatefulDataLoader column
 
@@ -64,14 +64,18 @@ class PerBatchSeeding(SeededBatches):
 
 def fetch_cost_of_seeding(dataset, batches: int = 30, rounds: int = 5) -> dict:
     """Seconds per batch to fetch the same batches in this process: unseeded (per_worker), seeded once per batch
-    (per_sample's former keying) and seeded per sample (per_sample now).
+    (per_sample's former keying) and seeded per sample (per_sample now: torch alone for these torchvision transforms,
+    and all three generators, as for a data set that draws from numpy or python too).
 
     Worker scheduling moves whole-loader samples/s by several percent between runs on a small
     machine; timing the fetch itself, the three in turns, isolates what the seeding adds."""
+    every = SeededBatches(dataset, 0, per_sample=True)
+    every.seeding.all = True  # as once a data set is seen drawing from numpy or python
     variants = {
         "unseeded": SeededBatches(dataset, 0, per_sample=False),
         "per batch": PerBatchSeeding(dataset, 0, per_sample=False),
         "per sample": SeededBatches(dataset, 0, per_sample=True),
+        "per sample, all three": every,
     }
     keys = [BatchIndices(list(range(i * BATCH, (i + 1) * BATCH)), 0, i) for i in range(batches)]
     best = dict.fromkeys(variants, float("inf"))
@@ -104,7 +108,7 @@ def main() -> None:
     print(f"rng_mode cost: per_sample / per_worker samples/s = {ratio:.3f} (whole loader; 1.0: seeding costs nothing)")
     cost = fetch_cost_of_seeding(dataset)
     plain = cost["unseeded"]
-    for name in ("per batch", "per sample"):
+    for name in ("per batch", "per sample", "per sample, all three"):
         print(
             f"rng_mode cost: batch fetch time seeded {name} / unseeded = {cost[name] / plain:.4f} "
             f"({(cost[name] - plain) * 1e6:+.0f} us per batch of {BATCH}, same batches, in one process)"

@@ -131,13 +131,23 @@ class IndexedDraws(Dataset):
 
 class SometimesDraws(IndexedDraws):
     """Every item draws from torch; from numpy only every 5th index and from python `random` only every 7th (as a
-    transform that draws from them on some branch): the -1 marks a draw not taken."""
+    transform that draws from them on some branch), or only at the indices `numpy_at` and `python_at` when given:
+    the -1 marks a draw not taken. `restore`: numpy's state is put back after its draw, which hides the draw."""
+
+    def __init__(self, size: int = 48, numpy_at=None, python_at=None, restore: bool = False):
+        super().__init__(size)
+        self.numpy_at = {i for i in range(size) if i % 5 == 3} if numpy_at is None else set(numpy_at)
+        self.python_at = {i for i in range(size) if i % 7 == 2} if python_at is None else set(python_at)
+        self.restore = restore
 
     def __getitem__(self, index: int):
         draws = [float(torch.rand(())), -1.0, -1.0]
-        if index % 5 == 3:
+        if index in self.numpy_at:
+            state = np.random.get_state()
             draws[1] = float(np.random.uniform())
-        if index % 7 == 2:
+            if self.restore:
+                np.random.set_state(state)
+        if index in self.python_at:
             draws[2] = random.random()
         return index, torch.tensor(draws, dtype=torch.float64)
 

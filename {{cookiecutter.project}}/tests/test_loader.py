@@ -158,30 +158,47 @@ def eager_reference(dataset, batches, seed: int, epoch: int) -> tuple[dict, list
     return by_sample, collated
 
 
-def seeded_run(workers: int, rng_mode: str = "per_sample") -> tuple[dict, list, list]:
+def seeded_run(workers: int, rng_mode: str = "per_sample", dataset=None) -> tuple[dict, list, list, TrainLoader]:
     loader = TrainLoader(
-        SometimesDraws(48), loader_settings(8, workers), 4, rng_mode=rng_mode, collate_fn=collate_with_numpy_draw
-    )
+        dataset or SometimesDraws(48), loader_settings(8, workers), 4, rng_mode=rng_mode,
+        collate_fn=collate_with_numpy_draw,
+    )  # fmt: skip
     by_sample, collated, batches = {}, [], []
     for indices, draws, drawn in loader:
         by_sample.update(zip(indices.tolist(), draws))
         collated.append(float(drawn))
         batches.append(indices.tolist())
-    return by_sample, collated, batches
+    return by_sample, collated, batches, loader
 
 
 def test_every_sample_draws_from_generators_seeded_for_it():
-    """rng_mode=per_sample seeds torch, numpy and python `random` before every sample through their public seeding
-    calls: each sample draws what `seed_sample` of its key gives, with workers and without (where the collate runs
-    in the main process, on its RNG). The control: per_worker streams give other numbers."""
-    for workers in (0, 2):
-        by_sample, collated, batches = seeded_run(workers)
-        want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
-        assert all(torch.equal(by_sample[i], want[i]) for i in want), workers
-        assert collated == want_collated or workers == 0  # without workers the collate draws on the main RNG
-    by_sample, collated, batches = seeded_run(2, rng_mode="per_worker")
+    """rng_mode=per_sample: each sample draws what seeding torch, numpy and python `random` with its key gives
+    (`seed_sample`), with workers and without (where the collate runs in the main process, on its RNG), and the
+    collate after it too. It holds for a data set that draws from numpy and python now and then, for one that
+    draws from numpy at one sample of the epoch's last batch only (its batch is made again, numpy seeded), and for
+    one that draws from torch alone (numpy and python then go unseeded, seeded for the collate once a batch).
+    The controls: per_worker streams give other numbers, and so does a data set that hides its numpy draws."""
+    last = list(EpochBatchSampler(48, 8, seed=4))[-1][3]
+    cases = {
+        "now and then": lambda: SometimesDraws(48),
+        "late numpy": lambda: SometimesDraws(48, numpy_at=[last], python_at=[]),
+        "torch alone": lambda: SometimesDraws(48, numpy_at=[], python_at=[]),
+    }
+    for name, make in cases.items():
+        for workers in (0, 2):
+            by_sample, collated, batches, loader = seeded_run(workers, dataset=make())
+            want, want_collated = eager_reference(make(), batches, seed=4, epoch=0)
+            assert all(torch.equal(by_sample[i], want[i]) for i in want), (name, workers)
+            assert collated == want_collated or workers == 0, name  # without workers the collate draws on the main RNG
+            if workers == 0:  # numpy and python are seeded once the data set is seen drawing from them
+                assert loader.dataset.seeding.all == (name != "torch alone"), name
+    by_sample, collated, batches, _ = seeded_run(2, rng_mode="per_worker")
     want, want_collated = eager_reference(SometimesDraws(48), batches, seed=4, epoch=0)
     assert any(not torch.equal(by_sample[i], want[i]) for i in want) and collated != want_collated
+    hidden = SometimesDraws(48, numpy_at=[last], python_at=[], restore=True)
+    by_sample, _, batches, _ = seeded_run(0, dataset=hidden)
+    want, _ = eager_reference(hidden, batches, seed=4, epoch=0)
+    assert not torch.equal(by_sample[last], want[last])
 
 
 sigterm_blocked_at_init = None  # set in the worker by record_mask

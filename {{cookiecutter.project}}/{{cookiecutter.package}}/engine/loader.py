@@ -10,6 +10,7 @@ worker's RNG, its *stream* `i % W`, of which the loop keeps the last one it cons
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -139,31 +140,33 @@ class SeededBatches(torch.utils.data.Dataset):
     """Wraps the user's dataset so a whole batch is fetched at once (`__getitems__`).
 
     rng_mode=per_sample: before each sample, torch, numpy and python `random` are seeded from (seed, epoch, sample
-    index) (`rng.index_seed`), so what a sample draws depends on neither the worker nor the rank nor the batch
-    that makes it: the same for any worker count, loader profile or number of processes. Samples are then made
-    one by one; a data set with `prefetch(indices)` may read the batch's bytes at once first (shards.py does).
+    index) (`rng.index_seed`; `rng.SampleSeeding` leaves out the ones a data set never draws from), so what a sample
+    draws depends on neither the worker nor the rank nor the batch that makes it: the same for any worker count,
+    loader profile or number of processes. Samples are then made one by one; a data set with `prefetch(indices)` may
+    read the batch's bytes at once first (shards.py does).
     rng_mode=per_worker: the worker's own streams run on; TrainLoader saves and restores them.
     A sample that raises is named (data set index, file) or, with `skip`, left out: failures.fetch_guarded.
     """
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
-        self.dataset, self.seed, self.per_sample, self.skip = dataset, seed, per_sample, skip
+        self.dataset, self.seed, self.skip = dataset, seed, skip
+        self.seeding = rng.SampleSeeding() if per_sample else None
 
     def __getitems__(self, batch: BatchIndices):
-        if not self.per_sample:
+        if self.seeding is None:
             return self._fetch(batch)
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is not None:
+            prefetch(list(batch))
+        base = rng.epoch_base(self.seed, batch.epoch)
+
+        def make(index):
+            self.seeding.seed(rng.index_seed(base, index))
+            return self.dataset[index]
+
         # in the main process (num_workers=0) its RNG is put back afterwards, untouched by the data
-        with rng.kept(get_worker_info() is None, cuda=False):
-            prefetch = getattr(self.dataset, "prefetch", None)
-            if prefetch is not None:
-                prefetch(list(batch))
-            base = rng.epoch_base(self.seed, batch.epoch)
-
-            def make(index):
-                rng.seed_sample(rng.index_seed(base, index))  # the collate after the last sample draws on its streams
-                return self.dataset[index]
-
-            return failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make)
+        make_all = functools.partial(failures.fetch_guarded, self.dataset, batch, self.skip, fetch=make)
+        return self.seeding.batch(make_all, keep=get_worker_info() is None)
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)

@@ -77,11 +77,54 @@ def index_seed(base: int, index: int) -> int:
 
 def seed_sample(seed: int) -> None:
     """Seed python, numpy and torch's CPU generator for one sample (rng_mode=per_sample), through their public
-    seeding calls: ~6 us, against ~14 us for `seed_cpu`, because numpy takes one 32-bit word here (its two-word
-    seeding runs a longer initialisation). What that costs a real data set is in docs/rng-mode.md."""
+    seeding calls (numpy takes one 32-bit word here: its two-word seeding runs a longer initialisation)."""
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed >> 32)
     random.seed(seed)
+
+
+class SampleSeeding:
+    """rng_mode=per_sample's seeding in one process: before each sample (`seed`), torch's CPU generator is seeded
+    from the sample's seed, and numpy's and python's too once the data set has been seen drawing from them.
+
+    `batch(make)` makes a batch with those two left alone first; if either's state moved, the data set draws from
+    it, and the batch is made again with all three seeded, as is every batch after it in this process. The samples
+    come out as if all three were seeded each time, without numpy's and python's ~17 us a sample for the data sets
+    that never draw from them (torchvision's transforms draw from torch alone); docs/rng-mode.md has the figures.
+    Unseen is only a data set that draws from one of them and then puts its state back. Afterwards the generators
+    stand where seeding all three for the last sample leaves them, for a collate that draws; with `keep` (the main
+    process, num_workers=0) they are put back as they were instead."""
+
+    def __init__(self):
+        self.all = False  # numpy and python are seeded too
+        self.last = 0  # the last sample's seed
+
+    def seed(self, seed: int) -> None:
+        self.last = seed
+        if self.all:
+            seed_sample(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+
+    def batch(self, make, keep: bool):
+        python, numpy = random.getstate(), np.random.get_state()
+        torch_state = torch.get_rng_state() if keep else None
+        try:
+            made = make()
+            if not self.all:
+                now = np.random.get_state()
+                if random.getstate() != python or now[2:] != numpy[2:] or not np.array_equal(now[1], numpy[1]):
+                    self.all = True
+                    made = make()
+                elif not keep:
+                    np.random.seed(self.last >> 32)
+                    random.seed(self.last)
+            return made
+        finally:
+            if keep:
+                torch.set_rng_state(torch_state)
+                np.random.set_state(numpy)
+                random.setstate(python)
 
 
 def from_seed(seed: int) -> RawState:
