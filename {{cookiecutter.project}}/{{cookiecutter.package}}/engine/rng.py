@@ -84,16 +84,11 @@ def seed_sample(seed: int) -> None:
 
 
 class SampleSeeding:
-    """rng_mode=per_sample's seeding in one process: before each sample (`seed`), torch's CPU generator is seeded
-    from the sample's seed, and numpy's and python's too once the data set has been seen drawing from them.
-
-    `batch(make)` makes a batch with those two left alone first; if either's state moved, the data set draws from
-    it, and the batch is made again with all three seeded, as is every batch after it in this process. The samples
-    come out as if all three were seeded each time, without numpy's and python's ~17 us a sample for the data sets
-    that never draw from them (torchvision's transforms draw from torch alone); docs/rng-mode.md has the figures.
-    Unseen is only a data set that draws from one of them and then puts its state back. Afterwards the generators
-    stand where seeding all three for the last sample leaves them, for a collate that draws; with `keep` (the main
-    process, num_workers=0) they are put back as they were instead."""
+    """rng_mode=per_sample's seeding in one process (docs/rng-mode.md has why and what it costs): before each sample
+    (`seed`), torch's CPU generator is seeded, and numpy's and python's too once the data set is seen drawing from
+    them. `batch(make)` makes a batch with those two left alone, and again with them seeded if either's state moved:
+    its samples are those of all three seeded. Afterwards the generators stand where that leaves them, for a collate
+    that draws, or with `keep` (the main process) as they were."""
 
     def __init__(self):
         self.all = False  # numpy and python are seeded too
@@ -107,8 +102,7 @@ class SampleSeeding:
             torch.default_generator.manual_seed(seed)
 
     def batch(self, make, keep: bool):
-        python, numpy = random.getstate(), np.random.get_state()
-        torch_state = torch.get_rng_state() if keep else None
+        _, numpy, python = saved = capture()
         try:
             made = make()
             if not self.all:
@@ -122,9 +116,7 @@ class SampleSeeding:
             return made
         finally:
             if keep:
-                torch.set_rng_state(torch_state)
-                np.random.set_state(numpy)
-                random.setstate(python)
+                apply(saved)
 
 
 def from_seed(seed: int) -> RawState:
