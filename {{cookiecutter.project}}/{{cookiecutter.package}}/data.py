@@ -89,19 +89,12 @@ class ImageFiles(datasets.ImageFolder):
         """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
         return f"file {self.paths[index]}"
 
-    def read(self, index: int) -> bytes:
-{% if cookiecutter.with_photos == "yes" %}
-        """The file's bytes, read whole: PIL and torchvision.io decode from memory (one open and one read)."""
-{% else %}
-        """The file's bytes, read whole: PIL decodes from memory (one open and one read)."""
-{% endif %}
-        return Path(self.paths[index]).read_bytes()
-
     def __getitem__(self, index: int):
+        data = Path(self.paths[index]).read_bytes()  # read whole, decoded from memory: one open and one read
 {% if cookiecutter.with_photos == "yes" %}
-        return self.reader(self.read(index)), int(self.labels[index])
+        return self.reader(data), int(self.labels[index])
 {% else %}
-        with Image.open(io.BytesIO(self.read(index))) as file:
+        with Image.open(io.BytesIO(data)) as file:
             image = file.convert("RGB")  # as torchvision's ImageFolder loads a file
         return image if self.transform is None else self.transform(image), int(self.labels[index])
 {% endif %}

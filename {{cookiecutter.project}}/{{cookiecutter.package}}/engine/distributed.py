@@ -101,11 +101,10 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]
-    saved = rng.capture_main()
     try:
-        throwaway_loss().backward()
+        with rng.kept():
+            throwaway_loss().backward()
     finally:
-        rng.restore_main(saved)
         with torch.no_grad():
             for live, kept in zip(net.module.buffers(), buffers, strict=True):
                 live.copy_(kept)
@@ -142,19 +141,14 @@ def main_buffers(model: torch.nn.Module, world: World | None) -> None:
 
 
 def gather_all(obj, world: World) -> list:
-    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states)."""
+    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states). Also
+    the barrier: `gather_all(None, world)` returns once every rank has called it."""
     if not world.distributed:
         return [obj]
     out = [None] * world.world_size
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.all_gather_object(out, obj)
     return out
-
-
-def barrier(world: World) -> None:
-    if world.distributed:
-        with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-            dist.barrier()
 
 
 def leave(world: World) -> None:

@@ -38,14 +38,11 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
 
 
 class LoaderFailure(UserError):
-    """The train loader cannot go on (a stall, /dev/shm full, a bad sample). `str()`: the one line, and the save."""
+    """The train loader cannot go on (a stall, /dev/shm full, a bad sample): the one line (save_on_failure adds what
+    it did about a checkpoint)."""
 
     exit_code = EXIT_RETRY
-    saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
     stacks = ""  # a stall's: the workers' Python stacks as faulthandler wrote them, the stuck one's first
-
-    def __str__(self) -> str:
-        return self.args[0] + (f"; {self.saved}" if self.saved else "")
 
 
 class BadSample(LoaderFailure):
@@ -144,7 +141,7 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
     )
-    shown = stuck + list(stacks.values())
+    shown = stuck + list(stacks.values())  # the stuck worker's stack first
     failure.stacks = "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in shown)
     return failure
 
@@ -159,12 +156,9 @@ def shm_full(error: BaseException | str) -> LoaderFailure | None:
     text = str(error)
     if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
         return None
-    space = shm_space()
-    if space is None:
-        how = "shared memory is exhausted"
-    else:
-        free, size = space
-        used = size - free
+    how = "shared memory is exhausted"
+    if space := shm_space():
+        used, size = space[1] - space[0], space[1]
         how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
     return LoaderFailure(
         f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
@@ -264,16 +258,14 @@ def named(batches, loader):
     except Exception as e:
         kind, text = type(e), str(e)
         if isinstance(e, UserError):  # the worker's line, if it comes from a worker
-            found = re.findall(rf"{kind.__name__}: (.*)", text)
-            last = found[-1].strip() if found else text.strip().splitlines()[-1]
-            failure = kind(last) if f"Caught {kind.__name__}" in text else None
+            found = re.findall(rf"{kind.__name__}: (.*)", text) if f"Caught {kind.__name__}" in text else []
+            failure = kind(found[-1].strip()) if found else None
         elif not (isinstance(e, RuntimeError) and text.startswith("DataLoader timed out after")):
             failure = shm_full(e)
         elif isinstance(loader, str):
-            waited = text.split("after ")[-1]
             failure = LoaderFailure(
-                f"loader.timeout: no {loader} batch for {waited}: a worker is stuck (a hung read, a dead network "
-                "mount?)"
+                f"loader.timeout: no {loader} batch for {text.split('after ')[-1]}: a worker is stuck (a hung read, "
+                "a dead network mount?)"
             )
         else:
             failure = stalled(loader)
@@ -303,7 +295,7 @@ def save_on_failure(run):
         else:
             run.checkpoints.save(run)
             notes.append(f"checkpoint of step {run.step} saved: {run.checkpoints.last}")
-        failure.saved = "; ".join(notes)
+        failure.args = ("; ".join([failure.args[0], *notes]),)
         raise
 
 

@@ -83,16 +83,13 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     `batch_size` (for variable-size samples: a batch of sample 0's). Fetched in the main process with the main RNG
     put back after (the run is the same with or without a budget), from a shallow copy (a dataset that opens its
     files lazily does so on the copy, and the workers inherit no open handles)."""
-    saved = rng.capture()
-    try:
+    with rng.kept(cuda=False):
 {% if cookiecutter.with_streams == "yes" %}
         streamed = shard_plan.is_stream(dataset)
         one = collate_fn(shard_plan.first_records(dataset, 1) if streamed else [copy.copy(dataset)[0]])
 {% else %}
         one = collate_fn([copy.copy(dataset)[0]])
 {% endif %}
-    finally:
-        rng.apply(saved)
     return batch_bytes(one) * batch_size
 
 
@@ -143,12 +140,10 @@ class Plan:
         if not s.num_workers:
             return f"{head}; num_workers=0 loads in the main process: 0 batches in flight = 0.0 MiB"
         pinned = f" + {self.pinned_copies} pinned copies" if s.pin_memory else ""
-        space, need = shm_space(), self.shm_need(local_ranks())
-        if space is None:
-            shm = "no /dev/shm on this system"
-        else:
-            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need / MiB:.1f} MiB"
-            shm += " of it for batches"
+        shm, need = "no /dev/shm on this system", self.shm_need(local_ranks()) / MiB
+        if space := shm_space():
+            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need:.1f} MiB of it "
+            shm += "for batches"
         return (
             f"{head} x {self.in_flight} batches in flight ({s.num_workers} workers x prefetch_factor "
             f"{s.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm}"
