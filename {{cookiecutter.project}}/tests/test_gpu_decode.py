@@ -8,7 +8,6 @@ finish, a data.collate of one's own, a run training on the CPU, a file the decod
 
 import copy
 import io
-import os
 
 import pytest
 import torch
@@ -142,7 +141,7 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
     jpg = [i for i, p in enumerate(gpu.paths) if p.endswith(".jpg")]
     batch = gpu.collate_fn([gpu[i] for i in [jpg[0], png, jpg[1]]])
     assert isinstance(batch[0], EncodedBatch) and batch[0].at == [0, 2] and batch[0].pixels.shape == (1, 3, 32, 32)
-    assert [f.numel() for f in batch[0].files()] == [os.path.getsize(gpu.paths[i]) for i in jpg[:2]]
+    assert [f.numel() for f in batch[0].files()] == [len(gpu.read(jpg[0])), len(gpu.read(jpg[1]))]
     assert "2 JPEG files" in memory.layout(batch) and "1x3x32x32 uint8" in memory.layout(batch)
     stacked = gpu.collate_fn([gpu[png], gpu[png]])
     assert isinstance(stacked[0], torch.Tensor) and stacked[0].shape == (2, 3, 32, 32)

@@ -49,7 +49,6 @@ class ImageFiles(datasets.ImageFolder):
 
     def __init__(self, root, transform=None):
 {% endif %}
-        root = Path(root)
         self.precheck(root)
         try:
             super().__init__(str(root), transform=transform)
@@ -89,32 +88,33 @@ class ImageFiles(datasets.ImageFolder):
         """Where sample `index` comes from, for the line that names a bad sample (engine/failures.py)."""
         return f"file {self.paths[index]}"
 
-    def __getitem__(self, index: int):
-        data = Path(self.paths[index]).read_bytes()  # read whole, decoded from memory: one open and one read
+    def read(self, index: int) -> bytes:
 {% if cookiecutter.with_photos == "yes" %}
-        return self.reader(data), int(self.labels[index])
+        """The file's bytes, read whole: PIL and torchvision.io decode from memory (one open and one read)."""
 {% else %}
-        with Image.open(io.BytesIO(data)) as file:
+        """The file's bytes, read whole: PIL decodes from memory (one open and one read)."""
+{% endif %}
+        return Path(self.paths[index]).read_bytes()
+
+    def __getitem__(self, index: int):
+{% if cookiecutter.with_photos == "yes" %}
+        return self.reader(self.read(index)), int(self.labels[index])
+{% else %}
+        with Image.open(io.BytesIO(self.read(index))) as file:
             image = file.convert("RGB")  # as torchvision's ImageFolder loads a file
         return image if self.transform is None else self.transform(image), int(self.labels[index])
 {% endif %}
 
 
-def shapes(
-    root,
-    split: str,
-    transform=None,
-    per_class: int = 600,
-    image_size: int = 32,
-    data_seed: int = 2026,
 {% if cookiecutter.with_photos == "yes" %}
-    decode: str = "auto",
+def shapes(
+    root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, decode="auto"
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform, decode=decode)
 {% else %}
-):
+def shapes(root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026):
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform)
@@ -239,8 +239,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
     ):
         if generate:
             make_shapes(Path(root), per_class, image_size, data_seed, masks=True)
-        pairs = self.pairs(root, split)
-        self.images, self.masks = pairs[:, 0].copy(), pairs[:, 1].copy()
+        self.images, self.masks = self.pairs(root, split).T.copy()  # two arrays of paths
         self.transform, self.num_classes = transform, num_classes
 
     @staticmethod

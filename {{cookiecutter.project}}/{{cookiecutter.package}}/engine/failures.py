@@ -35,6 +35,7 @@ BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sa
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
 # signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
+_ARMED: list = []  # a worker's open stack files (arm_stack_dump)
 
 
 class LoaderFailure(UserError):
@@ -103,9 +104,6 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
 
 
-_ARMED: list = []
-
-
 def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
     its next batch, and the workers' Python stacks.
@@ -115,14 +113,13 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     that armed a stack dump: any other process dies of a real-time signal. The stuck worker is ended with the others
     as the process exits (its parent's SIGTERM)."""
     asked = {}  # worker id -> (pid, the file it writes its stack into)
-    if loader.stack_dir is not None and STACK_SIGNAL is not None:
-        live = {child.pid for child in psutil.Process().children()}
-        for path in Path(loader.stack_dir).glob("*-*.txt"):
-            worker_id, pid = map(int, path.stem.split("-"))
-            with contextlib.suppress(ProcessLookupError):  # gone meanwhile
-                if pid in live:
-                    os.kill(pid, STACK_SIGNAL)
-                    asked[worker_id] = (pid, path)
+    live = {child.pid for child in psutil.Process().children()}
+    for path in Path(loader.stack_dir).glob("*-*.txt") if loader.stack_dir is not None else []:  # armed workers
+        worker_id, pid = map(int, path.stem.split("-"))
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            if pid in live:
+                os.kill(pid, STACK_SIGNAL)
+                asked[worker_id] = (pid, path)
     # faulthandler writes in one go but marks no end: files that stopped growing for a moment are complete
     deadline, sizes = time.monotonic() + wait_s, None
     while asked and time.monotonic() < deadline:
@@ -146,7 +143,7 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     return failure
 
 
-# --- /dev/shm ---------------------------------------------------------------------------------------------------
+# --- /dev/shm full, a dead worker -------------------------------------------------------------------------------
 
 SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
 
@@ -165,9 +162,6 @@ def shm_full(error: BaseException | str) -> LoaderFailure | None:
         f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
         "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
     )
-
-
-# --- a dead worker ----------------------------------------------------------------------------------------------
 
 
 def exit_status(pid: int) -> str | None:
@@ -313,7 +307,6 @@ class BadSampleLog:
         if self.seen is None:
             self.seen = set(self.path.read_text().splitlines()) if self.path.exists() else set()
         new = [entry for entry in (f"{epoch}\t{self.rank}\t{line}" for line in lines) if entry not in self.seen]
-        if new:
-            self.seen.update(new)
-            with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
-                f.write("".join(line + "\n" for line in new))
+        self.seen.update(new)
+        with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
+            f.write("".join(line + "\n" for line in new))
