@@ -80,7 +80,7 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
         except Exception as e:
             source = ""
             with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
-                source = f" ({dataset.sample_source(index)})" if hasattr(dataset, "sample_source") else ""
+                source = f" ({dataset.sample_source(index)})"  # a data set without one names no source
             line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
                 raise BadSample(line) from e
