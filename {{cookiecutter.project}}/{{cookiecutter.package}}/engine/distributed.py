@@ -22,7 +22,6 @@ COLLECTIVE_GRACE_S = 10.0  # a rank asked to stop waits this long on its peers: 
 class World:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +52,7 @@ def join(device: torch.device) -> World:
 {% endif %}
     world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return World(dist.get_rank(), dist.get_world_size())
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
@@ -80,7 +79,7 @@ def join(device: torch.device) -> World:
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt{attempt}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return World(rank, world_size, local_rank)
+    return World(rank, world_size)
 
 
 def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
