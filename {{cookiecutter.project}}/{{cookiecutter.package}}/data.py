@@ -49,7 +49,6 @@ class ImageFiles(datasets.ImageFolder):
 
     def __init__(self, root, transform=None):
 {% endif %}
-        root = Path(root)
         self.precheck(root)
         try:
             super().__init__(str(root), transform=transform)
@@ -107,21 +106,15 @@ class ImageFiles(datasets.ImageFolder):
 {% endif %}
 
 
-def shapes(
-    root,
-    split: str,
-    transform=None,
-    per_class: int = 600,
-    image_size: int = 32,
-    data_seed: int = 2026,
 {% if cookiecutter.with_photos == "yes" %}
-    decode: str = "auto",
+def shapes(
+    root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, decode="auto"
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform, decode=decode)
 {% else %}
-):
+def shapes(root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026):
     """One split of the shapes data set, drawn into `root` on first use."""
     make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
     return ImageFiles(Path(root) / split, transform=transform)
@@ -246,8 +239,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
     ):
         if generate:
             make_shapes(Path(root), per_class, image_size, data_seed, masks=True)
-        pairs = self.pairs(root, split)
-        self.images, self.masks = pairs[:, 0].copy(), pairs[:, 1].copy()
+        self.images, self.masks = self.pairs(root, split).T.copy()  # two arrays of paths
         self.transform, self.num_classes = transform, num_classes
 
     @staticmethod

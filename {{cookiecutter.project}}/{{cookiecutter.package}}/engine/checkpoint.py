@@ -187,7 +187,7 @@ class CheckpointPolicy:
             state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
             self.writer.save(state, record if better else None)
         self.saved_step = run.step
-        distributed.barrier(self.world)
+        distributed.gather_all(None, self.world)  # a barrier: no rank goes on before the save is on disk
 
     def diverged(self, first_bad: int, step: int) -> str:
         """The one line for a loss that became NaN or inf: nothing is saved past the last good checkpoint."""

@@ -31,13 +31,6 @@ JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
-def check_decode(decode) -> None:
-    """data.decode's word, for code outside Hydra (the schema refuses other words in a config). A run with gpu on a
-    machine without CUDA is device.input_transform's to refuse: the workers' part reads bytes and draws crops."""
-    if decode not in DECODERS:
-        raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
-
-
 class RandomBox:
     """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
     (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
@@ -109,7 +102,8 @@ class CropDecoder:
     """
 
     def __init__(self, transform, decode: str = "auto"):
-        check_decode(decode)
+        if decode not in DECODERS:  # from code outside Hydra: the schema refuses such a word in a config
+            raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
         self.flip = gpu_steps(transform, self.plan) if decode == "gpu" else None  # the flip step, if any

@@ -207,14 +207,11 @@ class PrepareBatch:
         key = self.input
         if has_part(batch, key):
             return _rebuilt(batch, lambda k, part: self.prepared(part, stage) if k == key else part)
-        if not self.needed_by:  # nothing set works on the input: as before data.input existed, every (N, C, H, W)
-            # tensor through the plain Normalize (uint8 scaled to [0, 1]): a config older than the key trains the same
+        if not self.needed_by:  # nothing set works on the input: every (N, C, H, W) tensor scaled to [0, 1]
             with stage("data.normalize"):
                 return map_tensors(lambda t: self.normalize(t) if t.dim() == 4 else t, batch)
-        if isinstance(batch, Mapping):
-            has = f" with keys {', '.join(map(str, batch))}"
-        else:
-            has = f" with {len(batch)} parts" if isinstance(batch, (list, tuple)) else ""
+        has = f" with {len(batch)} parts" if isinstance(batch, (list, tuple)) else ""
+        has = f" with keys {', '.join(map(str, batch))}" if isinstance(batch, Mapping) else has
         users = ", ".join(self.needed_by)
         raise UserError(
             f"data.input={key!r} is not in the batch (a {type(batch).__name__}{has}): set data.input to the "

@@ -22,7 +22,6 @@ COLLECTIVE_GRACE_S = 10.0  # a rank asked to stop waits this long on its peers: 
 class World:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +52,7 @@ def join(device: torch.device) -> World:
 {% endif %}
     world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return World(dist.get_rank(), dist.get_world_size())
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
@@ -80,7 +79,7 @@ def join(device: torch.device) -> World:
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt{attempt}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return World(rank, world_size, local_rank)
+    return World(rank, world_size)
 
 
 def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
@@ -101,11 +100,10 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
     if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
         return
     buffers = [b.detach().clone() for b in net.module.buffers()]
-    saved = rng.capture_main()
     try:
-        throwaway_loss().backward()
+        with rng.kept():
+            throwaway_loss().backward()
     finally:
-        rng.restore_main(saved)
         with torch.no_grad():
             for live, kept in zip(net.module.buffers(), buffers, strict=True):
                 live.copy_(kept)
@@ -142,19 +140,14 @@ def main_buffers(model: torch.nn.Module, world: World | None) -> None:
 
 
 def gather_all(obj, world: World) -> list:
-    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states)."""
+    """Every rank's `obj` on every rank, indexed by rank (small objects: a run folder, a refusal, RNG states). Also
+    the barrier: `gather_all(None, world)` returns once every rank has called it."""
     if not world.distributed:
         return [obj]
     out = [None] * world.world_size
     with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
         dist.all_gather_object(out, obj)
     return out
-
-
-def barrier(world: World) -> None:
-    if world.distributed:
-        with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
-            dist.barrier()
 
 
 def leave(world: World) -> None:

@@ -35,17 +35,15 @@ BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sa
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
 # signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
+_ARMED: list = []  # a worker's open stack files (arm_stack_dump)
 
 
 class LoaderFailure(UserError):
-    """The train loader cannot go on (a stall, /dev/shm full, a bad sample). `str()`: the one line, and the save."""
+    """The train loader cannot go on (a stall, /dev/shm full, a bad sample): the one line (save_on_failure adds what
+    it did about a checkpoint)."""
 
     exit_code = EXIT_RETRY
-    saved: str | None = None  # what save_on_failure did about a checkpoint, for the line
     stacks = ""  # a stall's: the workers' Python stacks as faulthandler wrote them, the stuck one's first
-
-    def __str__(self) -> str:
-        return self.args[0] + (f"; {self.saved}" if self.saved else "")
 
 
 class BadSample(LoaderFailure):
@@ -82,7 +80,7 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
         except Exception as e:
             source = ""
             with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
-                source = f" ({dataset.sample_source(index)})" if hasattr(dataset, "sample_source") else ""
+                source = f" ({dataset.sample_source(index)})"  # a data set without one names no source
             line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
                 raise BadSample(line) from e
@@ -106,9 +104,6 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
 
 
-_ARMED: list = []
-
-
 def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
     its next batch, and the workers' Python stacks.
@@ -118,14 +113,13 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     that armed a stack dump: any other process dies of a real-time signal. The stuck worker is ended with the others
     as the process exits (its parent's SIGTERM)."""
     asked = {}  # worker id -> (pid, the file it writes its stack into)
-    if loader.stack_dir is not None and STACK_SIGNAL is not None:
-        live = {child.pid for child in psutil.Process().children()}
-        for path in Path(loader.stack_dir).glob("*-*.txt"):
-            worker_id, pid = map(int, path.stem.split("-"))
-            with contextlib.suppress(ProcessLookupError):  # gone meanwhile
-                if pid in live:
-                    os.kill(pid, STACK_SIGNAL)
-                    asked[worker_id] = (pid, path)
+    live = {child.pid for child in psutil.Process().children()}
+    for path in Path(loader.stack_dir).glob("*-*.txt") if loader.stack_dir is not None else []:  # armed workers
+        worker_id, pid = map(int, path.stem.split("-"))
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            if pid in live:
+                os.kill(pid, STACK_SIGNAL)
+                asked[worker_id] = (pid, path)
     # faulthandler writes in one go but marks no end: files that stopped growing for a moment are complete
     deadline, sizes = time.monotonic() + wait_s, None
     while asked and time.monotonic() < deadline:
@@ -144,12 +138,12 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
     )
-    shown = stuck + list(stacks.values())
+    shown = stuck + list(stacks.values())  # the stuck worker's stack first
     failure.stacks = "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in shown)
     return failure
 
 
-# --- /dev/shm ---------------------------------------------------------------------------------------------------
+# --- /dev/shm full, a dead worker -------------------------------------------------------------------------------
 
 SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
 
@@ -159,21 +153,15 @@ def shm_full(error: BaseException | str) -> LoaderFailure | None:
     text = str(error)
     if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
         return None
-    space = shm_space()
-    if space is None:
-        how = "shared memory is exhausted"
-    else:
-        free, size = space
-        used = size - free
+    how = "shared memory is exhausted"
+    if space := shm_space():
+        used, size = space[1] - space[0], space[1]
         how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
     return LoaderFailure(
         f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
         f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
         "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
     )
-
-
-# --- a dead worker ----------------------------------------------------------------------------------------------
 
 
 def exit_status(pid: int) -> str | None:
@@ -264,16 +252,14 @@ def named(batches, loader):
     except Exception as e:
         kind, text = type(e), str(e)
         if isinstance(e, UserError):  # the worker's line, if it comes from a worker
-            found = re.findall(rf"{kind.__name__}: (.*)", text)
-            last = found[-1].strip() if found else text.strip().splitlines()[-1]
-            failure = kind(last) if f"Caught {kind.__name__}" in text else None
+            found = re.findall(rf"{kind.__name__}: (.*)", text) if f"Caught {kind.__name__}" in text else []
+            failure = kind(found[-1].strip()) if found else None
         elif not (isinstance(e, RuntimeError) and text.startswith("DataLoader timed out after")):
             failure = shm_full(e)
         elif isinstance(loader, str):
-            waited = text.split("after ")[-1]
             failure = LoaderFailure(
-                f"loader.timeout: no {loader} batch for {waited}: a worker is stuck (a hung read, a dead network "
-                "mount?)"
+                f"loader.timeout: no {loader} batch for {text.split('after ')[-1]}: a worker is stuck (a hung read, "
+                "a dead network mount?)"
             )
         else:
             failure = stalled(loader)
@@ -303,7 +289,7 @@ def save_on_failure(run):
         else:
             run.checkpoints.save(run)
             notes.append(f"checkpoint of step {run.step} saved: {run.checkpoints.last}")
-        failure.saved = "; ".join(notes)
+        failure.args = ("; ".join([failure.args[0], *notes]),)
         raise
 
 
@@ -321,7 +307,6 @@ class BadSampleLog:
         if self.seen is None:
             self.seen = set(self.path.read_text().splitlines()) if self.path.exists() else set()
         new = [entry for entry in (f"{epoch}\t{self.rank}\t{line}" for line in lines) if entry not in self.seen]
-        if new:
-            self.seen.update(new)
-            with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
-                f.write("".join(line + "\n" for line in new))
+        self.seen.update(new)
+        with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
+            f.write("".join(line + "\n" for line in new))

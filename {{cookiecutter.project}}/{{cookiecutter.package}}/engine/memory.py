@@ -9,9 +9,8 @@ the plan leaves out (the workers' dataset copies, decode buffers...): docs/loade
 
 /dev/shm. On Linux every batch a worker hands over is a file in /dev/shm (a tmpfs; torch's shared memory), and
 containers get 64 MiB of it unless told otherwise (`docker run --shm-size`). A batch that does not fit fails in the
-worker ("unable to allocate shared memory(shm)", or SIGBUS when the pages were overcommitted: pytorch/pytorch#5040),
-after the run has started. So before any worker starts, `fit` holds what the loaders will put there against
-the free space of /dev/shm, for every rank on this host (`shm_need`), and lowers the profile or refuses.
+worker, mid-run (failures.shm_full; pytorch/pytorch#5040). So before any worker starts, `fit` holds what the loaders
+of every rank on this host will put there (`shm_need`) against its free space, and lowers the profile or refuses.
 """
 
 from __future__ import annotations
@@ -83,16 +82,13 @@ def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> 
     `batch_size` (for variable-size samples: a batch of sample 0's). Fetched in the main process with the main RNG
     put back after (the run is the same with or without a budget), from a shallow copy (a dataset that opens its
     files lazily does so on the copy, and the workers inherit no open handles)."""
-    saved = rng.capture()
-    try:
+    with rng.kept(cuda=False):
 {% if cookiecutter.with_streams == "yes" %}
         streamed = shard_plan.is_stream(dataset)
         one = collate_fn(shard_plan.first_records(dataset, 1) if streamed else [copy.copy(dataset)[0]])
 {% else %}
         one = collate_fn([copy.copy(dataset)[0]])
 {% endif %}
-    finally:
-        rng.apply(saved)
     return batch_bytes(one) * batch_size
 
 
@@ -132,8 +128,7 @@ class Plan:
         return self.in_flight + self.pinned_copies + validation + 1
 
     def shm_need(self, ranks: int = 1) -> int:
-        """Bytes this run's loaders can hold in /dev/shm: `shm_batches` per rank, every rank on the host, and
-        SHM_MARGIN."""
+        """Bytes the loaders of `ranks` processes on this host can hold in /dev/shm, with SHM_MARGIN."""
         return int(self.shm_batches * self.batch_bytes * ranks * SHM_MARGIN)
 
     def line(self) -> str:
@@ -143,12 +138,10 @@ class Plan:
         if not s.num_workers:
             return f"{head}; num_workers=0 loads in the main process: 0 batches in flight = 0.0 MiB"
         pinned = f" + {self.pinned_copies} pinned copies" if s.pin_memory else ""
-        space, need = shm_space(), self.shm_need(local_ranks())
-        if space is None:
-            shm = "no /dev/shm on this system"
-        else:
-            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need / MiB:.1f} MiB"
-            shm += " of it for batches"
+        shm, need = "no /dev/shm on this system", self.shm_need(local_ranks()) / MiB
+        if space := shm_space():
+            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need:.1f} MiB of it "
+            shm += "for batches"
         return (
             f"{head} x {self.in_flight} batches in flight ({s.num_workers} workers x prefetch_factor "
             f"{s.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm}"
@@ -193,7 +186,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
     for limit in ("budget", "shm"):
         was, plan = settings, Plan(settings, batch)
         if limit == "budget" and max_mib is not None:
-            need, most, lowest = (lambda p: p.bytes), max_mib * MiB, 0
+            need, most, to_none = (lambda p: p.bytes), max_mib * MiB, True  # down to no workers if need be
             over = (
                 f"the prefetch plan needs {plan.mib:.1f} MiB ({was.num_workers} workers x prefetch_factor "
                 f"{was.prefetch_factor} x {batch / MiB:.2f} MiB per batch{', x2 pinned' if was.pin_memory else ''})"
@@ -201,7 +194,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
             )
             todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
         elif limit == "shm" and space is not None:
-            need, most, lowest = (lambda p: p.shm_need(ranks)), space[0], 1
+            need, most, to_none = (lambda p: p.shm_need(ranks)), space[0], False
             over = (
                 f"{SHM_DIR} has {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, and the loaders may put "
                 f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
@@ -218,9 +211,8 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
         if need(plan) <= most:
             continue
         candidates = [replace(was, prefetch_factor=p) for p in range(was.prefetch_factor - 1, 0, -1)]
-        workers = range(was.num_workers - 1, max(lowest, 1) - 1, -1)
-        candidates += [replace(was, num_workers=w, prefetch_factor=1) for w in workers]
-        if lowest == 0:
+        candidates += [replace(was, num_workers=w, prefetch_factor=1) for w in range(was.num_workers - 1, 0, -1)]
+        if to_none:
             candidates.append(replace(was, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
         settings = next((c for c in candidates if need(Plan(c, batch)) <= most), None)
         if settings is None:

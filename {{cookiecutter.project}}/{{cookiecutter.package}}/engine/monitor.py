@@ -13,6 +13,7 @@ on data.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import time
@@ -30,12 +31,7 @@ def shared_batches(pids) -> int:
     """Bytes of PyTorch shared-memory files (batches in flight) held open by these processes, each file once."""
     seen: dict[tuple[int, int], int] = {}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # not Linux, or the process is gone
-            continue
-        for fd in fds:
-            path = f"/proc/{pid}/fd/{fd}"
+        for path in glob.glob(f"/proc/{pid}/fd/*"):  # none where there is no /proc, or the process is gone
             try:
                 if "/torch_" not in os.readlink(path):
                     continue
@@ -101,8 +97,8 @@ class Monitor:
         self._epoch = None  # the epoch the window belongs to
         self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
         self._readings = ThreadPoolExecutor(1, thread_name_prefix="health-sample")
-        self._pending: list[tuple[int, dict, Future, str]] = []  # (step, window figures, reading, what for)
-        self._epoch_sample: dict | None = None
+        self._pending: list[tuple[int, dict | None, Future]] = []  # (step, window figures or None: the plan's, reading)
+        self._epoch_end: Future | None = None  # the reading at the epoch's last batch
         self._steps_seen = 0
         self._measured = False  # the plan against a reading, logged once
 
@@ -114,7 +110,7 @@ class Monitor:
     def step(self, step: int, data_wait: float, started: float) -> None:
         """Call once per step with the epoch's cumulative data wait and its start time (perf_counter)."""
         if self._epoch != self.loader.epoch:  # first step of an epoch: the window starts at the epoch start
-            self._epoch, self._mark, self._epoch_sample = self.loader.epoch, (step - 1, 0.0, started), None
+            self._epoch, self._mark, self._epoch_end = self.loader.epoch, (step - 1, 0.0, started), None
         self._steps_seen += 1
         self._write_done()
         last = self.loader.at_epoch_end
@@ -129,7 +125,7 @@ class Monitor:
 {% endif %}
             if self._steps_seen >= 2 * in_flight + 2 and left >= in_flight:
                 self._measured = True
-                self._pending.append((step, {}, self._reading(), "measured"))
+                self._pending.append((step, None, self._reading()))
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
@@ -142,7 +138,9 @@ class Monitor:
             "compute_ms_per_step": 1000 * (elapsed - wait) / steps,
             "data_wait_share": wait / elapsed if elapsed > 0 else 0.0,
         }
-        self._pending.append((step, window, self._reading(), "epoch end" if last else "sample"))
+        reading = self._reading()
+        self._pending.append((step, window, reading))
+        self._epoch_end = reading if last else None
         if last and not self.loader.settings.persistent_workers:
             self._write_done(wait=True)  # these workers exit as soon as the loop asks for the next batch: read them now
 
@@ -153,13 +151,11 @@ class Monitor:
         """Write the readings that have finished (all of them, waiting, with `wait`)."""
         done = [entry for entry in self._pending if wait or entry[2].done()]
         self._pending = [entry for entry in self._pending if entry not in done]
-        for step, window, reading, what in done:
-            figures = {**reading.result(), **window}
-            if what == "epoch end":
-                self._epoch_sample = figures
+        for step, window, reading in done:
+            figures = reading.result()  # on every rank: `wait` means read before the workers exit
             if not self.runlog.enabled:
                 continue
-            if what == "measured":
+            if window is None:
                 log.info(
                     "prefetch plan {plan:.1f} MiB; measured at step {step}: {shm_mib:.1f} MiB of batches in shared "
                     "memory (those in flight and the one in training), PSS main {main_pss_mib:.0f} MiB + workers "
@@ -168,13 +164,13 @@ class Monitor:
                     )
                 )
             else:
-                self.runlog.scalars("health", figures, step)
+                self.runlog.scalars("health", {**figures, **window}, step)
 
     def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main
         process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
-        reading = self._epoch_sample or sample(self.loader.worker_pids)
+        reading = self._epoch_end.result() if self._epoch_end else sample(self.loader.worker_pids)
         record = {key: round(reading[key], 1) for key in ("worker_count", "rss_mib", "pss_mib", "fds")}
         record |= {
             "data_wait_share": data_wait / train_time if train_time > 0 else 0.0,

@@ -46,8 +46,7 @@ class StopRequest:
         while True:
             # sleep until a signal comes; poll only once a SIGTERM is pending, to see a wait outlast its grace
             if select.select([fd], [], [], 0.1 if term_at else None)[0]:
-                received = os.read(fd, 512)
-                if signal.SIGTERM in received:
+                if signal.SIGTERM in os.read(fd, 512):  # the numbers of the signals that came
                     if term_at is not None and self.waiting is not None:
                         _exit_now("a second SIGTERM")
                     term_at = term_at or time.monotonic()
@@ -91,13 +90,13 @@ class StopRequest:
         for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        threading.Thread(target=_exit_on_sigterm_from_parent, name="sigterm-from-parent", daemon=True).start()
+        parent = os.getppid()
+        threading.Thread(target=_exit_on_sigterm_from, args=(parent,), name="sigterm-from-parent", daemon=True).start()
         # Linux: the kernel kills this worker (SIGKILL) when its parent dies. Else a worker whose parent was killed
         # notices within 5 s (PyTorch's watchdog), but its exit joins the result queue's feeder thread, which waits for
         # ever on a full pipe whose read end the worker itself holds (inherited at fork): an orphan holding its
         # parent's stdout, which a job runner then waits on for ever.
         if sys.platform.startswith("linux"):
-            parent = os.getppid()
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             if os.getppid() != parent:  # the parent died before the call: no death signal will come
                 os._exit(0)
@@ -133,8 +132,7 @@ def _exit_now(why: str) -> None:
     os._exit(128 + signal.SIGTERM)  # what a SIGTERM left to its default would give
 
 
-def _exit_on_sigterm_from_parent() -> None:
-    parent = os.getppid()
-    while True:
-        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-            os._exit(0)  # exit code 0: the parent asked, so PyTorch does not report a failed worker
+def _exit_on_sigterm_from(parent: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+        pass  # another process's SIGTERM: a worker leaves the stop to the main process
+    os._exit(0)  # exit code 0: the parent asked, so PyTorch does not report a failed worker

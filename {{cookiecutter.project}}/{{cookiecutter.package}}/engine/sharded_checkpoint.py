@@ -121,14 +121,14 @@ class ShardedCheckpointer:
             for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short
                 shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
             self._collect()
-        distributed.barrier(world)
+        distributed.gather_all(None, world)  # a barrier: no rank goes on before rank 0 has tidied up
 
     def save(self, tensors: dict, state: dict | None, step: int, best: bool) -> None:
         """Write `tensors` (every rank's shards) and rank 0's `state` as one save; link it as last (step-N, best)."""
         tmp = self.saves / f".tmp-{step:08d}"
         if self.world.is_main:
             tmp.mkdir(parents=True, exist_ok=True)
-        distributed.barrier(self.world)
+        distributed.gather_all(None, self.world)  # a barrier: the folder exists for every rank
         dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
         if not self.world.is_main:
             return
