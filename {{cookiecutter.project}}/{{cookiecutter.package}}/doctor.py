@@ -41,6 +41,7 @@ from .engine.errors import UserError, find_user_error
 from .engine.fsdp import state_slots
 {% endif %}
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+from .engine.preflight import refuse
 {% if cookiecutter.with_streams == "yes" %}
 from .engine.stream_loader import StreamLoader
 {% endif %}
@@ -371,8 +372,7 @@ def run(cfg) -> None:
         error = find_user_error(e) or failures.worker_death(e)
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(error))
 
 
 def main() -> None:
@@ -381,12 +381,8 @@ def main() -> None:
     folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
     folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
     if folder is None:
-        print(
-            f"error: no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
-            "the folder holding train.py and conf/",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        refuse(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, the folder "
+               "holding train.py and conf/")  # fmt: skip
     schema.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 

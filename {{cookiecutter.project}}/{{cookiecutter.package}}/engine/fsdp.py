@@ -89,21 +89,12 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
 
 def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
     """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
-    if device.type == "cpu":
-        return_freed_memory()
+    if device.type == "cpu":  # freed blocks back to the system: every step frees a gathered unit and its whole
+        process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)  # gradient (docs/distributed.md)
     model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
     blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
     initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
     return model
-
-
-def return_freed_memory() -> bool:
-    """On the CPU under glibc: every large block a mapping of its own, returned to the system when freed (both malloc
-    thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
-    heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
-    A sharded run frees a gathered unit and its whole gradient at every step, which the heap would keep
-    (docs/distributed.md). False where that is not so (another C library, or MALLOC_*_ settings of yours)."""
-    return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
 def tensors(module: torch.nn.Module, recurse: bool = False):

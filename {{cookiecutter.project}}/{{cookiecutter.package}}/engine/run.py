@@ -264,7 +264,7 @@ def build(
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
-        callbacks.add("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # the plan, then the peaks
+        callbacks.named.setdefault("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # plan, peaks
     step = 0
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
@@ -306,7 +306,7 @@ def build(
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
-    runlog = RunLog(run_dir, purge, world.is_main, trackers, tracking.chosen(cfg))
+    runlog = RunLog(run_dir, purge, world.is_main, trackers, cfg.logger.use)
 {% else %}
     runlog = RunLog(run_dir, purge, world.is_main)
 {% endif %}

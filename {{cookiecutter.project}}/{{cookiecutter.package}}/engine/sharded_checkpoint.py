@@ -35,7 +35,6 @@ from . import distributed
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
-SAVES = ".saves"
 DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
 
@@ -114,8 +113,7 @@ class ShardedCheckpointer:
 
     def __init__(self, folder: Path, keep: int, world):
         self.folder, self.keep, self.world = folder, keep, world
-        self.last, self.best = folder / LAST, folder / BEST
-        self.saves = folder / SAVES
+        self.last, self.best, self.saves = folder / LAST, folder / BEST, folder / ".saves"
         if world.is_main:
             self.saves.mkdir(parents=True, exist_ok=True)
             for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short

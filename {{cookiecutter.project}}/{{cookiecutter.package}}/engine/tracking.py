@@ -34,10 +34,9 @@ log = logging.getLogger("train")
 LOCAL_MLFLOW = "mlflow.db"  # logger.mlflow.on_unreachable=local: a database in the run folder, with the run's files
 
 
-def chosen(cfg) -> list[str]:
-    """`logger.use`, each tracker's package importable, else one line naming the pip extra (named after it)."""
-    use = list(cfg.logger.use)
-    for name in [name for name in use if name in REMOTE]:
+def check_packages(cfg) -> None:
+    """Each tracker of `logger.use` importable, else one line naming the pip extra (named after it)."""
+    for name in [name for name in cfg.logger.use if name in REMOTE]:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -45,14 +44,13 @@ def chosen(cfg) -> list[str]:
                 f"logger.use has {name} but the {name} package is not installed: "
                 f'pip install -e ".[{name}]" (or choose another logger, e.g. logger=tensorboard)'
             ) from None
-    return use
 
 
 def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
     """The trackers of `logger.use` that live outside the run folder, started; None when there are none. `ckpt`: the
     checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue, and whose step and changes
     (resume_strict=false) the tracked run is told (`note`: the first step this run logs, and that text)."""
-    use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`chosen`)
+    use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`check_packages`)
     if not use:
         return None
     saved, note = (ckpt or {}).get("tracking") or {}, None
