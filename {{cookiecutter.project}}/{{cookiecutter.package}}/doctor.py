@@ -37,10 +37,8 @@ from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecut
 from .engine.device import pick_device, to_device
 from .engine.dry_step import first_samples
 from .engine.errors import UserError, find_user_error
-{% if cookiecutter.with_fsdp == "yes" %}
-from .engine.fsdp import state_slots
-{% endif %}
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+from .engine.optim import state_slots
 from .engine.preflight import refuse
 {% if cookiecutter.with_streams == "yes" %}
 from .engine.stream_loader import StreamLoader
@@ -221,15 +219,6 @@ def model_memory(cfg) -> dict:
             "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
 {% else %}
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole}
-
-
-# Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on.
-def state_slots(optimizer: torch.optim.Optimizer) -> int:
-    defaults = optimizer.defaults
-    if "betas" in defaults:
-        return 2
-    return 1 if defaults.get("momentum") else 0
 {% endif %}
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed, process
 from .errors import UserError
+from .optim import state_slots
 from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
@@ -200,20 +201,6 @@ def no_gradient_sync(model: torch.nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def full(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor: over DTensor shards clip_grad_norm_ returns a DTensor (a collective)."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-# Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on.
-def state_slots(optimizer: torch.optim.Optimizer) -> int:
-    defaults = optimizer.defaults
-    if "betas" in defaults:
-        return 2
-    return 1 if defaults.get("momentum") else 0
 
 
 def peak_rss_mib() -> float:
