@@ -100,9 +100,8 @@ class Probe(Dataset):
 
 
 class PeakPss(threading.Thread):
-    """Polls monitor.pss_mib() until `result()`; keeps the highest reading. A reading costs ~10 ms of kernel time per
-    process (smaps_rollup walks the page tables), so each poll waits at least ten times what the last reading took:
-    at most a tenth of a core."""
+    """Polls monitor.pss_mib() until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time
+    per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
 
     def __init__(self, every_s: float = 0.2):
         super().__init__(daemon=True)

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed, process
-from .errors import UserError
+from .errors import UserError, reason
 from .optim import state_slots
 from .sharded_checkpoint import SafeLoadPlanner
 
@@ -73,8 +73,7 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
-    """`model` (on the meta device) sharded in place, each unit then the root, and each rank's slices allocated on
-    `device`, not initialised."""
+    """`model` (on the meta device) sharded in place, units then root; this rank's slices allocated on `device`."""
     mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
     for path in unit_paths(model, parallel_cfg):
         fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
@@ -131,8 +130,8 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
                 except Exception as e:
                     raise UserError(
                         f"parallel=fsdp: {type(blueprint).__name__}.init_weights() fails on the model built on the "
-                        f"meta device: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; it is called "
-                        "with no arguments and must set tensors in place (docs/distributed.md)"
+                        f"meta device: {reason(e)}; it is called with no arguments and must set tensors in place "
+                        "(docs/distributed.md)"
                     ) from None
         for name, module in modules:
             for key, t in tensors(module):

@@ -66,9 +66,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def tensors(path: Path, whole: bool) -> dict:
-    """The save's `model` and `ema` (None when it has none) for checkpoint.read: on the meta device, nothing read
-    (`sharded`: a resume loads the shards, `load_into`), or, `whole`, gathered into whole CPU tensors (eval.py,
-    init_from, export; not the optimizer's state)."""
+    """The save's `model` and `ema` (None without) for checkpoint.read: meta tensors, nothing read (`sharded`: a resume
+    loads the shards, `load_into`), or with `whole` gathered into whole CPU tensors (eval.py, init_from, export)."""
     with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
         found = MetadataUnpickler(f).load()
     if not isinstance(found, Metadata):

@@ -1,7 +1,6 @@
-"""What a task's `loss`, `metrics` and `compute` may return (tasks.py says what each is), checked in one line, and
-validation: the metrics of a whole split summed on the device and read once (train.py after each epoch, eval.py).
-The loop unpacks a loss on every step without looking at values (no host read); the dry step checks the forms on
-two samples."""
+"""What a task's `loss`, `metrics` and `compute` may return (tasks.py), checked in one line, and validation: the
+metrics of a whole split summed on the device and read once (train.py after each epoch, eval.py). The loop unpacks a
+loss on every step without looking at values (no host read); the dry step checks the forms on two samples."""
 
 from __future__ import annotations
 

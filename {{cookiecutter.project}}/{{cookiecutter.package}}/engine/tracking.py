@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from . import resume
-from .errors import UserError
+from .errors import UserError, reason
 from .schema import flatten
 
 log = logging.getLogger("train")
@@ -68,8 +68,7 @@ def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
 
 
 class Tracking:
-    """The trackers behind one queue and one thread. `log` never waits; `close` waits for the queue at most
-    `timeout_s` and says what was not sent."""
+    """The trackers behind one queue and thread: `log` never waits; `close` at most `timeout_s`, naming what is left."""
 
     def __init__(self, trackers: list, timeout_s: float):
         self.trackers, self.timeout_s = trackers, timeout_s
@@ -98,8 +97,7 @@ class Tracking:
         except Exception as e:  # a tracker's failure never stops training: the run folder's files stay complete
             if tracker.name not in self.failed:
                 self.failed.add(tracker.name)
-                log.warning("logger %s: %s failed (%s: %s); training goes on", tracker.name, method, type(e).__name__,
-                            str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
+                log.warning("logger %s: %s failed (%s); training goes on", tracker.name, method, reason(e))
 
     def close(self, files: dict, finished: bool) -> None:
         """Drain the queue (at most timeout_s), then hand each tracker the checkpoint paths and end its run."""
@@ -242,7 +240,7 @@ class WandbTracker(Tracker):
             )
         except Exception as e:
             raise UserError(
-                f"logger wandb: wandb.init failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                f"logger wandb: wandb.init failed ({reason(e)}): "
                 "check `wandb login` and the network, or logger.wandb.mode=offline (then `wandb sync` later)"
             ) from None
         self.run_id = self.run.id
