@@ -182,8 +182,8 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     return result
 
 
-def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> float:
-    """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
+def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
+    """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
         model, task = parts.model(cfg).to(device), parts.task(cfg)
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
@@ -197,10 +197,10 @@ def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, ste
         model.zero_grad(set_to_none=True)
         split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
     sync()
-    return steps / (time.perf_counter() - began)
+    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg, model))
 
 
-def model_memory(cfg) -> dict:
+def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 {% if cookiecutter.with_fsdp == "yes" %}
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of them
     under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
@@ -208,10 +208,8 @@ def model_memory(cfg) -> dict:
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP (the loader's
     batches in flight come on top)."""
 {% endif %}
-    with rng.kept():  # the model's initialisation draws: leave the RNG as it was
-        model = parts.model(cfg)
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
-    slots = state_slots(parts.optimizer(cfg, model))
+    slots = state_slots(optimizer)
     whole = params * (2 + slots)
 {% if cookiecutter.with_fsdp == "yes" %}
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
@@ -316,14 +314,13 @@ def diagnose(cfg) -> dict:
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
-    model_bps = model_rate(cfg, train_set, collate, cfg.loader.batch_size, device)
+    model_bps, weights = model_figures(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
     samples = sum(sizes) if sizes is not None else None if shard_plan.is_stream(train_set) else len(train_set)
 {% else %}
     samples = len(train_set)
 {% endif %}
-    weights = model_memory(cfg)
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
