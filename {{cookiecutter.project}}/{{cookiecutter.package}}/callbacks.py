@@ -54,10 +54,9 @@ class EarlyStopping:
 
 
 class SampleGrid:
-    """`count` training samples as they enter the model (collated, on the device, through data.normalize),
-    shown as people see them (data.normalize undone) in one TensorBoard image, `samples/train`: at the run's start
-    and, with `every_epoch`, after each epoch's validation (the epoch's augmentations). A segmentation batch (an
-    integer mask (N, H, W) beside the images) shows each mask over its image. The samples are read and augmented
+    """`count` training samples as they enter the model (collated, on the device, through data.normalize), `shown`
+    as people see them in one TensorBoard image, `samples/train`: at the run's start and, with `every_epoch`, after
+    each epoch's validation (the epoch's augmentations; a segmentation mask over its image), read and augmented
     under RNG states of their own (each epoch's from the seed): the run's generators are left as they were."""
 
     def __init__(self, count: int = 16, every_epoch: bool = False, columns: int = 8):

@@ -53,9 +53,8 @@ def resnet18(num_classes: int) -> nn.Module:
 
 {% if cookiecutter.with_fsdp == "yes" %}
 class ViT(VisionTransformer):
-    """torchvision's VisionTransformer (randomly initialised, sized by its arguments: conf/model/vit.yaml). Its
-    `shard_modules` names its encoder block: under parallel=fsdp with shard_modules=null, each block is its own FSDP
-    unit."""
+    """torchvision's VisionTransformer, sized by conf/model/vit.yaml. Its `shard_modules` names its encoder block:
+    under parallel=fsdp with shard_modules=null, each block is its own FSDP unit."""
 
     shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
 

@@ -31,12 +31,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed, process
 from .errors import UserError, reason
+from .memory import MiB
 from .optim import state_slots
 from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
-
-MIB = 2**20
 
 
 def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
@@ -217,8 +216,8 @@ class PeakMemory:
     def plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
         """Itself, once the log has the plan: parameters, gradients, optimizer state and the EMA's copy when on."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        params = sum(p.numel() * p.element_size() for p in local) / MIB
-        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+        params = sum(p.numel() * p.element_size() for p in local) / MiB
+        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         slots = state_slots(optimizer)
         self.planned = (2 + slots + ema) * params
         if self.world.is_main:
@@ -240,7 +239,7 @@ class PeakMemory:
         self.tell(run, "over the run")
 
     def tell(self, run, when: str) -> None:
-        on_device = torch.cuda.max_memory_allocated(run.device) / MIB if run.device.type == "cuda" else None
+        on_device = torch.cuda.max_memory_allocated(run.device) / MiB if run.device.type == "cuda" else None
         every = distributed.gather_all((peak_rss_mib(), self.before, on_device), self.world)
         if not self.world.is_main:
             return
