@@ -86,11 +86,17 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
-    """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
+def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False, like=None):
+    """The model `make` builds, sharded without ever being whole (this module's docstring tells how); with `like`, a
+    model sharded like it holding a copy of its slices instead (the EMA's: FSDP modules refuse deepcopy)."""
     if device.type == "cpu":  # freed blocks back to the system: every step frees a gathered unit and its whole
         process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)  # gradient (docs/distributed.md)
     model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
+    if like is not None:  # built on the meta device: it draws nothing from the run's generators
+        with torch.no_grad():
+            for (_, mine), (_, theirs) in zip(tensors(model, recurse=True), tensors(like, recurse=True), strict=True):
+                mine.copy_(theirs)
+        return model
     blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
     initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
     return model
@@ -163,16 +169,6 @@ def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
             live.copy_(distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None))
         else:
             live.copy_(whole)
-
-
-def twin(make, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device, channels_last: bool = False):
-    """A second model sharded like `model` from the start, holding a copy of each rank's slices: the EMA's (FSDP
-    modules refuse deepcopy). Built on the meta device, so it draws nothing from the run's generators."""
-    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
-    with torch.no_grad():
-        for (_, mine), (_, theirs) in zip(tensors(copy_, recurse=True), tensors(model, recurse=True), strict=True):
-            mine.copy_(theirs)
-    return copy_
 
 
 def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:

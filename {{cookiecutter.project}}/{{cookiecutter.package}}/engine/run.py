@@ -259,7 +259,7 @@ def build(
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
-            twin = fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
+            twin = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model)
             ema = EMA(model, cfg.ema.decay, twin)
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
