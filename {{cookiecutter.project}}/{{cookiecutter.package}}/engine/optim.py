@@ -77,7 +77,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, sc
 
 
 def state_slots(optimizer: torch.optim.Optimizer) -> int:
-    """The per-parameter state tensors, each shaped like the parameter, that the shipped optimizers keep: Adam's two
-    moments, SGD's momentum buffer when momentum is on (the model memory per rank the fsdp log and the doctor give)."""
+    """The per-parameter state tensors, each shaped like the parameter, that the shipped optimizers keep (for the model
+    memory per rank): Adam's two moments, SGD's momentum buffer when momentum is on."""
     return 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum")))
 {% endif %}
