@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
+import torch
 
 from {{ cookiecutter.package }}.doctor import model_memory, recommend
 from tests.helpers import PROJECT
@@ -63,11 +63,9 @@ def test_doctor_measures_a_stream(tmp_path):
 
 
 def test_model_memory_per_rank_whole_under_ddp{% if cookiecutter.with_fsdp == "yes" %}_and_split_under_fsdp{% endif %}():
-    layer = {"_target_": "torch.nn.Linear", "in_features": 256, "out_features": 256}
-    adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1}
-    plain_sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    layer = torch.nn.Linear(256, 256)
     params = (256 * 256 + 256) * 4 / 2**20
-    found = model_memory(OmegaConf.create({"model": layer, "optim": adamw}))
+    found = model_memory(layer, torch.optim.AdamW(layer.parameters(), lr=0.1))
     assert found["parameters"] == found["gradients"] == pytest.approx(params)
     assert found["optimizer_state"] == pytest.approx(2 * params)  # Adam's two moments
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -75,7 +73,7 @@ def test_model_memory_per_rank_whole_under_ddp{% if cookiecutter.with_fsdp == "y
 {% else %}
     assert found["ddp_per_rank"] == pytest.approx(4 * params)
 {% endif %}
-    assert model_memory(OmegaConf.create({"model": layer, "optim": plain_sgd}))["optimizer_state"] == 0  # no momentum
+    assert model_memory(layer, torch.optim.SGD(layer.parameters(), lr=0.1))["optimizer_state"] == 0  # no momentum
 
 
 def profile(name, workers, prefetch, persistent, rate, peak, restart=0.05):

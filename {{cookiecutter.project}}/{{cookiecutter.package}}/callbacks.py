@@ -54,10 +54,9 @@ class EarlyStopping:
 
 
 class SampleGrid:
-    """`count` training samples as they enter the model (collated, on the device, through data.normalize),
-    shown as people see them (data.normalize undone) in one TensorBoard image, `samples/train`: at the run's start
-    and, with `every_epoch`, after each epoch's validation (the epoch's augmentations). A segmentation batch (an
-    integer mask (N, H, W) beside the images) shows each mask over its image. The samples are read and augmented
+    """`count` training samples as they enter the model (collated, on the device, through data.normalize), `shown`
+    as people see them in one TensorBoard image, `samples/train`: at the run's start and, with `every_epoch`, after
+    each epoch's validation (the epoch's augmentations; a segmentation mask over its image), read and augmented
     under RNG states of their own (each epoch's from the seed): the run's generators are left as they were."""
 
     def __init__(self, count: int = 16, every_epoch: bool = False, columns: int = 8):
@@ -79,13 +78,9 @@ class SampleGrid:
             rng.seed_everything(rng.derived(run.cfg.seed, epoch, 7))  # this epoch's draws, the same on every run
             samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
             batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))
-        images, mask = picture_parts(batch, run.cfg.data.get("input", 0))
-        if images is None:
-            return  # no (N, C, H, W) images in the batch: nothing to show
-        images = undo_normalize(images.float(), run.prepare.normalize)
-        if mask is not None:
-            images = overlay(images, mask)
-        run.runlog.image("samples/train", grid(images, self.columns), run.step)
+        images = shown(batch, run.cfg.data.get("input", 0), run.prepare.normalize)
+        if images is not None:  # else no (N, C, H, W) images in the batch: nothing to show
+            run.runlog.image("samples/train", grid(images, self.columns), run.step)
 
 
 class HParams:
@@ -109,44 +104,39 @@ class HParams:
         run.runlog.hparams(config, {f"hparams/{k}": v for k, v in figures.items()})
 
 
-def picture_parts(batch, key) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the images (N, C, H, W) with 1 or 3 channels, an integer mask (N, H, W) beside them or None)."""
+PALETTE = torch.tensor([[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
+                        [145, 30, 180], [70, 240, 240], [240, 50, 230]], dtype=torch.float32) / 255  # fmt: skip
+
+
+def shown(batch, key, normalize) -> torch.Tensor | None:
+    """The batch's images (N, C, H, W), 1 or 3 channels, as people see them: (N, 3, H, W) in [0, 1], or None. The
+    run's built data.normalize undone where it holds per-channel `mean` and `std` tensors (device.Normalize does),
+    else each image stretched; an integer mask (N, H, W) beside them drawn over each image, its classes in colour,
+    half and half, 0 (the background) and 255 (no class) left clear."""
     found = tensors(batch)  # however nested
     images = batch[key] if has_part(batch, key) else found[0] if found else None
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
-        return None, None
+        return None
     side = images.shape[:1] + images.shape[2:]  # (N, H, W)
     masks = [t for t in found if t.dim() == 3 and not t.is_floating_point() and t.shape == side]
-    return images, masks[0] if masks else None
-
-
-def undo_normalize(images: torch.Tensor, normalize) -> torch.Tensor:
-    """Images in [0, 1] as people see them: the run's built data.normalize undone where it holds per-channel `mean`
-    and `std` tensors (device.Normalize does), else each image stretched."""
-    mean, std = getattr(normalize, "mean", None), getattr(normalize, "std", None)
+    mean, std, images = getattr(normalize, "mean", None), getattr(normalize, "std", None), images.float()
     if isinstance(mean, torch.Tensor) and isinstance(std, torch.Tensor):
         images = images * std + mean
     else:
         low = images.amin(dim=(1, 2, 3), keepdim=True)
         images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp_min(1e-8)
-    return images.clamp(0, 1)
-
-
-PALETTE = torch.tensor([[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
-                        [145, 30, 180], [70, 240, 240], [240, 50, 230]], dtype=torch.float32) / 255  # fmt: skip
-
-
-def overlay(images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each mask's classes in colour over its image, half and half; 0 (the background) and 255 (no class) left clear."""
-    images = images.expand(-1, 3, -1, -1)
-    colours = PALETTE.to(images.device)[(mask % len(PALETTE)).long()].permute(0, 3, 1, 2)
-    shown = ((mask > 0) & (mask != 255)).unsqueeze(1)
-    return torch.where(shown, 0.5 * images + 0.5 * colours, images)
+    images = images.clamp(0, 1).expand(-1, 3, -1, -1)
+    if not masks:
+        return images
+    colours = PALETTE.to(images.device)[(masks[0] % len(PALETTE)).long()].permute(0, 3, 1, 2)
+    drawn = ((masks[0] > 0) & (masks[0] != 255)).unsqueeze(1)
+    return torch.where(drawn, 0.5 * images + 0.5 * colours, images)
 
 
 def grid(images: torch.Tensor, columns: int, pad: int = 2) -> torch.Tensor:
-    """(3, H', W') on the CPU: the images in rows of `columns`, `pad` pixels apart (no torchvision: see test_task)."""
-    images = images.expand(-1, 3, -1, -1).cpu()
+    """(3, H', W') on the CPU: the images (N, 3, H, W) in rows of `columns`, `pad` pixels apart (no torchvision: see
+    test_task)."""
+    images = images.cpu()
     n, _, h, w = images.shape
     columns = min(columns, n)
     rows = -(-n // columns)

@@ -37,10 +37,9 @@ from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecut
 from .engine.device import pick_device, to_device
 from .engine.dry_step import first_samples
 from .engine.errors import UserError, find_user_error
-{% if cookiecutter.with_fsdp == "yes" %}
-from .engine.fsdp import state_slots
-{% endif %}
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+from .engine.optim import state_slots
+from .engine.preflight import refuse
 {% if cookiecutter.with_streams == "yes" %}
 from .engine.stream_loader import StreamLoader
 {% endif %}
@@ -101,9 +100,8 @@ class Probe(Dataset):
 
 
 class PeakPss(threading.Thread):
-    """Polls monitor.pss_mib() until `result()`; keeps the highest reading. A reading costs ~10 ms of kernel time per
-    process (smaps_rollup walks the page tables), so each poll waits at least ten times what the last reading took:
-    at most a tenth of a core."""
+    """Polls monitor.pss_mib() until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time
+    per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
 
     def __init__(self, every_s: float = 0.2):
         super().__init__(daemon=True)
@@ -184,8 +182,8 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     return result
 
 
-def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> float:
-    """Batches/s of forward + backward for the configured model on one batch: the pace the loader must keep."""
+def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
+    """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
         model, task = parts.model(cfg).to(device), parts.task(cfg)
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
@@ -199,10 +197,10 @@ def model_rate(cfg, dataset, collate, batch_size: int, device: torch.device, ste
         model.zero_grad(set_to_none=True)
         split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
     sync()
-    return steps / (time.perf_counter() - began)
+    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg, model))
 
 
-def model_memory(cfg) -> dict:
+def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 {% if cookiecutter.with_fsdp == "yes" %}
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP, about 1/W of them
     under parallel=fsdp on W ranks (the loader's batches in flight come on top)."""
@@ -210,25 +208,14 @@ def model_memory(cfg) -> dict:
     """MiB of the model's parameters, gradients and optimizer state on each rank: whole under DDP (the loader's
     batches in flight come on top)."""
 {% endif %}
-    with rng.kept():  # the model's initialisation draws: leave the RNG as it was
-        model = parts.model(cfg)
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
-    slots = state_slots(parts.optimizer(cfg, model))
+    slots = state_slots(optimizer)
     whole = params * (2 + slots)
 {% if cookiecutter.with_fsdp == "yes" %}
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole,
             "fsdp_per_rank": {str(w): whole / w for w in (2, 4, 8)}}  # fmt: skip
 {% else %}
     return {"parameters": params, "gradients": params, "optimizer_state": params * slots, "ddp_per_rank": whole}
-
-
-# Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on.
-def state_slots(optimizer: torch.optim.Optimizer) -> int:
-    defaults = optimizer.defaults
-    if "betas" in defaults:
-        return 2
-    return 1 if defaults.get("momentum") else 0
 {% endif %}
 
 
@@ -327,14 +314,13 @@ def diagnose(cfg) -> dict:
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)
         results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
-    model_bps = model_rate(cfg, train_set, collate, cfg.loader.batch_size, device)
+    model_bps, weights = model_figures(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
     samples = sum(sizes) if sizes is not None else None if shard_plan.is_stream(train_set) else len(train_set)
 {% else %}
     samples = len(train_set)
 {% endif %}
-    weights = model_memory(cfg)
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
     machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
@@ -371,8 +357,7 @@ def run(cfg) -> None:
         error = find_user_error(e) or failures.worker_death(e)
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(error))
 
 
 def main() -> None:
@@ -381,12 +366,8 @@ def main() -> None:
     folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
     folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
     if folder is None:
-        print(
-            f"error: no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, "
-            "the folder holding train.py and conf/",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        refuse(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, the folder "
+               "holding train.py and conf/")  # fmt: skip
     schema.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 

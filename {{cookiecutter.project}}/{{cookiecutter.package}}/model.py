@@ -15,21 +15,14 @@ import torchvision
 from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
 from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
-{% else %}
-from torchvision.models.vision_transformer import VisionTransformer as ViT
 {% endif %}
 
 
 class GlobalAvgPool(nn.Module):
-    """(N, C, H, W) -> (N, C), or (N, C, 1, 1) with `keepdim`: the mean over H and W; its backward is deterministic on
-    every device."""
-
-    def __init__(self, keepdim: bool = False):
-        super().__init__()
-        self.keepdim = keepdim
+    """(N, C, H, W) -> (N, C): the mean over H and W; its backward is deterministic on every device."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=(2, 3), keepdim=self.keepdim)
+        return x.mean(dim=(2, 3))
 
 
 def conv_block(c_in: int, c_out: int) -> nn.Sequential:
@@ -54,14 +47,14 @@ class SmallCNN(nn.Module):
 def resnet18(num_classes: int) -> nn.Module:
     """torchvision's ResNet-18, randomly initialised (no weights are downloaded), its pooling a plain mean."""
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
-    model.avgpool = GlobalAvgPool(keepdim=True)  # torchvision flattens after avgpool
+    model.avgpool = GlobalAvgPool()  # (N, C): torchvision's flatten after it changes nothing
     return model
 
 
 {% if cookiecutter.with_fsdp == "yes" %}
 class ViT(VisionTransformer):
-    """torchvision's VisionTransformer. Its `shard_modules` names its encoder block: under parallel=fsdp with
-    shard_modules=null, each block is its own FSDP unit."""
+    """torchvision's VisionTransformer, sized by conf/model/vit.yaml. Its `shard_modules` names its encoder block:
+    under parallel=fsdp with shard_modules=null, each block is its own FSDP unit."""
 
     shard_modules = ["torchvision.models.vision_transformer.EncoderBlock"]
 
@@ -87,14 +80,6 @@ class ViT(VisionTransformer):
 
 
 {% endif %}
-def vit(
-    num_classes: int, image_size: int, patch_size: int = 4, num_layers: int = 4, num_heads: int = 4,
-    hidden_dim: int = 64, mlp_dim: int = 128,
-) -> nn.Module:  # fmt: skip
-    """torchvision's VisionTransformer, randomly initialised, sized by the arguments."""
-    return ViT(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim, num_classes=num_classes)
-
-
 class UNet(nn.Module):
     """A small U-Net: `levels` resolutions, each two conv blocks, widths doubling per level; (N, C, H, W) in,
     (N, num_classes, H, W) logits out. H and W must be multiples of 2 ** (levels - 1).

@@ -53,17 +53,13 @@ FORMAT = 1  # bump when the layout of the shards or the index changes
 SPLITS = ("train", "val")
 
 
-# ---------------------------------------------------------------------------------------------- packing
-
-
 def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[str, int]:
     """Pack `src/train/<class>/*` and `src/val/<class>/*` into `dst/<split>/shard-XXXXX.tar` + `index.json`.
 
     The samples are mixed across the shards in an order drawn from `seed` (`None`: the sorted file order, each shard
     then holding a class or two), as WebDataset advises. Deterministic: ImageFolder's labels (sorted class folders),
     the order a function of (seed, the sorted file list), fixed tar headers, keys numbered per split in the order
-    written. Everything is checked before the first byte is written; `dst` must be new or empty. Returns samples per
-    split.
+    written. All is checked before a byte is written; `dst` must be new or empty. Returns samples per split.
     """
     src, dst = Path(src), Path(dst)
     for flag, value, low in (("--per-shard", per_shard, 1), ("--seed", 0 if seed is None else seed, 0)):
@@ -139,9 +135,6 @@ def durable(path: Path):
     sync(path.parent)  # the rename itself
 
 
-# ---------------------------------------------------------------------------------------------- reading
-
-
 class ShardDataset(Dataset):
     """One split packed by `pack`: `(transform(image), label)` per sample, read from the shards via the index.
 
@@ -201,8 +194,7 @@ class ShardDataset(Dataset):
         return len(self.offset)
 
     def __getitem__(self, index: int):
-        data = self._ready.pop(index, None)
-        data = self.read(index) if data is None else data
+        data = self._ready.pop(index, None) or self.read(index)  # `prefetch`'s bytes, else read now
 {% if cookiecutter.with_photos == "yes" %}
         return self.reader(data), int(self.label[index])  # decoded as an image folder's file is (CropDecoder)
 {% else %}
@@ -282,8 +274,7 @@ def check_size(path, expected: int) -> None:
 
 
 def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
-    """The split's index, once it is one this version reads, the arguments fit it and every shard it lists is
-    there at its full size."""
+    """The split's index, once this version reads it, the arguments fit it and each shard it lists is whole."""
     path = root / INDEX
     if not path.is_file():  # no such folder, not one pack wrote, or a pack that did not finish
         raise UserError(
@@ -304,9 +295,6 @@ def checked_index(root: Path, num_classes: int | None, shuffle_window) -> dict:
     for shard in index["shards"]:
         check_size(root / shard["name"], int(shard["bytes"]))
     return index
-
-
-# ---------------------------------------------------------------------------------------------- command line
 
 
 def main(argv=None) -> int:

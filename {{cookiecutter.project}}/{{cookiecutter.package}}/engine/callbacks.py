@@ -28,16 +28,12 @@ def stateful(obj) -> bool:
 
 
 class Callbacks:
-    """The run's callbacks by name, in the config's order (`cfg.callbacks`)."""
+    """The run's callbacks by name (`named`), in the config's order (`cfg.callbacks`)."""
 
     def __init__(self, cfg):
         nodes = cfg.get("callbacks") or {}
         self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items() if node is not None}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
-
-    def add(self, name: str, callback) -> None:
-        """`callback` under `name` after the configured ones, unless the config has a callback of that name."""
-        self.named.setdefault(name, callback)
 
     def call(self, hook: str, run, *args) -> dict:
         """`hook` of each callback that has it, in order: {name: what it returned}."""

@@ -30,12 +30,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed, process
-from .errors import UserError
+from .errors import UserError, reason
+from .memory import MiB
+from .optim import state_slots
 from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
-
-MIB = 2**20
 
 
 def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
@@ -72,8 +72,7 @@ def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
-    """`model` (on the meta device) sharded in place, each unit then the root, and each rank's slices allocated on
-    `device`, not initialised."""
+    """`model` (on the meta device) sharded in place, units then root; this rank's slices allocated on `device`."""
     mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
     for path in unit_paths(model, parallel_cfg):
         fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
@@ -87,23 +86,20 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False):
-    """The model `make` builds, sharded without ever being whole (this module's docstring tells how)."""
-    if device.type == "cpu":
-        return_freed_memory()
+def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False, like=None):
+    """The model `make` builds, sharded without ever being whole (this module's docstring tells how); with `like`, a
+    model sharded like it holding a copy of its slices instead (the EMA's: FSDP modules refuse deepcopy)."""
+    if device.type == "cpu":  # freed blocks back to the system: every step frees a gathered unit and its whole
+        process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)  # gradient (docs/distributed.md)
     model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
+    if like is not None:  # built on the meta device: it draws nothing from the run's generators
+        with torch.no_grad():
+            for (_, mine), (_, theirs) in zip(tensors(model, recurse=True), tensors(like, recurse=True), strict=True):
+                mine.copy_(theirs)
+        return model
     blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
     initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
     return model
-
-
-def return_freed_memory() -> bool:
-    """On the CPU under glibc: every large block a mapping of its own, returned to the system when freed (both malloc
-    thresholds at glibc's starting 128 KiB). `process.keep_freed_memory` keeps freed blocks of up to 32 MiB in the
-    heap for the next step, and glibc left to itself raises its threshold as blocks are freed (pytorch/pytorch#41486).
-    A sharded run frees a gathered unit and its whole gradient at every step, which the heap would keep
-    (docs/distributed.md). False where that is not so (another C library, or MALLOC_*_ settings of yours)."""
-    return process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)
 
 
 def tensors(module: torch.nn.Module, recurse: bool = False):
@@ -139,8 +135,8 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
                 except Exception as e:
                     raise UserError(
                         f"parallel=fsdp: {type(blueprint).__name__}.init_weights() fails on the model built on the "
-                        f"meta device: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; it is called "
-                        "with no arguments and must set tensors in place (docs/distributed.md)"
+                        f"meta device: {reason(e)}; it is called with no arguments and must set tensors in place "
+                        "(docs/distributed.md)"
                     ) from None
         for name, module in modules:
             for key, t in tensors(module):
@@ -175,16 +171,6 @@ def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
             live.copy_(whole)
 
 
-def twin(make, model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device, channels_last: bool = False):
-    """A second model sharded like `model` from the start, holding a copy of each rank's slices: the EMA's (FSDP
-    modules refuse deepcopy). Built on the meta device, so it draws nothing from the run's generators."""
-    copy_ = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
-    with torch.no_grad():
-        for (_, mine), (_, theirs) in zip(tensors(copy_, recurse=True), tensors(model, recurse=True), strict=True):
-            mine.copy_(theirs)
-    return copy_
-
-
 def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:
     """`init_from` into the sharded model, no rank reading it whole: from a sharded save each rank reads its own
     slices (DCP reshards), from a whole file (memory-mapped) each rank copies its slice, one tensor at a time."""
@@ -211,20 +197,6 @@ def no_gradient_sync(model: torch.nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def full(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor: over DTensor shards clip_grad_norm_ returns a DTensor (a collective)."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-# Per-parameter state tensors the shipped optimizers keep, shaped like the parameter: Adam's two moments, SGD's
-# momentum buffer when momentum is on.
-def state_slots(optimizer: torch.optim.Optimizer) -> int:
-    defaults = optimizer.defaults
-    if "betas" in defaults:
-        return 2
-    return 1 if defaults.get("momentum") else 0
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -240,8 +212,8 @@ class PeakMemory:
     def plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
         """Itself, once the log has the plan: parameters, gradients, optimizer state and the EMA's copy when on."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        params = sum(p.numel() * p.element_size() for p in local) / MIB
-        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+        params = sum(p.numel() * p.element_size() for p in local) / MiB
+        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         slots = state_slots(optimizer)
         self.planned = (2 + slots + ema) * params
         if self.world.is_main:
@@ -263,7 +235,7 @@ class PeakMemory:
         self.tell(run, "over the run")
 
     def tell(self, run, when: str) -> None:
-        on_device = torch.cuda.max_memory_allocated(run.device) / MIB if run.device.type == "cuda" else None
+        on_device = torch.cuda.max_memory_allocated(run.device) / MiB if run.device.type == "cuda" else None
         every = distributed.gather_all((peak_rss_mib(), self.before, on_device), self.world)
         if not self.world.is_main:
             return

@@ -10,11 +10,11 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
+{% if cookiecutter.with_fsdp == "yes" %}
+from torch.distributed.tensor import DTensor
+{% endif %}
 
 from .errors import UserError
-{% if cookiecutter.with_fsdp == "yes" %}
-from .fsdp import full
-{% endif %}
 
 LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
 
@@ -68,7 +68,16 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None, optimizer, sc
     if scaler.is_enabled():
         scaler.unscale_(optimizer)
 {% if cookiecutter.with_fsdp == "yes" %}
-    return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))  # FSDP: the norm over every shard
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP's shards give a DTensor (a collective)
 {% else %}
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+{% endif %}
+{% if cookiecutter.with_fsdp == "yes" or cookiecutter.with_doctor == "yes" %}
+
+
+def state_slots(optimizer: torch.optim.Optimizer) -> int:
+    """The per-parameter state tensors, each shaped like the parameter, that the shipped optimizers keep (for the model
+    memory per rank): Adam's two moments, SGD's momentum buffer when momentum is on."""
+    return 2 if "betas" in optimizer.defaults else int(bool(optimizer.defaults.get("momentum")))
 {% endif %}

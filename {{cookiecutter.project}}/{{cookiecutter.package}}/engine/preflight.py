@@ -229,7 +229,7 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
         raise UserError(f"config: {str(e).splitlines()[0]}") from None
     unknown(cfg, Config, "")
 {% if cookiecutter.with_tracking == "yes" %}
-    tracking.chosen(cfg)  # a logger whose package is missing: the line names the extra to install
+    tracking.check_packages(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
     for name in (*TARGET_KEYS.values(), "data.val._target_"):
         if OmegaConf.select(cfg, name, default=None) is None:

@@ -95,7 +95,7 @@ def apply(cfg) -> None:
 def keep_freed_memory(mmap: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
     of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead.{% if cookiecutter.with_fsdp == "yes" %} parallel=fsdp on the CPU
-    asks for glibc's starting values instead (fsdp.return_freed_memory).{% endif %}"""
+    asks for glibc's starting values instead (fsdp.build).{% endif %}"""
     if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:

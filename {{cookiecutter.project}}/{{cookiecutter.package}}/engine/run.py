@@ -259,12 +259,12 @@ def build(
     ema, fresh = None, resume.group_settings(optimizer)
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
-            twin = fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
+            twin = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model)
             ema = EMA(model, cfg.ema.decay, twin)
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
-        callbacks.add("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # the plan, then the peaks
+        callbacks.named.setdefault("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # plan, peaks
     step = 0
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
@@ -306,7 +306,7 @@ def build(
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
-    runlog = RunLog(run_dir, purge, world.is_main, trackers, tracking.chosen(cfg))
+    runlog = RunLog(run_dir, purge, world.is_main, trackers, cfg.logger.use)
 {% else %}
     runlog = RunLog(run_dir, purge, world.is_main)
 {% endif %}

@@ -18,8 +18,7 @@ from .errors import UserError
 
 
 def is_shard_stream(dataset) -> bool:
-    """`shards` and `read`, and no index: a data set with `__getitem__` (torch's map-style Dataset) is read by index,
-    whatever else it has."""
+    """`shards` and `read`, and no index: a data set with `__getitem__` is read by index, whatever else it has."""
     if not (hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))):
         return False
     return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")

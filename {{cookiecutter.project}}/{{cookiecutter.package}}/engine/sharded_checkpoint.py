@@ -35,7 +35,6 @@ from . import distributed
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
-SAVES = ".saves"
 DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
 
@@ -67,9 +66,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def tensors(path: Path, whole: bool) -> dict:
-    """The save's `model` and `ema` (None when it has none) for checkpoint.read: on the meta device, nothing read
-    (`sharded`: a resume loads the shards, `load_into`), or, `whole`, gathered into whole CPU tensors (eval.py,
-    init_from, export; not the optimizer's state)."""
+    """The save's `model` and `ema` (None without) for checkpoint.read: meta tensors, nothing read (`sharded`: a resume
+    loads the shards, `load_into`), or with `whole` gathered into whole CPU tensors (eval.py, init_from, export)."""
     with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
         found = MetadataUnpickler(f).load()
     if not isinstance(found, Metadata):
@@ -114,8 +112,7 @@ class ShardedCheckpointer:
 
     def __init__(self, folder: Path, keep: int, world):
         self.folder, self.keep, self.world = folder, keep, world
-        self.last, self.best = folder / LAST, folder / BEST
-        self.saves = folder / SAVES
+        self.last, self.best, self.saves = folder / LAST, folder / BEST, folder / ".saves"
         if world.is_main:
             self.saves.mkdir(parents=True, exist_ok=True)
             for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short

@@ -1,7 +1,6 @@
-"""What a task's `loss`, `metrics` and `compute` may return (tasks.py says what each is), checked in one line, and
-validation: the metrics of a whole split summed on the device and read once (train.py after each epoch, eval.py).
-The loop unpacks a loss on every step without looking at values (no host read); the dry step checks the forms on
-two samples."""
+"""What a task's `loss`, `metrics` and `compute` may return (tasks.py), checked in one line, and validation: the
+metrics of a whole split summed on the device and read once (train.py after each epoch, eval.py). The loop unpacks a
+loss on every step without looking at values (no host read); the dry step checks the forms on two samples."""
 
 from __future__ import annotations
 
@@ -123,8 +122,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
         for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
 {% endif %}
-    totals = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
-    if hasattr(task, "compute"):  # each total back in its shape, on the CPU (built, not read); else the floats
-        pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
-        totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
+    totals = sum_and_read(list(sums.values()), device, world)  # the one host read; each then back in its shape
+    pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
+    totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
     return report(task, dict(zip(sums, totals, strict=True)), target)

@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from . import resume
-from .errors import UserError
+from .errors import UserError, reason
 from .schema import flatten
 
 log = logging.getLogger("train")
@@ -34,10 +34,9 @@ log = logging.getLogger("train")
 LOCAL_MLFLOW = "mlflow.db"  # logger.mlflow.on_unreachable=local: a database in the run folder, with the run's files
 
 
-def chosen(cfg) -> list[str]:
-    """`logger.use`, each tracker's package importable, else one line naming the pip extra (named after it)."""
-    use = list(cfg.logger.use)
-    for name in [name for name in use if name in REMOTE]:
+def check_packages(cfg) -> None:
+    """Each tracker of `logger.use` importable, else one line naming the pip extra (named after it)."""
+    for name in [name for name in cfg.logger.use if name in REMOTE]:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -45,14 +44,13 @@ def chosen(cfg) -> list[str]:
                 f"logger.use has {name} but the {name} package is not installed: "
                 f'pip install -e ".[{name}]" (or choose another logger, e.g. logger=tensorboard)'
             ) from None
-    return use
 
 
 def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
     """The trackers of `logger.use` that live outside the run folder, started; None when there are none. `ckpt`: the
     checkpoint a resume loads, whose `tracking` ids say which tracked runs to continue, and whose step and changes
     (resume_strict=false) the tracked run is told (`note`: the first step this run logs, and that text)."""
-    use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`chosen`)
+    use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`check_packages`)
     if not use:
         return None
     saved, note = (ckpt or {}).get("tracking") or {}, None
@@ -70,8 +68,7 @@ def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
 
 
 class Tracking:
-    """The trackers behind one queue and one thread. `log` never waits; `close` waits for the queue at most
-    `timeout_s` and says what was not sent."""
+    """The trackers behind one queue and thread: `log` never waits; `close` at most `timeout_s`, naming what is left."""
 
     def __init__(self, trackers: list, timeout_s: float):
         self.trackers, self.timeout_s = trackers, timeout_s
@@ -100,8 +97,7 @@ class Tracking:
         except Exception as e:  # a tracker's failure never stops training: the run folder's files stay complete
             if tracker.name not in self.failed:
                 self.failed.add(tracker.name)
-                log.warning("logger %s: %s failed (%s: %s); training goes on", tracker.name, method, type(e).__name__,
-                            str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
+                log.warning("logger %s: %s failed (%s); training goes on", tracker.name, method, reason(e))
 
     def close(self, files: dict, finished: bool) -> None:
         """Drain the queue (at most timeout_s), then hand each tracker the checkpoint paths and end its run."""
@@ -244,7 +240,7 @@ class WandbTracker(Tracker):
             )
         except Exception as e:
             raise UserError(
-                f"logger wandb: wandb.init failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                f"logger wandb: wandb.init failed ({reason(e)}): "
                 "check `wandb login` and the network, or logger.wandb.mode=offline (then `wandb sync` later)"
             ) from None
         self.run_id = self.run.id
