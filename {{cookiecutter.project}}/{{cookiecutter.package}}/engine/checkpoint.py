@@ -144,7 +144,9 @@ class CheckpointPolicy:
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
         epoch_done = record is not None and not record.get("mid_epoch")
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
-        state, better = None, False
+{% if cookiecutter.with_fsdp == "yes" %}
+        state, better = None, False  # every rank takes part in a sharded save
+{% endif %}
         if self.world.is_main:
             better = record is not None and self.best.judge(record)  # an epoch end: best.pth too when best
             state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
@@ -165,7 +167,7 @@ class CheckpointPolicy:
                 },
                 "best": self.best.state(),
                 "meter": meter,
-                "callbacks": run.callbacks.state_dict() if run.callbacks is not None else {},
+                "callbacks": run.callbacks.state_dict(),
                 "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
             }
 {% if cookiecutter.with_tracking == "yes" %}
@@ -180,8 +182,6 @@ class CheckpointPolicy:
             tensors = sharded_checkpoint.live_state(run.model, run.optimizer, ema)
             self.writer.save(tensors, state, run.step, better)
         elif self.world.is_main:
-{% else %}
-        if self.world.is_main:
 {% endif %}
             state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
             state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
@@ -201,10 +201,9 @@ class CheckpointPolicy:
 
     @property
     def last(self) -> Path | None:
-        """The newest `last.pth` when this process writes checkpoints and one is on disk."""
-        if self.writer is None or not self.world.is_main or not self.writer.last.exists():
-            return None
-        return self.writer.last
+        """The newest `last.pth` on rank 0, once one is on disk."""
+        last = self.folder / LAST
+        return last if self.world.is_main and last.exists() else None
 
 
 {% if cookiecutter.with_fsdp == "yes" %}

@@ -68,9 +68,8 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
 {% endif %}
     pick_device(cfg.device)
     precheck_data(cfg)
-    if cfg.resume:
-        resume.precheck(cfg, run_dir)
-    checked[str(run_dir)] = dry_step(cfg)
+    ckpt = resume.precheck(cfg, run_dir) if cfg.resume else None
+    checked[str(run_dir)] = dry_step(cfg, ckpt)
 
 
 class CheckBeforeRun(Callback):

@@ -9,11 +9,10 @@ import shlex
 from fnmatch import fnmatch
 from pathlib import Path
 
-import torch
 from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, parts, rng
+from . import checkpoint, rng
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -162,26 +161,32 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
-def report(ckpt: dict, cfg, path: Path) -> None:
-    """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
-    that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
+def report(ckpt: dict, cfg, path: Path, loader) -> None:
+    """Log a resume that went in: from where, on how many processes, the changes of the run resume_strict=false let
+    through, those that keep the run the same, and where the restored train `loader` goes on. Only after every
+    refusal, so that no line says a refused run goes on."""
     run, same = changes(ckpt, cfg), changes(ckpt, cfg, same=True)
     log.info("resuming from %s (step %d)", path, ckpt["step"])
+    if written_by(ckpt) != loader.world_size:  # one wording whatever the counts ("on 1 processes" too): one search
+        log.info("resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
+                 "as the run started)", written_by(ckpt), loader.world_size, global_batch(ckpt),
+                 loader.settings.batch_size, cfg.loader.batch_size)  # fmt: skip
     if run:
         log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
                     "planned by this config, at step %d", describe(run), ckpt["step"])  # fmt: skip
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
+    log.info("resumed from step %d (epoch %d, batch %d)", ckpt["step"], loader.epoch, loader.position)
 
 
-def precheck(cfg, run_dir: Path) -> None:
+def precheck(cfg, run_dir: Path) -> dict | None:
     """A resume that train() would refuse, refused before the run folder is written: no file there, not a checkpoint,
-    another run's config (unless resume_strict=false), another model, a number of processes that does not divide its
-    global batch. The checkpoint is memory-mapped: its tensors are not read."""
+    another run's config (unless resume_strict=false), another model or optimizer class, a number of processes that
+    does not divide its global batch. Returns it (None: none found), memory-mapped, for the dry step's model."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     found = locate(cfg.resume, run_dir, cfg, world_size, is_main=False)  # the logging is train()'s to do
     if found is None:
-        return
+        return None
     ckpt = checkpoint.load(found, mmap=True)
     run = changes(ckpt, cfg)  # what makes a different run: one rule, `changes_run`; `report` logs what went through
     if run and cfg.resume_strict:
@@ -189,21 +194,11 @@ def precheck(cfg, run_dir: Path) -> None:
             f"resume: {found} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
             "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
         )
-    saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
-        before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
+        before, now = ckpt["config"][group].get("_target_"), cfg[group].get("_target_")
         if before != now:
             raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
                             f"resume with the same {group}")  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
-    odd = checkpoint.misfit(current, ckpt["model"])
-    if odd:
-        raise UserError(
-            f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
-            f"{saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with the same "
-            "model and data"
-        )
     why = splits(ckpt, cfg, world_size)
     if why:
         raise UserError(f"resume: {why}")
@@ -215,6 +210,7 @@ def precheck(cfg, run_dir: Path) -> None:
         if why:
             raise UserError(f"resume: data.train {why}")
 {% endif %}
+    return ckpt
 
 
 def group_settings(optimizer) -> list[dict]:
@@ -289,10 +285,10 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
     )
 
 
-def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int,
+def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,
           note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
     """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own
-    the command that continues it, paths relative to the working directory when below it (about one terminal line).{% if cookiecutter.with_streams == "yes" +%}
+    the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.{% if cookiecutter.with_streams == "yes" +%}
     `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
     folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
@@ -308,8 +304,7 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
     )
     kept.append(f"resume={shlex.quote(short(last))}")
     said = f"stopped at step {step}; {folder}; to continue"
-    if finished:
-        epochs = checkpoint.read(last, "resume", "the run's checkpoint", mmap=True)["config"]["epochs"]
+    if epochs:
         kept = [o for o in kept if not o.startswith("epochs=")] + [f"epochs={2 * epochs}", "resume_strict=false"]
         said = f"finished at step {step}; {folder}; to train {epochs} more epoch{'s' * (epochs != 1)}"
     return f"{said}:\n  {' '.join([*launch, *kept])}"

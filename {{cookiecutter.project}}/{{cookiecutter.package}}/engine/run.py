@@ -138,18 +138,18 @@ class Run:
         """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
         if self.checkpoints.last is None:
             return None
-        done = self.train_loader.epoch >= self.cfg.epochs
+        epochs = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # None: not all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
         note = "; ".join(notes) or None
 {% if cookiecutter.with_streams == "yes" %}
-        restart = not done and not self.train_loader.resumes_mid_epoch
+        restart = epochs is None and not self.train_loader.resumes_mid_epoch
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note, restart
+            self.run_dir, self.checkpoints.last, self.step, epochs, self.overrides, self.world.world_size, note, restart
         )
 {% else %}
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note
+            self.run_dir, self.checkpoints.last, self.step, epochs, self.overrides, self.world.world_size, note
         )
 {% endif %}
 
@@ -180,13 +180,6 @@ def build(
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
-        if resume.written_by(ckpt) != world.world_size and world.is_main:
-            log.info(
-                # one wording whatever the counts ("on 1 processes" too), so one log search finds every such resume
-                "resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
-                "as the run started)", resume.written_by(ckpt), world.world_size,
-                resume.global_batch(ckpt), settings.batch_size, cfg.loader.batch_size,
-            )  # fmt: skip
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
@@ -297,8 +290,7 @@ def build(
     if ckpt:
         callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
     if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
-        resume.report(ckpt, cfg, found)
-        log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
+        resume.report(ckpt, cfg, found, train_loader)
     best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
     policy = checkpoint.CheckpointPolicy(
         run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
@@ -333,8 +325,7 @@ def build(
 def end_tracking(run: Run) -> None:
     """RunLog closed, its trackers given the paths of last.pth and best.pth to end their runs (finished, or stopped
     to resume)."""
-    writer = run.checkpoints.writer
-    files = {"last": run.checkpoints.last, "best": writer.best if writer is not None else None}
+    files = {"last": run.checkpoints.last, "best": run.checkpoints.folder / checkpoint.BEST}
     done = run.train_loader.epoch >= run.cfg.epochs
     run.runlog.close({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)
 {% endif %}
