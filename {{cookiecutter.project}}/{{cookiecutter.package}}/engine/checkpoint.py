@@ -117,20 +117,20 @@ class CheckpointPolicy:
     (parallel=fsdp, sharded_checkpoint.py): every rank writes its shards, rank 0 the rest. All ranks wait for the write.
     """
 
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0,
-                 sharded: bool = False):  # fmt: skip
-        whole = Checkpointer(folder, keep) if world.is_main and not sharded else None
-        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, keep, world) if sharded else whole
+    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None, sharded: bool = False):
+        whole = Checkpointer(folder, cfg.keep) if world.is_main and not sharded else None
+        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, cfg.keep, world) if sharded else whole
         self.sharded = sharded
 {% else %}
     Every rank hands its RNG and loader state to rank 0, which alone writes. All ranks wait for the write.
     """
 
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
-        self.writer = Checkpointer(folder, keep) if world.is_main else None
+    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None):
+        self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
 {% endif %}
-        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
-        self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
+        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world  # cfg: the run's `checkpoint`
+        self.best = Best(cfg.monitor, cfg.mode.value, ckpt)  # the best epoch so far, the resumed run's included
+        self.saved_step = ckpt["step"] if ckpt else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
         """A save every `every_steps` steps, besides the ones at epoch ends and stops."""

@@ -71,27 +71,20 @@ def global_batch(ckpt: dict) -> int:
     return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
 
 
-def splits(ckpt: dict, cfg, world_size: int) -> str | None:
-    """Why `world_size` processes cannot share the checkpoint's global batch, or None when they can, or when the
-    command changes `loader.batch_size` (resume_strict=false: taken as it is, `per_rank_batch`)."""
-    batch = global_batch(ckpt)
-    if batch % world_size == 0 or cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
-        return None
-    fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
-    counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
-    return (
-        f"its global batch of {batch} samples does not split over {world_size} processes: resume on {counts} "
-        "processes (each then takes global batch / processes)"
-    )
-
-
 def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     """This process's batch on resuming: the checkpoint's global batch over `world_size` processes, so the steps, the
-    LR schedule and the optimizer stay those of the run. The command keeps the run's own `loader.batch_size` (the
-    per-process batch as the run started); a different one (resume_strict=false) is taken as it is."""
+    LR schedule and the optimizer stay those of the run, or a UserError when they cannot share it. The command keeps
+    the run's own `loader.batch_size` (the per-process batch as the run started); a different one
+    (resume_strict=false) is taken as it is."""
+    batch = global_batch(ckpt)
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
-    return global_batch(ckpt) // world_size  # `splits` refused a number of processes that does not divide it
+    if batch % world_size:
+        fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
+        counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+        raise UserError(f"resume: its global batch of {batch} samples does not split over {world_size} processes: "
+                        f"resume on {counts} processes (each then takes global batch / processes)")  # fmt: skip
+    return batch // world_size
 
 
 def locate(
@@ -128,12 +121,14 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         ckpt = checkpoint.load(path, mmap=True)
     except UserError:
         return "not a readable checkpoint of this project"
-    changed = changes(ckpt, cfg)
-    if only is not None:
-        changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
+    changed = [c for c in changes(ckpt, cfg) if only is None or any(f"{c[0]}.".startswith(f"{k}.") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    return splits(ckpt, cfg, world_size) if world_size is not None else None  # any number that splits the batch
+    try:
+        per_rank_batch(ckpt, cfg, world_size or 1)  # None: any number of processes, 1 among them
+    except UserError as e:
+        return str(e).removeprefix("resume: ")
+    return None
 
 
 ABSENT = "(absent)"
@@ -199,9 +194,7 @@ def precheck(cfg, run_dir: Path) -> dict | None:
         if before != now:
             raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
                             f"resume with the same {group}")  # fmt: skip
-    why = splits(ckpt, cfg, world_size)
-    if why:
-        raise UserError(f"resume: {why}")
+    per_rank_batch(ckpt, cfg, world_size)  # a number of processes that does not divide its global batch: refused
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
@@ -213,23 +206,19 @@ def precheck(cfg, run_dir: Path) -> dict | None:
     return ckpt
 
 
-def group_settings(optimizer) -> list[dict]:
-    """The optimizer's group settings (lr, weight decay...) as this run's config built them."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
 def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:
     """Load everything into the live objects, the main RNG last, just before the loop; returns the global step. One
     copy restores every rank (the EMA: run.py); the ranks' own state (loader, main RNG) comes back rank by rank when
     as many processes wrote the checkpoint.{% if cookiecutter.with_fsdp == "yes" +%}
-    `fresh`: `group_settings` before a sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
+    `fresh`: the optimizer's group settings (lr, weight decay...) as this run's config built them, taken before a
+    sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
     if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
 {% else %}
-    fresh = group_settings(optimizer)
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]  # this run's
     model.load_state_dict(ckpt["model"])
     load_optimizer(ckpt, model, optimizer)
 {% endif %}

@@ -249,7 +249,7 @@ def build(
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     callbacks = Callbacks(cfg)  # likewise
 {% if cookiecutter.with_fsdp == "yes" %}
-    ema, fresh = None, resume.group_settings(optimizer)
+    ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
             twin = fsdp.twin(lambda: parts.model(cfg), model, cfg.parallel, amp, device, cfg.channels_last)
@@ -291,10 +291,7 @@ def build(
         callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
     if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
         resume.report(ckpt, cfg, found, train_loader)
-    best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
-    policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
-    )
+    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
