@@ -1,12 +1,7 @@
-"""Checkpoint files: what goes into one, how it is written (atomically), and the one safe read of any saved file.
-
-Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (what a resume on
-another number of processes continues), per rank the train loader (position, generator, every worker's RNG stream)
-and the main process RNG, the resolved config and library versions. Everything is tensors, numbers, strings and
-containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
-
-`read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
-it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
+"""Checkpoint files: what goes into one (`CheckpointPolicy.save`), how it is written (atomically), and the one safe
+read of any saved file and its one refusal (`read`), which `load` holds to this project's checkpoints and
+`init_weights` (init_from) to a state_dict. Everything saved is tensors, numbers, strings and containers, so it loads
+with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
 """
 
 from __future__ import annotations

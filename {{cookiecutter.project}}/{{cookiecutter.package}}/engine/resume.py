@@ -275,11 +275,11 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
 
 
 def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,
-          note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
-    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own
+          notes: list[str] | tuple = (){% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
+    """The closing lines of a run: where it is (and `notes`, e.g. why it is not bit-exact), then on a line of its own
     the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.{% if cookiecutter.with_streams == "yes" +%}
     `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
-    folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
+    folder = "; ".join([f"run folder {short(run_dir)}", *notes])
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
 {% if cookiecutter.with_streams == "yes" %}
     if restart_epoch:

@@ -138,18 +138,17 @@ class Run:
         """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
         if self.checkpoints.last is None:
             return None
-        epochs = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # None: not all trained
+        done = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # the epochs, once all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
-        note = "; ".join(notes) or None
 {% if cookiecutter.with_streams == "yes" %}
-        restart = epochs is None and not self.train_loader.resumes_mid_epoch
+        restart = done is None and not self.train_loader.resumes_mid_epoch
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, epochs, self.overrides, self.world.world_size, note, restart
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes, restart
         )
 {% else %}
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, epochs, self.overrides, self.world.world_size, note
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes
         )
 {% endif %}
 
