@@ -105,21 +105,16 @@ class Best:
 
 class CheckpointPolicy:
     """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
-    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far.
+    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. Every rank
+    hands its RNG and loader state to rank 0, which alone writes{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: all but each rank's own shards,
+    sharded_checkpoint.py){% endif %}; all ranks wait for the write."""
 
 {% if cookiecutter.with_fsdp == "yes" %}
-    Every rank hands its RNG and loader state to rank 0. Whole checkpoints: rank 0 alone writes. Sharded ones
-    (parallel=fsdp, sharded_checkpoint.py): every rank writes its shards, rank 0 the rest. All ranks wait for the write.
-    """
-
     def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None, sharded: bool = False):
         whole = Checkpointer(folder, cfg.keep) if world.is_main and not sharded else None
         self.writer = sharded_checkpoint.ShardedCheckpointer(folder, cfg.keep, world) if sharded else whole
         self.sharded = sharded
 {% else %}
-    Every rank hands its RNG and loader state to rank 0, which alone writes. All ranks wait for the write.
-    """
-
     def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None):
         self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
 {% endif %}

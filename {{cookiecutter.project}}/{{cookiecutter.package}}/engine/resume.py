@@ -73,9 +73,8 @@ def global_batch(ckpt: dict) -> int:
 
 def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     """This process's batch on resuming: the checkpoint's global batch over `world_size` processes, so the steps, the
-    LR schedule and the optimizer stay those of the run, or a UserError when they cannot share it. The command keeps
-    the run's own `loader.batch_size` (the per-process batch as the run started); a different one
-    (resume_strict=false) is taken as it is."""
+    LR schedule and the optimizer stay those of the run, or a UserError when they cannot share it. A command that
+    changes `loader.batch_size` (the per-process batch as the run started; resume_strict=false) gets its own."""
     batch = global_batch(ckpt)
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
@@ -157,9 +156,8 @@ def describe(changes) -> str:
 
 
 def report(ckpt: dict, cfg, path: Path, loader) -> None:
-    """Log a resume that went in: from where, on how many processes, the changes of the run resume_strict=false let
-    through, those that keep the run the same, and where the restored train `loader` goes on. Only after every
-    refusal, so that no line says a refused run goes on."""
+    """Log a resume that went in (from where, on how many processes, what changed, where the restored train `loader`
+    goes on), only after every refusal, so that no line says a refused run goes on."""
     run, same = changes(ckpt, cfg), changes(ckpt, cfg, same=True)
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if written_by(ckpt) != loader.world_size:  # one wording whatever the counts ("on 1 processes" too): one search
