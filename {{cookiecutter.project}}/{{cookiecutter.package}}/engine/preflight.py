@@ -5,8 +5,7 @@
   one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
 - `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
   the run folder; `check_once` in train() for each job of a multirun (`-m`, sweeps, SLURM jobs).
-- `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
-  config (a mistyped key, a wrong type, an unknown group option, a syntax error) into one `error:` line, exit code 2.
+- `one_line_errors` around train.py's `main()`: what Hydra reports over several lines as it composes, in one line.
 """
 
 import contextlib

@@ -192,6 +192,15 @@ def precheck(cfg, run_dir: Path) -> dict | None:
         if before != now:
             raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
                             f"resume with the same {group}")  # fmt: skip
+{% if cookiecutter.with_fsdp == "yes" %}
+    sharded = cfg.parallel.strategy == "fsdp"
+    if bool(ckpt.get("sharded")) != sharded:  # fsdp resumes sharded checkpoints, ddp whole ones
+        kind, other = ("whole", "ddp") if sharded else ("sharded", "fsdp")
+        package = __name__.split(".")[0]
+        how = f"init_from={found}" if sharded else f"init_from on the file python -m {package}.export writes"
+        raise UserError(f"resume: {found} is a {kind} checkpoint (parallel={other}): resume it with parallel={other}, "
+                        f"or start from its weights with {how}")  # fmt: skip
+{% endif %}
     per_rank_batch(ckpt, cfg, world_size)  # a number of processes that does not divide its global batch: refused
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]

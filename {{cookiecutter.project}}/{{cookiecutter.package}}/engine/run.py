@@ -23,9 +23,6 @@ from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device
 from .dry_step import quiet, two_prepared
 from .ema import EMA
-{% if cookiecutter.with_fsdp == "yes" %}
-from .errors import UserError
-{% endif %}
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
@@ -213,14 +210,6 @@ def build(
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
-    if ckpt and bool(ckpt.get("sharded")) != sharded:  # fsdp resumes sharded checkpoints, ddp whole ones
-        kind, other = ("whole", "ddp") if sharded else ("sharded", "fsdp")
-        package = __name__.split(".")[0]
-        how = f"init_from={found}" if sharded else f"init_from on the file python -m {package}.export writes"
-        raise UserError(f"resume: {found} is a {kind} checkpoint (parallel={other}): resume it with parallel={other}, "
-                        f"or start from its weights with {how}")  # fmt: skip
-{% endif %}
-{% if cookiecutter.with_fsdp == "yes" %}
     peak = fsdp.PeakMemory(world) if sharded else None  # from before the model exists
     if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
         model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
