@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from {{ cookiecutter.package }}.engine import process
@@ -128,12 +127,12 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
     when it is the best so far); True when a rank was asked to stop meanwhile, or a callback asked to. At an epoch's
     end it closes the epoch; mid-epoch (val_every_steps) the train loader and the RNG are left as they are, so the run
     goes on exactly as without it."""
-    train_time = meter.end_training() if epoch_end else time.perf_counter() - meter.started
+    train_time, faults = meter.training_time()  # before validation
     if epoch_end and run.train_loader.epoch < run.cfg.epochs:  # persistent workers queue the next epoch meanwhile
         run.train_loader.start_next_epoch()
     val = evaluate(run.task, run.evaluated, run.val_loader, run.device, run.world, run.prepare)  # one host read
     run.model.train()  # evaluate() put it in eval mode; a mid-epoch validation goes back to training
-    train_loss, rate, signalled = meter.read_epoch(run.stop.requested, run.world)
+    train_loss, rate, signalled = meter.read_epoch(train_time, run.stop.requested, run.world)
     record = {
         "epoch": run.train_loader.epoch - 1 if epoch_end else run.train_loader.epoch,
         "step": run.step,
@@ -146,7 +145,7 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
         "worker_pids": sorted(run.train_loader.worker_pids),
     }
     if epoch_end:  # worker_count, rss_mib, pss_mib, fds, data_wait_share, page_faults_per_batch
-        record.update(run.monitor.epoch(meter.data_wait, train_time, meter.page_faults_per_batch))
+        record.update(run.monitor.epoch(meter.data_wait, train_time, faults))
     else:
         record["mid_epoch"] = True
     run.runlog.epoch(record)

@@ -179,21 +179,19 @@ def test_the_closing_command_fits_a_line(tmp_path, monkeypatch):
     which a shell reads as a redirection), the command alone on its line and within 120 columns."""
     run_dir = tmp_path / "outputs/2026-12-01/10-00-00_train_balanced"
     last = run_dir / "checkpoints/last.pth"
-    last.parent.mkdir(parents=True)
-    torch.save({"config": {"epochs": 8}}, last)
     monkeypatch.chdir(tmp_path)
-    head, command = resume.where(run_dir, last, 296, True, [], 1).split("\n")
+    head, command = resume.where(run_dir, last, 296, 8, [], 1).split("\n")
     assert (
         head == "finished at step 296; run folder outputs/2026-12-01/10-00-00_train_balanced; to train 8 more epochs:"
     )
     rel = "outputs/2026-12-01/10-00-00_train_balanced/checkpoints/last.pth"
     assert command == f"  python train.py resume={rel} epochs=16 resume_strict=false" and len(command) <= 120
-    head, command = resume.where(run_dir, last, 3, False, ["loader=throughput", "max_steps=3"], 1).split("\n")
+    head, command = resume.where(run_dir, last, 3, None, ["loader=throughput", "max_steps=3"], 1).split("\n")
     assert head.endswith("; to continue:") and command == f"  python train.py loader=throughput resume={rel}"
     # negative control: a run outside the working directory keeps its absolute path
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    assert f"resume={last} " in resume.where(run_dir, last, 296, True, [], 1)
+    assert f"resume={last} " in resume.where(run_dir, last, 296, 8, [], 1)
 
 
 @pytest.mark.slow

@@ -79,12 +79,12 @@ def test_running_sums_carried_over_a_stop_give_the_straight_figures():
     losses = [0.7310, 1.9137, 0.3333, 2.5e-3, 1.4142, 0.9999, 3.1416]
     world, cpu = World(), torch.device("cpu")
     straight = fed(EpochMeter(cpu), losses)
-    window, epoch = straight.read_window(False, world)[0], straight.read_epoch(False, world)[0]
+    window, epoch = straight.read_window(False, world)[0], straight.read_epoch(1.0, False, world)[0]
     assert set(window) == {"loss", "grad_norm", "loss_aux"}
     stopped = fed(EpochMeter(cpu), losses[:4])
     stopped.read_window(False, world, keep=True)  # a stop off the log interval: the window goes on
     resumed = fed(EpochMeter(cpu, stopped.state(world)), losses[4:])
-    assert resumed.read_window(False, world)[0] == window and resumed.read_epoch(False, world)[0] == epoch
+    assert resumed.read_window(False, world)[0] == window and resumed.read_epoch(1.0, False, world)[0] == epoch
     control = fed(EpochMeter(cpu), losses[4:])  # the same steps without the carried sums
     assert control.read_window(False, world)[0]["loss"] != window["loss"]
-    assert control.read_epoch(False, world)[0] != epoch
+    assert control.read_epoch(1.0, False, world)[0] != epoch

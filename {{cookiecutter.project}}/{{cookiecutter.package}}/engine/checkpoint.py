@@ -1,12 +1,7 @@
-"""Checkpoint files: what goes into one, how it is written (atomically), and the one safe read of any saved file.
-
-Saved: model, optimizer, LR scheduler, GradScaler, epoch, global step, the run's global progress (what a resume on
-another number of processes continues), per rank the train loader (position, generator, every worker's RNG stream)
-and the main process RNG, the resolved config and library versions. Everything is tensors, numbers, strings and
-containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
-
-`read` is the one read of any saved file and its one refusal, a line named for the command that reads; `load` holds
-it to this project's checkpoints, `init_weights` (init_from) to a state_dict.
+"""Checkpoint files: what goes into one (`CheckpointPolicy.save`), how it is written (atomically), and the one safe
+read of any saved file and its one refusal (`read`), which `load` holds to this project's checkpoints and
+`init_weights` (init_from) to a state_dict. Everything saved is tensors, numbers, strings and containers, so it loads
+with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
 """
 
 from __future__ import annotations
@@ -110,27 +105,22 @@ class Best:
 
 class CheckpointPolicy:
     """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
-    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far.
+    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. Every rank
+    hands its RNG and loader state to rank 0, which alone writes{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: all but each rank's own shards,
+    sharded_checkpoint.py){% endif %}; all ranks wait for the write."""
 
 {% if cookiecutter.with_fsdp == "yes" %}
-    Every rank hands its RNG and loader state to rank 0. Whole checkpoints: rank 0 alone writes. Sharded ones
-    (parallel=fsdp, sharded_checkpoint.py): every rank writes its shards, rank 0 the rest. All ranks wait for the write.
-    """
-
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0,
-                 sharded: bool = False):  # fmt: skip
-        whole = Checkpointer(folder, keep) if world.is_main and not sharded else None
-        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, keep, world) if sharded else whole
+    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None, sharded: bool = False):
+        whole = Checkpointer(folder, cfg.keep) if world.is_main and not sharded else None
+        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, cfg.keep, world) if sharded else whole
         self.sharded = sharded
 {% else %}
-    Every rank hands its RNG and loader state to rank 0, which alone writes. All ranks wait for the write.
-    """
-
-    def __init__(self, folder: Path, keep: int, every_steps: int | None, best: Best, world, step: int = 0):
-        self.writer = Checkpointer(folder, keep) if world.is_main else None
+    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None):
+        self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
 {% endif %}
-        self.folder, self.every_steps, self.best, self.world = folder, every_steps, best, world
-        self.saved_step = step if step else None  # the step of the newest checkpoint (a resume's, at first)
+        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world  # cfg: the run's `checkpoint`
+        self.best = Best(cfg.monitor, cfg.mode.value, ckpt)  # the best epoch so far, the resumed run's included
+        self.saved_step = ckpt["step"] if ckpt else None  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
         """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
@@ -144,7 +134,9 @@ class CheckpointPolicy:
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
         epoch_done = record is not None and not record.get("mid_epoch")
         meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
-        state, better = None, False
+{% if cookiecutter.with_fsdp == "yes" %}
+        state, better = None, False  # every rank takes part in a sharded save
+{% endif %}
         if self.world.is_main:
             better = record is not None and self.best.judge(record)  # an epoch end: best.pth too when best
             state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
@@ -165,7 +157,7 @@ class CheckpointPolicy:
                 },
                 "best": self.best.state(),
                 "meter": meter,
-                "callbacks": run.callbacks.state_dict() if run.callbacks is not None else {},
+                "callbacks": run.callbacks.state_dict(),
                 "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
             }
 {% if cookiecutter.with_tracking == "yes" %}
@@ -180,8 +172,6 @@ class CheckpointPolicy:
             tensors = sharded_checkpoint.live_state(run.model, run.optimizer, ema)
             self.writer.save(tensors, state, run.step, better)
         elif self.world.is_main:
-{% else %}
-        if self.world.is_main:
 {% endif %}
             state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
             state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
@@ -201,10 +191,9 @@ class CheckpointPolicy:
 
     @property
     def last(self) -> Path | None:
-        """The newest `last.pth` when this process writes checkpoints and one is on disk."""
-        if self.writer is None or not self.world.is_main or not self.writer.last.exists():
-            return None
-        return self.writer.last
+        """The newest `last.pth` on rank 0, once one is on disk."""
+        last = self.folder / LAST
+        return last if self.world.is_main and last.exists() else None
 
 
 {% if cookiecutter.with_fsdp == "yes" %}

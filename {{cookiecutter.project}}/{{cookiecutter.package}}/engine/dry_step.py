@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 
 from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .callbacks import Callbacks
-from .checkpoint import init_weights
+from .checkpoint import init_weights, misfit
 from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
 from .errors import UserError, reason
 from .optim import clip_gradients
@@ -31,8 +31,9 @@ NONDETERMINISTIC = re.compile(r"(\S+)" + NO_KERNEL)
 SPARE = 8  # samples first_samples may pass over when they fail to read
 
 
-def dry_step(cfg) -> list[str]:
-    """Refuses the run in one line, or returns the ops without a deterministic kernel it runs (deterministic=warn)."""
+def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
+    """Refuses the run in one line, or returns the ops without a deterministic kernel it runs (deterministic=warn).
+    `ckpt`: the checkpoint a resume continues (resume.precheck passed it), whose weights must fit the model built."""
     device = pick_device(cfg.device)
     unexact: list[str] = []
     with rng.kept():
@@ -44,13 +45,20 @@ def dry_step(cfg) -> list[str]:
             fsdp.policy(amp_dtype(cfg.amp, device))
         else:
             model = parts.model(cfg, device)  # model, optimizer and task first: they cost less than the data
-        if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
+        if cfg.init_from and not ckpt:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True, load=(lambda _: None) if meta else None)
 {% else %}
         model = parts.model(cfg, device)  # model, optimizer and task first: they cost less than the data
-        if cfg.init_from and not cfg.resume:  # a misfit is refused here, before the run folder is written
+        if cfg.init_from and not ckpt:  # a misfit is refused here, before the run folder is written
             init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
 {% endif %}
+        odd = misfit(model.state_dict(), ckpt["model"]) if ckpt else ""
+        if odd:  # resume_strict=false lets a change of the model or data through resume.precheck
+            raise UserError(
+                f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
+                f"{ckpt['config']['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with "
+                "the same model and data"
+            )
         optimizer = parts.optimizer(cfg, model)
         task = parts.task(cfg)
         Callbacks(cfg)  # each built once: a bad argument or value is refused before the run folder is written

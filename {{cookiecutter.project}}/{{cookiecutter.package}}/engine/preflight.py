@@ -5,8 +5,7 @@
   one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
 - `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
   the run folder; `check_once` in train() for each job of a multirun (`-m`, sweeps, SLURM jobs).
-- `one_line_errors` around `main()` in train.py turns what Hydra reports over several lines while it composes the
-  config (a mistyped key, a wrong type, an unknown group option, a syntax error) into one `error:` line, exit code 2.
+- `one_line_errors` around train.py's `main()`: what Hydra reports over several lines as it composes, in one line.
 """
 
 import contextlib
@@ -36,7 +35,7 @@ from .dry_step import dry_step
 from .errors import UserError, reason
 from .optim import LOOP_KEYS
 from .parts import check_classes
-from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config
+from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config, flatten
 
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
@@ -68,9 +67,8 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
 {% endif %}
     pick_device(cfg.device)
     precheck_data(cfg)
-    if cfg.resume:
-        resume.precheck(cfg, run_dir)
-    checked[str(run_dir)] = dry_step(cfg)
+    ckpt = resume.precheck(cfg, run_dir) if cfg.resume else None
+    checked[str(run_dir)] = dry_step(cfg, ckpt)
 
 
 class CheckBeforeRun(Callback):
@@ -256,7 +254,8 @@ SHIPPED = (f"{__name__.split('.')[0]}.", "torch.optim.", "torchvision.")  # this
 
 
 def missing(cfg, choices: dict, overrides: list[str]) -> None:
-    keys = sorted(_missing(OmegaConf.to_container(cfg, resolve=False)))  # unresolved: `${data.root}` is not `???`
+    leaves = flatten(OmegaConf.to_container(cfg, resolve=False))  # unresolved: `${data.root}` is not `???`
+    keys = sorted(key for key, value in leaves.items() if value == MISSING)
     if not keys:
         return
     group = keys[0].split(".")[0]
@@ -264,13 +263,6 @@ def missing(cfg, choices: dict, overrides: list[str]) -> None:
     command = " ".join(["python train.py", *overrides, *(f"{k}=<value>" for k in keys)])
     have, it = ("has", "it") if len(keys) == 1 else ("have", "them")
     raise UserError(f"{', '.join(keys)} {have} no value ('???' in {where}): set {it} on the command line: {command}")
-
-
-def _missing(tree, prefix: str = "") -> list[str]:
-    if isinstance(tree, (dict, list)):
-        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-        return [k for name, value in items for k in _missing(value, f"{prefix}{name}.")]
-    return [prefix[:-1]] if tree == MISSING else []
 
 
 def refuse_if(name: str, value, rule: Callable | None) -> None:

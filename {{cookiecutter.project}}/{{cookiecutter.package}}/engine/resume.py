@@ -9,11 +9,10 @@ import shlex
 from fnmatch import fnmatch
 from pathlib import Path
 
-import torch
 from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, parts, rng
+from . import checkpoint, rng
 from .errors import UserError
 from .optim import parameter_groups
 from .schedule import fast_forward
@@ -72,27 +71,19 @@ def global_batch(ckpt: dict) -> int:
     return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
 
 
-def splits(ckpt: dict, cfg, world_size: int) -> str | None:
-    """Why `world_size` processes cannot share the checkpoint's global batch, or None when they can, or when the
-    command changes `loader.batch_size` (resume_strict=false: taken as it is, `per_rank_batch`)."""
-    batch = global_batch(ckpt)
-    if batch % world_size == 0 or cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
-        return None
-    fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
-    counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
-    return (
-        f"its global batch of {batch} samples does not split over {world_size} processes: resume on {counts} "
-        "processes (each then takes global batch / processes)"
-    )
-
-
 def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     """This process's batch on resuming: the checkpoint's global batch over `world_size` processes, so the steps, the
-    LR schedule and the optimizer stay those of the run. The command keeps the run's own `loader.batch_size` (the
-    per-process batch as the run started); a different one (resume_strict=false) is taken as it is."""
+    LR schedule and the optimizer stay those of the run, or a UserError when they cannot share it. A command that
+    changes `loader.batch_size` (the per-process batch as the run started; resume_strict=false) gets its own."""
+    batch = global_batch(ckpt)
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
-    return global_batch(ckpt) // world_size  # `splits` refused a number of processes that does not divide it
+    if batch % world_size:
+        fits = [str(n) for n in range(1, batch + 1) if batch % n == 0]
+        counts = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+        raise UserError(f"resume: its global batch of {batch} samples does not split over {world_size} processes: "
+                        f"resume on {counts} processes (each then takes global batch / processes)")  # fmt: skip
+    return batch // world_size
 
 
 def locate(
@@ -129,12 +120,14 @@ def misfit(path: Path, cfg, world_size: int | None, only: list[str] | None = Non
         ckpt = checkpoint.load(path, mmap=True)
     except UserError:
         return "not a readable checkpoint of this project"
-    changed = changes(ckpt, cfg)
-    if only is not None:
-        changed = [c for c in changed if any(c[0] == k or c[0].startswith(k + ".") for k in only)]
+    changed = [c for c in changes(ckpt, cfg) if only is None or any(f"{c[0]}.".startswith(f"{k}.") for k in only)]
     if changed:
         return "its run differs: " + describe(changed)
-    return splits(ckpt, cfg, world_size) if world_size is not None else None  # any number that splits the batch
+    try:
+        per_rank_batch(ckpt, cfg, world_size or 1)  # None: any number of processes, 1 among them
+    except UserError as e:
+        return str(e).removeprefix("resume: ")
+    return None
 
 
 ABSENT = "(absent)"
@@ -162,26 +155,31 @@ def describe(changes) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
-def report(ckpt: dict, cfg, path: Path) -> None:
-    """Log a resume that went in: from where, the changes of the run resume_strict=false let through, and the changes
-    that keep the run the same. Only after every refusal, so that no line says a refused run goes on."""
+def report(ckpt: dict, cfg, path: Path, loader) -> None:
+    """Log a resume that went in (from where, on how many processes, what changed, where the restored train `loader`
+    goes on), only after every refusal, so that no line says a refused run goes on."""
     run, same = changes(ckpt, cfg), changes(ckpt, cfg, same=True)
     log.info("resuming from %s (step %d)", path, ckpt["step"])
+    if written_by(ckpt) != loader.world_size:  # one wording whatever the counts ("on 1 processes" too): one search
+        log.info("resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
+                 "as the run started)", written_by(ckpt), loader.world_size, global_batch(ckpt),
+                 loader.settings.batch_size, cfg.loader.batch_size)  # fmt: skip
     if run:
         log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "
                     "planned by this config, at step %d", describe(run), ckpt["step"])  # fmt: skip
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
+    log.info("resumed from step %d (epoch %d, batch %d)", ckpt["step"], loader.epoch, loader.position)
 
 
-def precheck(cfg, run_dir: Path) -> None:
+def precheck(cfg, run_dir: Path) -> dict | None:
     """A resume that train() would refuse, refused before the run folder is written: no file there, not a checkpoint,
-    another run's config (unless resume_strict=false), another model, a number of processes that does not divide its
-    global batch. The checkpoint is memory-mapped: its tensors are not read."""
+    another run's config (unless resume_strict=false), another model or optimizer class, a number of processes that
+    does not divide its global batch. Returns it (None: none found), memory-mapped, for the dry step's model."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     found = locate(cfg.resume, run_dir, cfg, world_size, is_main=False)  # the logging is train()'s to do
     if found is None:
-        return
+        return None
     ckpt = checkpoint.load(found, mmap=True)
     run = changes(ckpt, cfg)  # what makes a different run: one rule, `changes_run`; `report` logs what went through
     if run and cfg.resume_strict:
@@ -189,24 +187,21 @@ def precheck(cfg, run_dir: Path) -> None:
             f"resume: {found} was trained with another config: {describe(run)}; resume with the checkpoint's values, "
             "or add resume_strict=false to go on with this run's (the LR schedule is then re-planned)"
         )
-    saved_cfg = ckpt["config"]
     for group in ("model", "optim"):
-        before, now = saved_cfg[group].get("_target_"), cfg[group].get("_target_")
+        before, now = ckpt["config"][group].get("_target_"), cfg[group].get("_target_")
         if before != now:
             raise UserError(f"resume: the checkpoint was trained with {group} {before}, this run builds {now}: "
                             f"resume with the same {group}")  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        current = parts.model(cfg).state_dict()  # built as the run builds it, to compare its parameter shapes
-    odd = checkpoint.misfit(current, ckpt["model"])
-    if odd:
-        raise UserError(
-            f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
-            f"{saved_cfg['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with the same "
-            "model and data"
-        )
-    why = splits(ckpt, cfg, world_size)
-    if why:
-        raise UserError(f"resume: {why}")
+{% if cookiecutter.with_fsdp == "yes" %}
+    sharded = cfg.parallel.strategy == "fsdp"
+    if bool(ckpt.get("sharded")) != sharded:  # fsdp resumes sharded checkpoints, ddp whole ones
+        kind, other = ("whole", "ddp") if sharded else ("sharded", "fsdp")
+        package = __name__.split(".")[0]
+        how = f"init_from={found}" if sharded else f"init_from on the file python -m {package}.export writes"
+        raise UserError(f"resume: {found} is a {kind} checkpoint (parallel={other}): resume it with parallel={other}, "
+                        f"or start from its weights with {how}")  # fmt: skip
+{% endif %}
+    per_rank_batch(ckpt, cfg, world_size)  # a number of processes that does not divide its global batch: refused
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
@@ -215,25 +210,22 @@ def precheck(cfg, run_dir: Path) -> None:
         if why:
             raise UserError(f"resume: data.train {why}")
 {% endif %}
-
-
-def group_settings(optimizer) -> list[dict]:
-    """The optimizer's group settings (lr, weight decay...) as this run's config built them."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return ckpt
 
 
 def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:
     """Load everything into the live objects, the main RNG last, just before the loop; returns the global step. One
     copy restores every rank (the EMA: run.py); the ranks' own state (loader, main RNG) comes back rank by rank when
     as many processes wrote the checkpoint.{% if cookiecutter.with_fsdp == "yes" +%}
-    `fresh`: `group_settings` before a sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
+    `fresh`: the optimizer's group settings (lr, weight decay...) as this run's config built them, taken before a
+    sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
 {% if cookiecutter.with_fsdp == "yes" %}
     if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
         load_optimizer(ckpt, model, optimizer)
 {% else %}
-    fresh = group_settings(optimizer)
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]  # this run's
     model.load_state_dict(ckpt["model"])
     load_optimizer(ckpt, model, optimizer)
 {% endif %}
@@ -289,12 +281,12 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
     )
 
 
-def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[str], world_size: int,
-          note: str | None = None{% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
-    """The closing lines of a run: where it is (and `note`, e.g. why it is not bit-exact), then on a line of its own
-    the command that continues it, paths relative to the working directory when below it (about one terminal line).{% if cookiecutter.with_streams == "yes" +%}
+def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,
+          notes: list[str] | tuple = (){% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
+    """The closing lines of a run: where it is (and `notes`, e.g. why it is not bit-exact), then on a line of its own
+    the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.{% if cookiecutter.with_streams == "yes" +%}
     `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
-    folder = f"run folder {short(run_dir)}" + (f"; {note}" if note else "")
+    folder = "; ".join([f"run folder {short(run_dir)}", *notes])
     kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
 {% if cookiecutter.with_streams == "yes" %}
     if restart_epoch:
@@ -308,8 +300,7 @@ def where(run_dir: Path, last: Path, step: int, finished: bool, overrides: list[
     )
     kept.append(f"resume={shlex.quote(short(last))}")
     said = f"stopped at step {step}; {folder}; to continue"
-    if finished:
-        epochs = checkpoint.read(last, "resume", "the run's checkpoint", mmap=True)["config"]["epochs"]
+    if epochs:
         kept = [o for o in kept if not o.startswith("epochs=")] + [f"epochs={2 * epochs}", "resume_strict=false"]
         said = f"finished at step {step}; {folder}; to train {epochs} more epoch{'s' * (epochs != 1)}"
     return f"{said}:\n  {' '.join([*launch, *kept])}"

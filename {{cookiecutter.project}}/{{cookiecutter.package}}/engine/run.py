@@ -23,9 +23,6 @@ from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device
 from .dry_step import quiet, two_prepared
 from .ema import EMA
-{% if cookiecutter.with_fsdp == "yes" %}
-from .errors import UserError
-{% endif %}
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
@@ -138,18 +135,17 @@ class Run:
         """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
         if self.checkpoints.last is None:
             return None
-        done = self.train_loader.epoch >= self.cfg.epochs
+        done = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # the epochs, once all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
-        note = "; ".join(notes) or None
 {% if cookiecutter.with_streams == "yes" %}
-        restart = not done and not self.train_loader.resumes_mid_epoch
+        restart = done is None and not self.train_loader.resumes_mid_epoch
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note, restart
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes, restart
         )
 {% else %}
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, note
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes
         )
 {% endif %}
 
@@ -180,13 +176,6 @@ def build(
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
-        if resume.written_by(ckpt) != world.world_size and world.is_main:
-            log.info(
-                # one wording whatever the counts ("on 1 processes" too), so one log search finds every such resume
-                "resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
-                "as the run started)", resume.written_by(ckpt), world.world_size,
-                resume.global_batch(ckpt), settings.batch_size, cfg.loader.batch_size,
-            )  # fmt: skip
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
     settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
     for change in changes:
@@ -221,14 +210,6 @@ def build(
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
-    if ckpt and bool(ckpt.get("sharded")) != sharded:  # fsdp resumes sharded checkpoints, ddp whole ones
-        kind, other = ("whole", "ddp") if sharded else ("sharded", "fsdp")
-        package = __name__.split(".")[0]
-        how = f"init_from={found}" if sharded else f"init_from on the file python -m {package}.export writes"
-        raise UserError(f"resume: {found} is a {kind} checkpoint (parallel={other}): resume it with parallel={other}, "
-                        f"or start from its weights with {how}")  # fmt: skip
-{% endif %}
-{% if cookiecutter.with_fsdp == "yes" %}
     peak = fsdp.PeakMemory(world) if sharded else None  # from before the model exists
     if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
         model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
@@ -256,7 +237,7 @@ def build(
     task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
     callbacks = Callbacks(cfg)  # likewise
 {% if cookiecutter.with_fsdp == "yes" %}
-    ema, fresh = None, resume.group_settings(optimizer)
+    ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
             twin = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model)
@@ -297,12 +278,8 @@ def build(
     if ckpt:
         callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
     if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
-        resume.report(ckpt, cfg, found)
-        log.info("resumed from step %d (epoch %d, batch %d)", step, train_loader.epoch, train_loader.position)
-    best = checkpoint.Best(cfg.checkpoint.monitor, cfg.checkpoint.mode.value, ckpt)  # best epoch so far
-    policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every_steps, best, world, step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
-    )
+        resume.report(ckpt, cfg, found, train_loader)
+    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
@@ -333,8 +310,7 @@ def build(
 def end_tracking(run: Run) -> None:
     """RunLog closed, its trackers given the paths of last.pth and best.pth to end their runs (finished, or stopped
     to resume)."""
-    writer = run.checkpoints.writer
-    files = {"last": run.checkpoints.last, "best": writer.best if writer is not None else None}
+    files = {"last": run.checkpoints.last, "best": run.checkpoints.folder / checkpoint.BEST}
     done = run.train_loader.epoch >= run.cfg.epochs
     run.runlog.close({kind: path for kind, path in files.items() if path is not None and path.is_file()}, done)
 {% endif %}

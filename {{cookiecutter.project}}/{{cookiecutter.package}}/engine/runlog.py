@@ -161,9 +161,7 @@ class EpochMeter:
         self.batches = 0
         self.carried = carried or {"window": NO_WINDOW, "epoch": {"loss": 0.0, "samples": 0}}
         self.started = time.perf_counter()
-        self.train_time: float | None = None  # the epoch's training seconds, set by end_training()
         self._faults_at_start = minor_page_faults()
-        self.page_faults_per_batch: float | None = None  # this process's, set by end_training()
 
     def timed(self, batches):
         """`batches`, adding the time the loop stood still waiting for each one to `data_wait`."""
@@ -239,18 +237,16 @@ class EpochMeter:
         window, epoch, _ = self._sums(world)
         return {"window": window, "epoch": epoch}
 
-    def end_training(self) -> float:
-        """Stop the epoch's clock (before validation) and return its training seconds."""
-        self.train_time = time.perf_counter() - self.started
+    def training_time(self) -> tuple[float, float | None]:
+        """The seconds of training since the epoch started and this process's minor page faults per batch (None where
+        there is no getrusage), taken before a validation adds its own."""
         faults = minor_page_faults()
-        if faults is not None and self.batches:  # None at the start too, then: no getrusage here
-            self.page_faults_per_batch = (faults - self._faults_at_start) / self.batches
-        return self.train_time
+        per_batch = (faults - self._faults_at_start) / self.batches if faults is not None and self.batches else None
+        return time.perf_counter() - self.started, per_batch
 
-    def read_epoch(self, stop_requested: bool, world) -> tuple[float, float, bool]:
-        """(train_loss over the epoch so far, samples/s since this process started it, whether any rank was asked
-        to stop): one host read."""
-        seconds = self.train_time if self.train_time is not None else time.perf_counter() - self.started
+    def read_epoch(self, seconds: float, stop_requested: bool, world) -> tuple[float, float, bool]:
+        """(train_loss over the epoch so far, samples/s over its `seconds` of training in this process, whether any
+        rank was asked to stop): one host read."""
         _, epoch, (rate, signalled) = self._sums(world, self.samples / seconds, stop_requested)
         return epoch["loss"] / max(epoch["samples"], 1), rate, signalled > 0
 
