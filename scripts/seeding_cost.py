@@ -1,6 +1,6 @@
 """What rng_mode=per_sample's seeding costs on real images: the batch fetch of the generated project's loader
-(SeededBatches) seeded before every sample, against the same fetch unseeded, in one process, batch by batch in
-turns, on one torch thread as in a DataLoader worker.
+(SeededBatches) seeded before every sample, against the same fetch unseeded, batch by batch in turns, inside a
+DataLoader worker (one torch thread), where training fetches.
 
     .venv/bin/python scripts/seeding_cost.py [--rounds 11]
 
@@ -11,9 +11,9 @@ Data sets, each through the project's ImageFiles and its shapes training transfo
   to 224 as an ImageNet pipeline does.
 Per round and data set, the ratio of the seeded to the unseeded fetch time of the same batches, for the project's
 seeding (torch alone for these torchvision transforms) and for all three generators seeded, as once a data set is
-seen drawing from numpy or python; printed: the median ratio over the rounds, with the lowest and highest. The time is the thread's CPU time (time.thread_time), so that
-the moments another process holds the core count for no variant, and the three fetch each batch one right after
-the other, which goes first taking turns. Each round seeds with another seed: one seed alone gives every round the
+seen drawing from numpy or python; printed: the median ratio over the rounds, with the lowest and highest. The
+time is the worker thread's CPU time (time.thread_time), so that the moments another process holds the core count
+for no variant, and the three fetch each batch one right after the other, which goes first taking turns. Each round seeds with another seed: one seed alone gives every round the
 same crops, one draw of their cost, while the unseeded fetch draws new ones each round.
 """
 
@@ -61,27 +61,40 @@ def photo_folder(root: Path, per_photo: int = 48) -> Path:
     return root / "train"
 
 
-def fetch_seconds(wrapped, key) -> float:
-    """The CPU time this thread spends fetching one batch."""
-    began = time.thread_time()
-    wrapped.__getitems__(key)
-    return time.thread_time() - began
+class InTurns(torch.utils.data.Dataset):
+    """In the DataLoader worker that receives a batch's key: the batch fetched by each variant in turn (which goes
+    first turning each batch), and the worker thread's CPU time each took."""
+
+    def __init__(self, variants):
+        self.variants = variants
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitems__(self, key) -> list[float]:
+        times = [0.0] * len(self.variants)
+        first = key.number % len(self.variants)
+        for v in [*range(first, len(self.variants)), *range(first)]:
+            began = time.thread_time()
+            self.variants[v].__getitems__(key)
+            times[v] = time.thread_time() - began
+        return times
 
 
 def round_seconds(variants, keys) -> list[float]:
-    """Each variant's fetch time of all `keys`, batch by batch, the order of the variants turning each batch."""
-    times = [0.0] * len(variants)
-    for n, key in enumerate(keys):
-        for v in [*range(n % len(variants), len(variants)), *range(n % len(variants))]:
-            times[v] += fetch_seconds(variants[v], key)
-    return times
+    """Each variant's fetch time of all `keys`, in one fresh DataLoader worker. Its first batch is fetched once more
+    beforehand and not counted: what a process's first fetch pays (lazy imports, its heap's first pages) would
+    otherwise fall on the variant that goes first."""
+    loader = torch.utils.data.DataLoader(
+        InTurns(variants), batch_sampler=keys[:1] + keys, num_workers=1, collate_fn=list
+    )
+    return [sum(column) for column in zip(*list(loader)[1:])]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as in a DataLoader worker
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         project = bake(tmp / "bake")
@@ -107,7 +120,8 @@ def main() -> None:
                 {"seeded": [], "all three": []},
             )
             for seed in range(args.rounds + 1):  # round 0 warms the files and code
-                seeded, every = (loader.SeededBatches(dataset, seed, per_sample=True) for _ in range(2))
+                # other seeds, other crops: one variant must not find the crop the other just decoded in the caches
+                seeded, every = (loader.SeededBatches(dataset, s, per_sample=True) for s in (seed, 1000 + seed))
                 every.seeding.all = True
                 a, *times = round_seconds([plain, seeded, every], keys)
                 for name, b in zip(ratios, times):

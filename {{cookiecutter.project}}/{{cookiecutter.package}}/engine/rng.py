@@ -83,16 +83,21 @@ def seed_sample(seed: int) -> None:
     random.seed(seed)
 
 
+UNTOUCHED = 0x5EED  # numpy's and python's seed while a batch is made without seeding them
+
+
 class SampleSeeding:
     """rng_mode=per_sample's seeding in one process (docs/rng-mode.md has why and what it costs): before each sample
     (`seed`), torch's CPU generator is seeded, and numpy's and python's too once the data set is seen drawing from
-    them. `batch(make)` makes a batch with those two left alone, and again with them seeded if either's state moved:
-    its samples are those of all three seeded. Afterwards the generators stand where that leaves them, for a collate
-    that draws, or with `keep` (the main process) as they were."""
+    them. `batch(make)` makes a batch with those two seeded with UNTOUCHED instead; if their next draws are not
+    UNTOUCHED's first, the data set drew from them, and the batch is made again with them seeded: its samples are
+    those of all three seeded. Afterwards the generators stand where that leaves them, for a collate that draws, or
+    with `keep` (the main process) as they were."""
 
     def __init__(self):
         self.all = False  # numpy and python are seeded too
         self.last = 0  # the last sample's seed
+        self.first_draws = (np.random.RandomState(UNTOUCHED).random_sample(), random.Random(UNTOUCHED).random())
 
     def seed(self, seed: int) -> None:
         self.last = seed
@@ -102,18 +107,18 @@ class SampleSeeding:
             torch.default_generator.manual_seed(seed)
 
     def batch(self, make, keep: bool):
-        _, numpy, python = saved = capture()
+        saved = capture() if keep else None
         try:
-            made = make()
             if not self.all:
-                now = np.random.get_state()
-                if random.getstate() != python or now[2:] != numpy[2:] or not np.array_equal(now[1], numpy[1]):
-                    self.all = True
-                    made = make()
-                elif not keep:
+                np.random.seed(UNTOUCHED)
+                random.seed(UNTOUCHED)
+                made = make()
+                if (np.random.random_sample(), random.random()) == self.first_draws:
                     np.random.seed(self.last >> 32)
                     random.seed(self.last)
-            return made
+                    return made
+                self.all = True
+            return make()
         finally:
             if keep:
                 apply(saved)
