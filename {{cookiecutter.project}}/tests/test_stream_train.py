@@ -29,7 +29,7 @@ STREAM = [
     "data.train._target_=tests.datasets.CountingShards",
     "data.val._target_=tests.datasets.CountingShards",
     *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform")],
-    *[f"~data.{split}.{key}" for split in ("train", "val") for key in ({% if cookiecutter.with_photos == "yes" %}"decode", {% endif %}"image_size")],
+    *[f"~data.{split}.{key}" for split in ("train", "val") for key in [{% if cookiecutter.with_photos == "yes" %}"decode", {% endif %}"image_size"]],
     "+data.val.sizes=[6,5,4]",
     "data.num_classes=4",
     "model._target_=tests.datasets.Linear",
