@@ -114,15 +114,20 @@ def evaluate_checkpoint(cfg) -> dict | None:
         prepare = parts.prepare(cfg, device, channels_last)  # uint8 -> normalized floats, as in training
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        metrics = evaluate(parts.task(cfg), model, loader, device, world, prepare)  # summed over the ranks
+        task = parts.task(cfg)
+        metrics = evaluate(task, model, loader, device, world, prepare)  # summed over the ranks
     finally:
         distributed.leave(world)
     if not world.is_main:
         return None
+    unit = getattr(task, "count_unit", "samples")  # what the task's `count` counts (tasks.py)
     return {
         **{f"{cfg.split}_{name}": value for name, value in metrics.items() if name != "count"},
         "split": cfg.split,
-        "samples": int(metrics["count"]),  # read, not asked of the data set{% if cookiecutter.with_streams == "yes" %}: a stream need not know its length{% endif +%}
+        # read, not asked of the data set{% if cookiecutter.with_streams == "yes" %} (a stream need not know its length){% endif %}; named by what the task counts
+        "count": int(metrics["count"]),
+        "count_unit": unit,
+        **({"samples": int(metrics["count"])} if unit == "samples" else {}),
         "step": ckpt["step"],
         "weights": "ema" if use_ema else "model",
         "checkpoint": str(found),
@@ -146,7 +151,8 @@ def main(cfg) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     split = result["split"]
     figures = " ".join(f"{k} {v:.6f}" for k, v in result.items() if k.startswith(f"{split}_"))
-    print(f"{result['checkpoint']} step {result['step']}: {figures} on {result['samples']} samples -> {out}")
+    counted = f"{result['count']} {result['count_unit']}"
+    print(f"{result['checkpoint']} step {result['step']}: {figures} on {counted} -> {out}")
 
 
 if __name__ == "__main__":

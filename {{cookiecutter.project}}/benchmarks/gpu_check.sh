@@ -71,7 +71,8 @@ $PY -m benchmarks.sync_report model=resnet18 epochs=1 hydra.run.dir="$out/sync_r
   || { tail -20 "$out/sync_report.log" >&2; exit 1; }
 
 echo
-# 3. exact on the GPU: a straight run against one stopped at step 30 (mid-epoch 0 of 2) and resumed
+# 3. exact on the GPU: a straight run against one stopped at step 7 (mid-epoch 0 of 2: 800 images, 12 steps an epoch)
+#    and resumed
 # Runs COMMAND... straight, stopped at step STOP, and resumed from that stop: $out/NAME-{straight,stopped,resumed}.
 straight_stop_resume() {
   local name=$1 stop=$2
@@ -98,7 +99,7 @@ PY
 
 exact=(device=cuda model=resnet18 deterministic=true data.root="$out/shapes-200" data.per_class=200 epochs=2)
 exact+=(loader.batch_size=64 progress=false)
-straight_stop_resume exact 30 $PY train.py "${exact[@]}"
+straight_stop_resume exact 7 $PY train.py "${exact[@]}"
 same_model "exact resume" "$out/exact-straight/checkpoints/last.pth" "$out/exact-resumed/checkpoints/last.pth"
 
 {% if cookiecutter.with_fsdp == "yes" %}

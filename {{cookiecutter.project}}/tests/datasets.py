@@ -308,6 +308,12 @@ class PartedClassification(Classification):
         return ce + l2, {"ce": ce, "l2": l2}
 
 
+class Tokens(Classification):
+    """Classification whose `count` eval.py names as tokens, as a language model's task would (tasks.py)."""
+
+    count_unit = "tokens"
+
+
 class MeanIoU(Classification):
     """A dataset-level metric: per-class intersection and union vectors summed over the split, turned into the
     mean IoU over the classes present by `compute` (the mean of per-batch IoUs would be another, wrong, figure)."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -210,3 +211,13 @@ def kill_mid_write(script: str, folder: Path, fifo, size: int) -> bytes:
         if proc.poll() is None:
             proc.kill()
     return head
+
+
+def printed_command(output: str) -> list[str]:
+    """The command a run's closing line printed to go on (the `  python train.py ...` line after it), to run as it
+    is, with this interpreter."""
+    lines = output.splitlines()
+    (at,) = [i for i, line in enumerate(lines[:-1]) if line.endswith(":") and lines[i + 1].startswith("  python ")]
+    command = shlex.split(lines[at + 1])
+    assert command[:2] == ["python", "train.py"]
+    return [sys.executable, *command[1:]]

@@ -3,27 +3,76 @@ same step, a stateful callback of the tests' own exact across a stop, the sample
 TensorBoard's files, weights unchanged by the shipped callbacks, a detection-style batch counted right, refusals in
 one line, and docs/callbacks.md's confusion matrix run as the page gives it."""
 
+import math
 import re
+import subprocess
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from {{ cookiecutter.package }}.callbacks import EarlyStopping
 from {{ cookiecutter.package }}.engine.device import batch_size
-from tests.helpers import load_ckpt, read_jsonl, run_torchrun, run_train, same_weights
+from tests.helpers import PROJECT, load_ckpt, printed_command, read_jsonl, run_torchrun, run_train, same_weights
 from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
 
 SHIPPED = ["callbacks=[sample_grid,hparams,early_stopping]", "callbacks.sample_grid.every_epoch=true"]
 # min_delta above any change of val_acc: the first validation sets the best, and every later one waits
 STOPPING = ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=2", "callbacks.early_stopping.min_delta=2"]
+MIN_MODE = ["callbacks.early_stopping.monitor=val_loss", "callbacks.early_stopping.mode=min",
+            "callbacks.early_stopping.min_delta=100"]  # fmt: skip
 COUNTER = ["+callbacks.counter._target_=tests.datasets.CountingCallback"]
 
 
-@pytest.mark.slow  # 4 runs: an exact resume with its control, as test_resume.py's in the fast tier
-def test_early_stopping_stops_a_resumed_run_at_the_same_step(tmp_path, shapes):
-    run = [*shapes, "epochs=4", *STOPPING]
+def judged(stopper: EarlyStopping, values: list[float]) -> list[str | None]:
+    """What `stopper` answers at validations reporting `values` of its monitor, in turn."""
+    return [stopper.on_validation_end(None, {stopper.monitor: v}) for v in values]
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_early_stopping_counts_an_improvement_in_either_mode(mode):
+    sign = 1 if mode == "max" else -1  # the same story in both modes: better is higher in max, lower in min
+    stopper = EarlyStopping("m", mode, patience=3)
+    assert judged(stopper, [sign * v for v in (1.437, 1.5, 1.6, 1.7)]) == [None] * 4  # the first sets the best
+    assert stopper.best == sign * 1.7 and stopper.waited == 0
+    stopper = EarlyStopping("m", mode, patience=2, min_delta=0.05)
+    answers = judged(stopper, [sign * v for v in (1.0, 1.03, 1.06, 1.08, 1.1)])  # +0.03: no; +0.06: yes
+    assert answers[:4] == [None] * 4 and answers[4] == f"m has not improved on {sign * 1.06} for 2 validations"
+    first = EarlyStopping("m", mode, patience=1)
+    assert judged(first, [math.nan]) == ["m has not improved on None for 1 validations"] and first.best is None
+    # resumed from any validation's state, the answers are those of the run that never stopped
+    values = [sign * v for v in (1.0, 0.9, 1.2, 1.1, 1.3, 1.25, 1.0)]
+    straight = judged(EarlyStopping("m", mode, patience=2, min_delta=0.01), values)
+    assert straight.count(None) == 6 and straight[-1] is not None  # a stop at the last
+    for cut in range(len(values)):
+        before = EarlyStopping("m", mode, patience=2, min_delta=0.01)
+        judged(before, values[:cut])
+        after = EarlyStopping("m", mode, patience=2, min_delta=0.01)
+        after.load_state_dict(before.state_dict())
+        assert judged(after, values[cut:]) == straight[cut:]
+    # the control: the other mode reads the same figures otherwise
+    assert judged(EarlyStopping("m", "min" if mode == "max" else "max", patience=2, min_delta=0.01), values) != straight
+
+
+def test_early_stopping_offers_a_command_past_its_stop():
+    stopper = EarlyStopping("val_acc", "max", patience=2)
+    assert judged(stopper, [0.5, 0.4, 0.4])[-1] is not None
+    assert stopper.go_on("stop") == (["++callbacks.stop.patience=4"], "go on for up to 2 more validations without an "
+                                     "improvement")  # fmt: skip
+    stopper.load_state_dict(stopper.state_dict())
+    stopper.patience = 4  # as the command sets it: two more validations, then the stop
+    assert judged(stopper, [0.4, 0.4]) == [None, "val_acc has not improved on 0.5 for 4 validations"]
+
+
+@pytest.mark.slow  # 4 runs a mode: an exact resume with its control, as test_resume.py's in the fast tier
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_early_stopping_stops_a_resumed_run_at_the_same_step(tmp_path, shapes, mode):
+    # min: val_loss, min_delta above any change of it: the first validation sets the best, and every later one waits
+    stopping = STOPPING if mode == "max" else [*STOPPING, *MIN_MODE]
+    run = [*shapes, "epochs=6", *stopping]  # the stop comes first, at epoch 2
     proc = run_train(tmp_path / "straight", *run)
-    assert "stopped by callback early_stopping: val_acc has not improved" in proc.stdout + proc.stderr
+    figure = "val_acc" if mode == "max" else "val_loss"
+    assert f"stopped by callback early_stopping: {figure} has not improved" in proc.stdout + proc.stderr
     assert [r["step"] for r in read_jsonl(tmp_path / "straight/metrics.jsonl")] == [5, 10, 15]  # 2 after the best
     run_train(tmp_path / "stopped", *run, "max_steps=7")
     # the control's checkpoint (below): the stop's, with the callback's count dropped, taken before the resume
@@ -34,11 +83,25 @@ def test_early_stopping_stops_a_resumed_run_at_the_same_step(tmp_path, shapes):
     run_train(tmp_path / "stopped", *run, resume)
     assert [r["step"] for r in read_jsonl(tmp_path / "stopped/metrics.jsonl")] == [5, 10, 15]
     assert same_weights(tmp_path / "straight/checkpoints/last.pth", tmp_path / "stopped/checkpoints/last.pth")
-    # the control: the same resume with the callback's count dropped stops later (here: not before the last epoch)
+    # the control: the same resume with the callback's count dropped stops later (here: 3 validations after it)
     first = load_ckpt(tmp_path / "straight/checkpoints/last.pth")["callbacks"]["early_stopping"]
     assert first["waited"] == 2
     run_train(tmp_path / "control", *run, f"resume={tmp_path}/dropped.pth")
     assert [r["step"] for r in read_jsonl(tmp_path / "control/metrics.jsonl")] == [10, 15, 20]
+    if mode == "min":
+        return
+    # the straight run's closing command goes on as its words say: up to 2 more validations, then the stop again
+    output = proc.stdout + proc.stderr
+    assert "to go on for up to 2 more validations without an improvement:" in output
+    command = printed_command(output)
+    assert command[-1] == "++callbacks.early_stopping.patience=4"
+    for name, cmd in (("went_on", command), ("old_command", command[:-1])):  # the control: the patience as it was
+        done = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / name}"], cwd=PROJECT, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "stopped by callback early_stopping" in done.stdout + done.stderr
+    assert [r["step"] for r in read_jsonl(tmp_path / "went_on/metrics.jsonl")] == [20, 25]
+    assert [r["step"] for r in read_jsonl(tmp_path / "old_command/metrics.jsonl")] == [20]
 
 
 @pytest.mark.slow  # 5 runs; a callback of one's own runs in the fast tier in the docs' confusion matrix test

@@ -56,8 +56,10 @@ def test_reuse_with_another_recipe_is_refused(tmp_path):
     with pytest.raises(UserError, match="drawn with other settings"):
         make_shapes(tmp_path / "s", per_class=3, image_size=20, data_seed=1)
     (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/notes.txt").write_text("mine")
     with pytest.raises(UserError, match="not a generated shapes folder"):
         make_shapes(tmp_path / "mine", per_class=3, image_size=16, data_seed=1)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # nothing drawn into it
 
 
 def test_shapes_split_reads_as_image_files(tmp_path):

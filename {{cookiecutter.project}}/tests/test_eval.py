@@ -45,6 +45,8 @@ def test_last_checkpoint_gives_the_runs_last_metrics_exactly(tmp_path, trained):
     assert (result["val_loss"], result["val_acc"]) == (records[-1]["val_loss"], records[-1]["val_acc"])
     assert result["step"] == records[-1]["step"] and result["checkpoint"] == f"{trained}/checkpoints/last.pth"
     assert len(proc.stdout.strip().splitlines()) == 1 and "val_acc" in proc.stdout
+    assert (result["count"], result["count_unit"], result["samples"]) == (32, "samples", 32)
+    assert " on 32 samples -> " in proc.stdout
     # negative control: the epoch-0 checkpoint gives epoch 0's numbers, which are not the last epoch's
     run_eval(tmp_path / "first", f"ckpt={trained}/checkpoints/step-00000005.pth")
     first = json.loads((tmp_path / "first/eval.json").read_text())
@@ -86,6 +88,11 @@ def test_best_latest_and_another_split(tmp_path, trained):
     result = json.loads((tmp_path / "a/eval.json").read_text())
     assert result["split"] == "train" and result["samples"] == 160 and 0 <= result["train_acc"] <= 1
     assert result["step"] == records[-1]["step"]  # latest: the newest last.pth
+    # a task that counts something else than samples (tokens, pixels) names it, in the line and in eval.json
+    proc = run_eval(tmp_path / "tokens", f"ckpt={trained}/checkpoints/last.pth", "task._target_=tests.datasets.Tokens")
+    result = json.loads((tmp_path / "tokens/eval.json").read_text())
+    assert (result["count"], result["count_unit"]) == (32, "tokens") and "samples" not in result
+    assert " on 32 tokens -> " in proc.stdout
 
 
 @pytest.mark.slow

@@ -22,20 +22,29 @@ def record(run_dir) -> tuple[list[dict], list[dict]]:
     return metrics, read_jsonl(run_dir / "steps.jsonl")
 
 
+# with workers kept across epochs: a mid-epoch resume finishes the epoch on one-off workers, which end with it
+WORKERS = ["loader.num_workers=2", "loader.persistent_workers=true", "loader.prefetch_factor=2"]
+
+
 @pytest.mark.slow
-def test_a_resumed_run_writes_the_straight_runs_record(tmp_path):
-    run_train(tmp_path / "straight", *RUN)
+@pytest.mark.parametrize("workers", [[], WORKERS], ids=["no-workers", "2-persistent-workers"])
+def test_a_resumed_run_writes_the_straight_runs_record(tmp_path, workers):
+    run = [*RUN, *workers]
+    run_train(tmp_path / "straight", *run)
     straight = record(tmp_path / "straight")
     assert [line["step"] for line in straight[0]] == [5, 10, 15]
     for stop in (7, 10):  # mid-epoch 1, off the log interval; epoch 1's last step
         run_dir = tmp_path / f"stopped{stop}"
-        run_train(run_dir, *RUN, f"max_steps={stop}")
+        run_train(run_dir, *run, f"max_steps={stop}")
         assert [line["step"] for line in read_jsonl(run_dir / "metrics.jsonl")] == [5, 10][: stop // 5]
         shutil.copy(run_dir / "checkpoints/last.pth", tmp_path / f"stop{stop}.pth")
-        run_train(run_dir, *RUN, f"resume={run_dir}/checkpoints/last.pth")
+        run_train(run_dir, *run, f"resume={run_dir}/checkpoints/last.pth")
         assert record(run_dir) == straight, f"stopped at {stop}"
         assert same_weights(run_dir / "checkpoints/last.pth", tmp_path / "straight/checkpoints/last.pth")
         assert load_ckpt(run_dir / "checkpoints/best.pth")["metrics"]["step"] == straight[0][-1]["step"]
+    if workers:
+        assert {line["worker_count"] for line in straight[0]} == {2}  # what the straight run counts, and so the resumed
+        return
     # the control: the mid-epoch checkpoint without its running sums gives the same weights and another record
     assert load_ckpt(tmp_path / "stop10.pth")["meter"] is None  # an epoch's end carries nothing into the next
     ckpt = load_ckpt(tmp_path / "stop7.pth")

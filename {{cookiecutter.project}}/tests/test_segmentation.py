@@ -175,8 +175,28 @@ def test_a_folder_missing_a_piece_is_refused_in_one_line(tmp_path):
         f"1 of the 2 images in '{tmp_path / 'pairs/val/images'}' have no mask (first: "
         f"'{tmp_path / 'pairs/val/masks/p1.png'}'): give every image a mask of the same name, or take the image out"
     )
-    # generating into a folder of your own is refused too, pointing at data.generate=false
-    assert "or data.generate=false to read your own" in refused_generate(tmp_path / "pairs")
+
+
+def test_a_folder_of_pairs_is_read_as_it_is_with_generate_on(tmp_path):
+    """data.generate=true (the default) draws only into a new or empty folder: a folder of pairs is your data, read
+    and never written; any other folder is refused in one line, untouched."""
+    write_pairs(tmp_path / "pairs", "train", count=3)
+    write_pairs(tmp_path / "pairs", "val", count=2)
+    before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "pairs").rglob("*"))
+    cfg = compose_cfg(f"data.root={tmp_path / 'pairs'}")
+    assert cfg.data.generate is True
+    preflight.precheck_data(cfg)
+    data = instantiate(cfg.data.train, transform=None)
+    assert len(data) == 3 and LABEL in data[0][1].unique().tolist()  # the pairs' own masks
+    assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "pairs").rglob("*")) == before
+    (tmp_path / "empty").mkdir()  # an empty folder: the shapes are drawn into it
+    shapes = instantiate(compose_cfg(f"data.root={tmp_path / 'empty'}", "data.per_class=2").data.train, transform=None)
+    assert len(shapes) == 2 * 4 and (tmp_path / "empty/shapes.json").is_file()
+    (tmp_path / "other").mkdir()  # the control: a folder holding something else
+    (tmp_path / "other/notes.txt").write_text("mine")
+    error = refused_generate(tmp_path / "other")
+    assert "is not a generated shapes folder" in error and "<split>/images and <split>/masks pairs" in error
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.slow  # a start of torch; the fast tier's refusals through train.py are test_config.py's

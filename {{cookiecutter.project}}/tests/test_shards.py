@@ -27,6 +27,9 @@ from tests.helpers import PROJECT, load_ckpt, loader_settings, read_jsonl, run_t
 {% if cookiecutter.with_photos == "yes" %}
 from tests.test_data import crop_list, made, mean_gap, photo
 {% endif %}
+{% if cookiecutter.with_streams == "yes" %}
+from tests.test_task import FILE_BLOCK, doc_section
+{% endif %}
 
 PER_SHARD = 7  # 80 training images -> 12 shards, the last one short
 
@@ -184,6 +187,32 @@ def test_webdataset_reads_the_shards(images, packed):
         assert sample["png"] == (images / "train" / rel).read_bytes() and int(sample["cls"]) == expected[rel]
 
 
+{% if cookiecutter.with_streams == "yes" %}
+def test_the_docs_webdataset_shuffle_is_the_same_each_time_an_epoch_is_read(packed):
+    """docs/streams.md's example: its seed gives each epoch one order; the control, the same code with `.shuffle(50)`
+    alone (webdataset then seeds from the process id and the time), another order every time."""
+    pytest.importorskip("webdataset")
+    section = doc_section("streams.md", "A library's own shuffle needs a seed")
+    ((path, body),) = FILE_BLOCK.findall(section)
+    index = json.loads((packed / "train" / INDEX).read_text())
+    urls = [str(packed / "train" / e["name"]) for e in index["shards"]]
+
+    def orders(code: str, epoch: int) -> list[list[str]]:
+        space = {}
+        exec(compile(code, path, "exec"), space)
+        stream = space["ShuffledShards"](urls, seed=3)
+        stream.set_epoch(epoch)
+        return [[sample["__key__"] for sample in stream] for _ in range(2)]
+
+    first, again = orders(body, 0)
+    assert first == again and len(first) == 80 and first != sorted(first)
+    assert orders(body, 1)[0] != first and sorted(orders(body, 1)[0]) == sorted(first)
+    assert "shuffle(50, seed=shuffle_seed)" in body
+    first, again = orders(body.replace("shuffle(50, seed=shuffle_seed)", "shuffle(50)"), 0)
+    assert first != again
+
+
+{% endif %}
 def test_pack_refuses_a_non_empty_destination(images, tmp_path, capsys):
     dst = tmp_path / "busy"
     dst.mkdir()

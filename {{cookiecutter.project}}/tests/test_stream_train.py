@@ -1,9 +1,7 @@
 """Streams through train.py: each record once per epoch over workers and processes, and a mid-epoch resume that
 is the run that never stopped (tests.datasets.CountingShards: 8 unequal shards; SplitStream, StatefulStream)."""
 
-import shlex
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from tests.helpers import (
     PROJECT,
     load_ckpt,
     loader_settings,
+    printed_command,
     read_jsonl,
     recorded_steps,
     run_torchrun,
@@ -191,12 +190,24 @@ def test_a_stream_without_sizes_needs_a_schedule_of_its_own_length(tmp_path):
 def test_a_stream_without_sizes_trains_on_a_schedule_of_its_own_length(tmp_path):
     """What the line above asks for: with schedule.total_steps, each record once an epoch, the epoch's end seen as
     the stream ends."""
-    unsized = [*STREAM, UNSIZED[0]]
+    unsized = [*STREAM, UNSIZED[0], "schedule.warmup_steps=0"]
     env = {"RECORD_SAMPLES": str(tmp_path / "samples")}
-    run_train(tmp_path / "ok", *unsized, "schedule.total_steps=40", env=env)
+    proc = run_train(tmp_path / "ok", *unsized, "schedule.total_steps=60", env=env)
     steps = recorded_steps(tmp_path / "samples")
     assert sorted(k for b in steps.values() for k in b[0]) == sorted(ALL + ALL)
     assert [r["epoch"] for r in read_jsonl(tmp_path / "ok/metrics.jsonl")] == [0, 1]
+    # the closing advice trains 2 more epochs on a schedule as long again (total_steps doubled with the epochs), so
+    # the LR still falls at its end; the control, the old advice, keeps total_steps=60 and its floor from step 60 on
+    command = printed_command(proc.stdout + proc.stderr)
+    assert command[-3:] == ["epochs=4", "resume_strict=false", "schedule.total_steps=120"]
+    control = [*command[:-1], "schedule.total_steps=60"]
+    for name, cmd in (("longer", command), ("control", control)):
+        done = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / name}"], cwd=PROJECT, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    last = [r["lr"] for r in read_jsonl(tmp_path / "longer/steps.jsonl")][-10:]
+    assert all(a > b for a, b in zip(last, last[1:]))
+    assert len({r["lr"] for r in read_jsonl(tmp_path / "control/steps.jsonl")[-10:]}) == 1
 
 
 @pytest.mark.slow
@@ -265,15 +276,6 @@ def test_a_two_process_stop_resumes_on_one_process_each_remaining_record_once(tm
     assert "order of its batches changed" in proc.stdout + proc.stderr
     rest = [k for batches in recorded_steps(tmp_path / "rest").values() for batch in batches for k in batch]
     assert sorted(head + rest) == ALL  # one process drops nothing: the epoch's every record, once
-
-
-def printed_command(output: str) -> list[str]:
-    """The command a run printed to go on (the line after "to continue:" or "to train ... more"), to run as it is."""
-    lines = output.splitlines()
-    (at,) = [i for i, line in enumerate(lines) if line.endswith(("to continue:", "more epochs:", "more epoch:"))]
-    command = shlex.split(lines[at + 1])
-    assert command[:2] == ["python", "train.py"]
-    return [sys.executable, *command[1:]]
 
 
 @pytest.mark.slow

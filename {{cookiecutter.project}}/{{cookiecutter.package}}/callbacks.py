@@ -39,12 +39,23 @@ class EarlyStopping:
             figures = ", ".join(k for k in record if k == "train_loss" or k.startswith("val_"))
             raise UserError(f"callbacks: EarlyStopping's monitor {self.monitor} is not reported; pick one of {figures}")
         value = record[self.monitor]
-        margin = value - self.best if self.best is not None else math.inf
-        better = (margin if self.mode == "max" else -margin) > self.min_delta and not math.isnan(value)
+        if self.best is None:  # the first validation sets the best (a NaN never does)
+            better = not math.isnan(value)
+        else:
+            gain = value - self.best if self.mode == "max" else self.best - value
+            better = gain > self.min_delta  # False for NaN
         self.best, self.waited = (value, 0) if better else (self.best, self.waited + 1)
         if self.waited < self.patience:
             return None
-        return f"{self.monitor} has not improved on {self.best} for {self.patience} validations"
+        return f"{self.monitor} has not improved on {self.best} for {self.waited} validations"
+
+    def go_on(self, name: str) -> tuple[list[str], str]:
+        """The overrides and the words of a command that goes on past this stop: the patience raised by as many
+        validations again (a resume with the same patience would stop at its next validation)."""
+        more = self.patience
+        return [f"++callbacks.{name}.patience={self.waited + more}"], (
+            f"go on for up to {more} more validation{'s' * (more != 1)} without an improvement"
+        )
 
     def state_dict(self) -> dict:
         return {"best": self.best, "waited": self.waited}

@@ -135,8 +135,8 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
     each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
     Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
     renamed into place, so a reader never sees half of it. The recipe is stored beside the images (shapes.json)
-    and checked on reuse: a folder drawn otherwise, or holding other files, is refused. `draw=False`: those refusals
-    alone, nothing drawn (the prechecks)."""
+    and checked on reuse: a folder drawn otherwise, or holding other files, is refused; with `masks`, a folder of
+    image/mask pairs is your data, read as it is. `draw=False`: those refusals alone, nothing drawn (the prechecks)."""
     wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
     wanted.update({"layout": "segmentation"} if masks else {})
     marker = root / "shapes.json"
@@ -147,10 +147,12 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
                 "delete that folder or set data.root to a new one"
             )
         return
-    if root.exists():
+    if masks and holds_pairs(root):  # your own image/mask pairs: read as they are, nothing drawn into them
+        return
+    if root.exists() and any(root.iterdir()):
         raise UserError(
             f"{str(root)!r} exists but is not a generated shapes folder: set data.root to an empty or new path"
-            + (", or data.generate=false to read your own" if masks else "")
+            + (", or to a folder of <split>/images and <split>/masks pairs" if masks else "")
         )
     if not draw:
         return
@@ -176,6 +178,11 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
         shutil.rmtree(tmp, ignore_errors=True)
         if not (root / "shapes.json").exists():
             raise
+
+
+def holds_pairs(root: Path) -> bool:
+    """`root` holds a split's images/ and masks/ folders (SegmentationFolder's layout): data of your own."""
+    return any((root / split / "images").is_dir() and (root / split / "masks").is_dir() for split in ("train", "val"))
 
 
 def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:

@@ -13,6 +13,7 @@ A task has two methods, both given the model and one batch exactly as the data s
 - `compute(totals) -> dict[str, float]`, optional: the figures from the split's totals (CPU tensors, `count`
   among them), for a figure that is not a mean over samples; the sums may then have any fixed shape
   (per-class vectors for mIoU or macro-F1).
+- `count_unit`, optional: what `count` counts, as eval.py names it ("samples" when absent; e.g. "tokens").
 
 Keep host reads (`.item()`, `float(t)`, printing a tensor) out of both: each one makes the host wait for the GPU.
 """

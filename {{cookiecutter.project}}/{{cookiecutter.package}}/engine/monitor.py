@@ -141,8 +141,8 @@ class Monitor:
         reading = self._reading()
         self._pending.append((step, window, reading))
         self._epoch_end = reading if last else None
-        if last and not self.loader.settings.persistent_workers:
-            self._write_done(wait=True)  # these workers exit as soon as the loop asks for the next batch: read them now
+        if last:  # read before the loop asks for the next batch: workers that are not kept (a profile that frees them
+            self._write_done(wait=True)  # each epoch, the one-off ones of a mid-epoch resume) exit then
 
     def _reading(self) -> Future:
         return self._readings.submit(sample, set(self.loader.worker_pids))

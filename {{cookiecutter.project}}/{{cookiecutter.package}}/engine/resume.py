@@ -282,12 +282,16 @@ def load_optimizer(ckpt: dict, model, optimizer) -> None:
 
 
 def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,
-          notes: list[str] | tuple = (){% if cookiecutter.with_streams == "yes" %}, restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
+          notes: list[str] | tuple = (), extra: list[str] | tuple = (), promise: str | None = None{% if cookiecutter.with_streams == "yes" %},
+          restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
     """The closing lines of a run: where it is (and `notes`, e.g. why it is not bit-exact), then on a line of its own
-    the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.{% if cookiecutter.with_streams == "yes" +%}
-    `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by starting that epoch over.{% endif %}"""
+    the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.
+    `extra`: overrides the command sets (each replacing one of the run's for the same key), `promise`: what they
+    make it do (a callback's `go_on`).{% if cookiecutter.with_streams == "yes" %} `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by
+    starting that epoch over.{% endif %}"""
     folder = "; ".join([f"run folder {short(run_dir)}", *notes])
-    kept = [shlex.quote(o) for o in overrides if not o.startswith(("resume=", "resume_strict=", "max_steps="))]
+    replaced = {"resume", "resume_strict", "max_steps", *map(key, extra), *(["epochs"] if epochs else [])}
+    kept = [shlex.quote(o) for o in overrides if key(o) not in replaced]
 {% if cookiecutter.with_streams == "yes" %}
     if restart_epoch:
         kept = [o for o in kept if "data.stream_resume=" not in o] + [RESTART_EPOCH]
@@ -299,11 +303,17 @@ def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: l
         else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(short(run_dir))}"]
     )
     kept.append(f"resume={shlex.quote(short(last))}")
-    said = f"stopped at step {step}; {folder}; to continue"
+    said = f"stopped at step {step}; {folder}; to {promise or 'continue'}"
     if epochs:
-        kept = [o for o in kept if not o.startswith("epochs=")] + [f"epochs={2 * epochs}", "resume_strict=false"]
-        said = f"finished at step {step}; {folder}; to train {epochs} more epoch{'s' * (epochs != 1)}"
-    return f"{said}:\n  {' '.join([*launch, *kept])}"
+        kept += [f"epochs={2 * epochs}", "resume_strict=false"]
+        upto = "up to " if promise else ""
+        said = f"finished at step {step}; {folder}; to train {upto}{epochs} more epoch{'s' * (epochs != 1)}"
+    return f"{said}:\n  {' '.join([*launch, *kept, *map(shlex.quote, extra)])}"
+
+
+def key(override: str) -> str:
+    """The config key a command-line override sets (`++a.b=1`: `a.b`)."""
+    return override.lstrip("+").split("=", 1)[0]
 
 
 def short(path: Path) -> str:

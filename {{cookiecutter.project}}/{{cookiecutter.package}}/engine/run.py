@@ -138,16 +138,23 @@ class Run:
         done = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # the epochs, once all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
+        go_on = self.callbacks.go_on()  # (overrides, words) that take the run past a callback's stop
+        if self.callbacks.stopped_by and go_on is None and done is None:
+            return (
+                f"stopped at step {self.step}; run folder {resume.short(self.run_dir)}; {'; '.join(notes)}; the run is "
+                "finished (that callback offers no command that goes on past its stop)"
+            )
+        extra, promise = go_on or ([], None)
+        total = self.cfg.schedule.get("total_steps")
+        if done and total:  # a schedule of its own length spans the longer run too
+            extra = [*extra, f"schedule.total_steps={2 * total}"]
 {% if cookiecutter.with_streams == "yes" %}
-        restart = done is None and not self.train_loader.resumes_mid_epoch
-        return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes, restart
-        )
-{% else %}
-        return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes
-        )
+        restart = done is None and not self.train_loader.resumes_mid_epoch  # a stream without state, mid-epoch
 {% endif %}
+        return resume.where(
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes, extra,
+            promise{% if cookiecutter.with_streams == "yes" %}, restart{% endif %},
+        )  # fmt: skip
 
 
 def build(
