@@ -44,7 +44,7 @@ class Classification:
         return {
             "loss": F.cross_entropy(logits, labels, reduction="sum"),
             "acc": (logits.argmax(1) == labels).sum(),
-            "count": labels.new_tensor(labels.shape[0]),
+            "count": labels.new_full((), labels.shape[0]),
         }
 
 
@@ -82,7 +82,7 @@ class Segmentation:
             "union": confusion.sum(0) + confusion.sum(1) - intersection,
             "correct": intersection.sum(),
             "valid": valid.sum(),
-            "count": masks.new_tensor(masks.shape[0]),
+            "count": masks.new_full((), masks.shape[0]),
         }
 
     def compute(self, totals: dict) -> dict[str, float]:
