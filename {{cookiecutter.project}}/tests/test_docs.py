@@ -113,3 +113,18 @@ def test_the_link_check_can_fail(tmp_path):
     assert slug("Same seed, same weights, whatever the loader profile (`rng_mode`)") == (
         "same-seed-same-weights-whatever-the-loader-profile-rng_mode"
     )
+
+
+# `getattr(dataset, "name"` and kin in the engine: the members it looks up on a data set (docs/data.md's table)
+DATA_SET_HOOK = re.compile(r"(?:getattr|hasattr)\((?:self\.)?(?:dataset|train_set|val_set), \"(\w+)\"")
+
+
+def test_every_data_set_member_the_engine_looks_up_is_in_the_protocol_table():
+    section = (PROJECT / "docs/data.md").read_text().split("## What the engine asks of a data set")[1]
+    listed = set(re.findall(r"`(\w+)", section))  # each name in code: `classes`, `read(shard, start)`...
+    engine = "\n".join(p.read_text() for p in (PROJECT / "{{ cookiecutter.package }}/engine").glob("*.py"))
+    looked_up = set(DATA_SET_HOOK.findall(engine))
+    assert {"classes", "collate_fn", "sample_source", "epoch_order"} <= looked_up  # the pattern finds them
+    assert looked_up <= listed, f"not in docs/data.md: {sorted(looked_up - listed)}"
+    # the control: a member the table lacks is found
+    assert set(DATA_SET_HOOK.findall('getattr(self.dataset, "warm_up", None)')) - listed == {"warm_up"}
