@@ -57,3 +57,23 @@ def test_the_layout_check_can_fail():
     i, j = swapped.index("run.py"), swapped.index("loader.py")
     swapped[i], swapped[j] = swapped[j], swapped[i]
     assert "engine/run.py imports loader.py, listed above it" in misfits(top, swapped)
+
+
+def engine_used(source: str) -> set[str]:
+    """The engine modules a module of the package imports (`from .engine.x import y`, `from .engine import x`)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("engine"):
+            found.update([node.module.split(".")[1]] if "." in node.module else [a.name for a in node.names])
+    return found
+
+
+def test_the_users_files_use_only_the_engines_public_surface():
+    """data.py, callbacks.py and the other top-level files import only the engine modules the package docstring
+    names as its public surface."""
+    public = set(re.findall(r"`engine\.(\w+)`", (PROJECT / PACKAGE / "__init__.py").read_text()))
+    users = [p for p in (PROJECT / PACKAGE).glob("*.py") if p.name not in ("__init__.py", "doctor.py", "export.py")]
+    assert {"data.py", "callbacks.py"} <= {p.name for p in users} and "errors" in public
+    used = {p.name: engine_used(p.read_text()) - public for p in users}
+    assert {name: modules for name, modules in used.items() if modules} == {}
+    assert engine_used("from .engine.dry_step import first_samples\n") - public == {"dry_step"}  # the control

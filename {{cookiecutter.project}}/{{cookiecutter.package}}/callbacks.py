@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from .engine import rng
+from .engine.data_check import first_samples
 from .engine.device import has_part, tensors, to_device
-from .engine.dry_step import first_samples
 from .engine.errors import UserError
 from .engine.schema import flatten
 

@@ -34,8 +34,8 @@ from hydra.core.hydra_config import HydraConfig
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from .engine.data_check import first_samples
 from .engine.device import pick_device, to_device
-from .engine.dry_step import first_samples
 from .engine.errors import UserError, find_user_error
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 from .engine.optim import state_slots

@@ -30,7 +30,6 @@ import os
 import sys
 import tarfile
 from collections import OrderedDict
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +39,12 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .data import ImageFiles
-from .engine.checkpoint import sync
+from .engine.data_check import check_classes
 {% if cookiecutter.with_photos == "yes" %}
 from .engine.decode import CropDecoder
 {% endif %}
 from .engine.errors import UserError
-from .engine.parts import check_classes
+from .engine.files import durable
 from .engine.schema import integer
 
 INDEX = "index.json"
@@ -120,19 +119,6 @@ def write_shard(path: Path, samples: list[tuple[str, int]], first_key: int, base
             rows.append((key, source.relative_to(base).as_posix(), starts[0], len(data), label, starts[1]))
     columns = dict(zip(("keys", "paths", "offsets", "sizes", "labels", "cls_offsets"), map(list, zip(*rows))))
     return {"name": path.name, "bytes": path.stat().st_size, **columns}
-
-
-@contextmanager
-def durable(path: Path):
-    """A file to write `path` through: a temporary file beside it, on disk before it is renamed into place, the
-    rename synced too, so a reader sees no file or the whole one, never half of it, even after a crash."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    sync(path.parent)  # the rename itself
 
 
 class ShardDataset(Dataset):

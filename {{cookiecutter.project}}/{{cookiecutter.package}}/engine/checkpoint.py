@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from . import distributed, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
 from .errors import UserError
+from .files import durable
 {% if cookiecutter.with_fsdp == "yes" %}
-from .sharded_checkpoint import BEST, LAST, sync
+from .sharded_checkpoint import BEST, LAST
 {% endif %}
 
 log = logging.getLogger(__name__)
@@ -53,28 +54,13 @@ class Checkpointer:
 
 
 def publish(state: dict, path: Path, also: Path | None = None) -> None:
-    """Write `state` to `path` atomically: a temp file in the same folder, fsynced, renamed over `path`, so a kill -9
-    mid-save leaves the previous file whole. `also`: the same bytes under a second name (a hard link)."""
-    tmp = path.parent / f".tmp-{os.getpid()}.pth"
-    with open(tmp, "wb") as f:
+    """Write `state` to `path` durably (files.py): a kill -9 mid-save leaves the previous file whole. `also`: the same
+    bytes under a second name (a hard link)."""
+    with durable(path, path.parent / f".tmp-{os.getpid()}.pth") as f:
         torch.save(state, f)
-    sync(tmp)
     if also is not None:
         also.unlink(missing_ok=True)
-        os.link(tmp, also)
-    os.replace(tmp, path)
-    sync(path.parent)  # make the rename itself durable
-{% if cookiecutter.with_fsdp == "no" %}
-
-
-def sync(path: Path) -> None:
-    """fsync a file or a folder: its bytes, or the renames in it, are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-{% endif %}
+        os.link(path, also)
 
 
 class Best:

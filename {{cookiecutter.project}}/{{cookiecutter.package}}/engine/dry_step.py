@@ -17,18 +17,18 @@ import warnings
 import torch
 from torch.utils.data import default_collate
 
-from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, rng
 from .callbacks import Callbacks
 from .checkpoint import init_weights, misfit
+from .data_check import check_classes, first_samples
 from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
-from .errors import UserError, reason
+from .errors import UserError
 from .optim import clip_gradients
 from .schedule import fast_forward
 from .task_results import check_loss, check_metrics, report
 
 NO_KERNEL = " does not have a deterministic implementation"  # the words of torch's warning
 NONDETERMINISTIC = re.compile(r"(\S+)" + NO_KERNEL)
-SPARE = 8  # samples first_samples may pass over when they fail to read
 
 
 def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
@@ -64,7 +64,7 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
         Callbacks(cfg)  # each built once: a bad argument or value is refused before the run folder is written
         train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")
         classes = {"train": getattr(train_set, "classes", None), "val": getattr(val_set, "classes", None)}
-        parts.check_classes(classes, cfg.data.get("num_classes"))
+        check_classes(classes, cfg.data.get("num_classes"))
         collate = parts.collate(cfg, train_set)
         with parts.stage(cfg, "data.normalize", "to build"):
             prepare = parts.prepare(cfg, device)
@@ -174,40 +174,6 @@ def _named(cfg, target: str, method: str, split: str):
     """An error inside the task or model: one line naming where."""
     return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
 {% endif %}
-
-
-def first_samples(dataset, name: str, count: int = 2) -> list:
-    """The first `count` samples of `dataset` (`name`: its key). One that fails to read is passed over: a bad file is
-    the training loader's to name or skip (data.on_bad_sample) at its turn. Only when the first `count` + SPARE all
-    fail does this stop, in one line naming the first sample's error."""
-    samples, first_error = [], None
-{% if cookiecutter.with_streams == "yes" %}
-    stream = shard_plan.is_stream(dataset)
-    if stream:  # a stream's first records, in its own order
-        reads = [lambda: shard_plan.first_records(dataset, count)]
-    else:
-        reads = ((lambda index=index: [dataset[index]]) for index in range(min(count + SPARE, len(dataset))))
-    for read in reads:
-        try:
-            samples += read()
-{% else %}
-    for index in range(min(count + SPARE, len(dataset))):
-        try:
-            samples.append(dataset[index])
-{% endif %}
-        except UserError:
-            raise
-        except Exception as e:
-            first_error = first_error or e
-        if len(samples) >= count:
-            break
-    if not samples and first_error is not None:
-        source = getattr(dataset, "sample_source", None)
-        where = f" (index 0, {source(0)})" if source{% if cookiecutter.with_streams == "yes" %} and not stream{% endif %} else ""
-        raise UserError(f"{name}: reading its first samples fails{where}: {reason(first_error)}") from None
-    if not samples:
-        raise UserError(f"{name} holds no samples: point it at data")
-    return samples
 
 
 def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):

@@ -88,26 +88,6 @@ def data_set(cfg, split: str):
 {% endif %}
 
 
-def check_classes(found: dict, num_classes: int | None) -> None:
-    """The train and val data checked to fit each other and `data.num_classes`, by `found`: split -> the class names
-    its data holds (a folder data set's `classes`, or its `precheck`'s), or None where the data set does not say. One
-    line before any work rather than `IndexError: Target 6 is out of bounds` mid-run."""
-    found = {name: list(classes or []) for name, classes in found.items()}
-    for name, classes in found.items():
-        if classes and num_classes is not None and len(classes) != num_classes:
-            shown = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
-            raise UserError(
-                f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
-                f"({shown}): set data.num_classes={len(classes)}"
-            )
-    if found.get("train") and found.get("val") and found["train"] != found["val"]:
-        odd = sorted(set(found["train"]) ^ set(found["val"]))
-        raise UserError(
-            f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
-            "give both the same class folders"
-        )
-
-
 def collate(cfg, dataset):
     """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`{% if cookiecutter.with_photos == "yes" %} (as
     data.decode=gpu's do); else None, torch's default_collate. Both at once: refused, only you know which fits."""

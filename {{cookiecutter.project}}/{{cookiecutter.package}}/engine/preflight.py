@@ -30,11 +30,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from . import distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError, reason
 from .optim import LOOP_KEYS
-from .parts import check_classes
 from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config, flatten
 
 log = logging.getLogger("train")

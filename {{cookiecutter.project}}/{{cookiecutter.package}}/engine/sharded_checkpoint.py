@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import distributed
+from .files import sync
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
@@ -158,12 +159,3 @@ class ShardedCheckpointer:
         for save in self.saves.iterdir():
             if not save.name.startswith(".") and save.resolve() not in named:
                 shutil.rmtree(save)
-
-
-def sync(path: Path) -> None:
-    """fsync a file or a folder: its bytes, or the renames in it, are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
