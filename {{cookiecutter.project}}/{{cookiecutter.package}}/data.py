@@ -135,8 +135,9 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
     each split's images/ and masks/ (SegmentationFolder's); both draw the same images.
     Concurrent callers (DDP ranks, parallel tests) race safely: the folder is built under a temporary name and
     renamed into place, so a reader never sees half of it. The recipe is stored beside the images (shapes.json)
-    and checked on reuse: a folder drawn otherwise, or holding other files, is refused; with `masks`, a folder of
-    image/mask pairs is your data, read as it is. `draw=False`: those refusals alone, nothing drawn (the prechecks)."""
+    and checked on reuse: a folder drawn otherwise, or holding other files, is refused; with `masks`, a
+    folder of image/mask pairs is your data, read as it is. `draw=False`: those refusals alone, nothing drawn
+    (the prechecks)."""
     wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
     wanted.update({"layout": "segmentation"} if masks else {})
     marker = root / "shapes.json"
@@ -182,7 +183,7 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
 
 def holds_pairs(root: Path) -> bool:
     """`root` holds a split's images/ and masks/ folders (SegmentationFolder's layout): data of your own."""
-    return any((root / split / "images").is_dir() and (root / split / "masks").is_dir() for split in ("train", "val"))
+    return any((root / s / "images").is_dir() and (root / s / "masks").is_dir() for s in ("train", "val"))
 
 
 def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:

@@ -6,9 +6,9 @@ Hooks, each optional on a callback (`run` is engine/run.py's Run: model, loaders
 - `on_log(run, figures)`: at each steps.jsonl line, with the figures the loop has already read (no extra read);
 - `on_validation_end(run, record)`: with the record just written to metrics.jsonl, before the checkpoint that keeps
   it; a true value (True, or a string saying why) asks the run to stop there: it saves and exits 0;
-- `go_on(name) -> (overrides, words)`, for a callback that stops runs: the command-line overrides that let a resume
-  go on past its stop, and what that command then does; the closing line prints them. Without it, the closing line
-  says that the run is finished;
+- `go_on(name) -> (overrides, words)`, for a callback that stops runs: the command-line overrides that let
+  a resume go on past its stop, and what that command then does; the closing line prints them. Without it,
+  the closing line says that the run is finished;
 - `on_run_end(run)`: once, however the loop ended (not after an error).
 
 A node with `state_dict()` / `load_state_dict()` (a callback, or any Stateful object of yours: a curriculum, a

@@ -1,6 +1,6 @@
-"""What the engine reads of the data before a run: a data set's first readable samples (the dry step's, the sample
-grid's{% if cookiecutter.with_doctor == "yes" %}, the doctor's{% endif %}), and the class names the data sets hold, checked against each other and
-`data.num_classes`."""
+"""What the engine reads of the data before a run: a data set's first readable samples (the dry step's,
+the sample grid's{% if cookiecutter.with_doctor == "yes" %}, the doctor's{% endif %}), and the class names the data sets hold, checked
+against each other and `data.num_classes`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ SPARE = 8  # samples first_samples may pass over when they fail to read
 
 
 def first_samples(dataset, name: str, count: int = 2) -> list:
-    """The first `count` samples of `dataset` (`name`: its key). One that fails to read is passed over: a bad file is
-    the training loader's to name or skip (data.on_bad_sample) at its turn. Only when the first `count` + SPARE all
-    fail does this stop, in one line naming the first sample's error."""
+    """The first `count` samples of `dataset` (`name`: its key). One that fails to read is passed over: a
+    bad file is the training loader's to name or skip (data.on_bad_sample) at its turn. Only when the first
+    `count` + SPARE all fail does this stop, in one line naming the first sample's error."""
     samples, first_error = [], None
 {% if cookiecutter.with_streams == "yes" %}
     stream = shard_plan.is_stream(dataset)
@@ -47,9 +47,9 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
 
 
 def check_classes(found: dict, num_classes: int | None) -> None:
-    """The train and val data checked to fit each other and `data.num_classes`, by `found`: split -> the class names
-    its data holds (a folder data set's `classes`, or its `precheck`'s), or None where the data set does not say. One
-    line before any work rather than `IndexError: Target 6 is out of bounds` mid-run."""
+    """The train and val data checked to fit each other and `data.num_classes`, by `found`: split -> the
+    class names its data holds (a folder data set's `classes`, or its `precheck`'s), or None where the data
+    set does not say. One line before any work rather than `IndexError: Target 6 is out of bounds` mid-run."""
     found = {name: list(classes or []) for name, classes in found.items()}
     for name, classes in found.items():
         if classes and num_classes is not None and len(classes) != num_classes:

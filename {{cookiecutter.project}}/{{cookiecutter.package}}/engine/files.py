@@ -1,5 +1,5 @@
-"""Durable files: written through a temporary file beside them, synced, then renamed into place with the rename
-synced too, so a reader, or a run after a crash, finds the previous file or the whole new one, never half of one."""
+"""Durable files: written through a temporary file beside them, synced, then renamed into place with the
+rename synced too, so a reader, or a run after a crash, finds the previous file or the whole new one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 @contextmanager
 def durable(path: Path, tmp: Path | None = None):
-    """A file to write `path` through: `tmp` (by default `.<name>.tmp` beside it), renamed over `path` once whole."""
+    """A file to write `path` through: `tmp` (by default `.<name>.tmp` beside it), renamed over `path`
+    once whole."""
     tmp = tmp or path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         yield f

@@ -286,9 +286,9 @@ def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: l
           restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
     """The closing lines of a run: where it is (and `notes`, e.g. why it is not bit-exact), then on a line of its own
     the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.
-    `extra`: overrides the command sets (each replacing one of the run's for the same key), `promise`: what they
-    make it do (a callback's `go_on`).{% if cookiecutter.with_streams == "yes" %} `restart_epoch`: a stream without state stopped mid-epoch, which goes on only by
-    starting that epoch over.{% endif %}"""
+    `extra`: overrides the command sets (each replacing one of the run's for the same key), `promise`: what
+    they make it do (a callback's `go_on`).{% if cookiecutter.with_streams == "yes" %} `restart_epoch`: a stream without state stopped mid-epoch,
+    which goes on only by starting that epoch over.{% endif %}"""
     folder = "; ".join([f"run folder {short(run_dir)}", *notes])
     replaced = {"resume", "resume_strict", "max_steps", *map(key, extra), *(["epochs"] if epochs else [])}
     kept = [shlex.quote(o) for o in overrides if key(o) not in replaced]

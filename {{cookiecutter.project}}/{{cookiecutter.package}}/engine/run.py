@@ -140,20 +140,21 @@ class Run:
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
         go_on = self.callbacks.go_on()  # (overrides, words) that take the run past a callback's stop
         if self.callbacks.stopped_by and go_on is None and done is None:
+            folder = resume.short(self.run_dir)
             return (
-                f"stopped at step {self.step}; run folder {resume.short(self.run_dir)}; {'; '.join(notes)}; the run is "
-                "finished (that callback offers no command that goes on past its stop)"
+                f"stopped at step {self.step}; run folder {folder}; {'; '.join(notes)}; the run is finished (that "
+                "callback offers no command that goes on past its stop)"
             )
         extra, promise = go_on or ([], None)
         total = self.cfg.schedule.get("total_steps")
         if done and total:  # a schedule of its own length spans the longer run too
             extra = [*extra, f"schedule.total_steps={2 * total}"]
 {% if cookiecutter.with_streams == "yes" %}
-        restart = done is None and not self.train_loader.resumes_mid_epoch  # a stream without state, mid-epoch
+        restart = done is None and not self.train_loader.resumes_mid_epoch  # a stateless stream, mid-epoch
 {% endif %}
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes, extra,
-            promise{% if cookiecutter.with_streams == "yes" %}, restart{% endif %},
+            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes,
+            extra, promise{% if cookiecutter.with_streams == "yes" %}, restart{% endif %},
         )  # fmt: skip
 
 
