@@ -81,11 +81,10 @@ def evaluate_checkpoint(cfg) -> dict | None:
     device = pick_device(cfg.device)
     model = parts.model(cfg)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged
-    try:
-        model.load_state_dict(ckpt["ema"] if use_ema else ckpt["model"])
-    except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise UserError(f"eval: the checkpoint's weights do not fit model {cfg.model._target_} ({first})") from None
+    weights = ckpt["ema"] if use_ema else ckpt["model"]
+    if odd := checkpoint.misfit(model.state_dict(), weights):  # names and shapes, checked before the load
+        raise UserError(f"eval: the checkpoint's weights do not fit model {cfg.model._target_} ({odd})")
+    model.load_state_dict(weights)
 
     world = distributed.join(device)  # after the checks above: under torchrun each rank takes a share of the split
     try:
