@@ -35,7 +35,6 @@ BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sa
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
 # signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
-_ARMED: list = []  # a worker's open stack files (arm_stack_dump)
 
 
 class LoaderFailure(UserError):
@@ -99,9 +98,8 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     from its C signal handler, so a worker stuck in a read or a lock still answers."""
     if stack_dir is None or STACK_SIGNAL is None:
         return
-    out = open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
-    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
-    _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
+    out = os.open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)  # the descriptor: open for good
 
 
 def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
