@@ -196,3 +196,27 @@ def test_stop_signals_are_ours_inside_installed_only_and_the_previous_handlers_c
     for t in watchers:
         t.join(timeout=2)
     assert not any(t.is_alive() for t in watchers)
+
+
+# A main thread that waits (a sleep standing in for a collective on a dead peer) with the stop handlers installed
+WAIT = """
+import contextlib, os, signal, sys, time
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+stop = StopRequest()
+with stop.installed(), stop.waiting_on_peers(0.5) if sys.argv[1] == "waiting" else contextlib.nullcontext():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3)
+print("flag", stop.requested)
+"""
+
+
+@pytest.mark.parametrize("state", ["waiting", "stepping"])
+def test_a_sigterm_while_waiting_on_peers_ends_the_process_after_its_grace(state):
+    """The watcher ends the process (exit 143) once the wait has outlasted its grace; outside a wait (the control)
+    the signal only sets the flag, and the run goes on to save."""
+    out = subprocess.run([sys.executable, "-c", WAIT, state], cwd=PROJECT, capture_output=True, text=True, timeout=60)
+    if state == "waiting":
+        assert out.returncode == 128 + signal.SIGTERM, out
+        assert "SIGTERM while waiting on the other processes for over 0.5 s: exiting now" in out.stderr, out
+    else:
+        assert out.returncode == 0 and out.stdout.split() == ["flag", "True"], out

@@ -27,11 +27,11 @@ class StopRequest:
     """The stop signals' handlers for this process (see the module's docstring); `requested` once one came."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-    waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers (process-wide)
 
     def __init__(self):
         self.signum: int | None = None
         self.previous: dict[int, object] = {}  # the handlers ours replaced, while installed
+        self.waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers
 
     @contextmanager
     def installed(self):
@@ -85,16 +85,15 @@ class StopRequest:
     def exit_code(self) -> int:
         return 130 if self.signum == signal.SIGINT else 0
 
-    @staticmethod
     @contextmanager
-    def waiting_on_peers(grace: float):
-        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (once a
-        StopRequest watches)."""
-        StopRequest.waiting = (time.monotonic(), grace)
+    def waiting_on_peers(self, grace: float):
+        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (while
+        installed: the watcher reads it)."""
+        self.waiting = (time.monotonic(), grace)
         try:
             yield
         finally:
-            StopRequest.waiting = None
+            self.waiting = None
 
     @staticmethod
     def shield_worker(worker_id: int = 0) -> None:

@@ -157,7 +157,7 @@ def build(
     logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
     ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
     device = pick_device(cfg.device)
-    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %})  # one process per rank under torchrun
+    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
