@@ -10,13 +10,12 @@ or a `checkpoint.monitor` the task does not report stops the command before the 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
-from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, process, rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .callbacks import Callbacks
 from .checkpoint import init_weights, misfit
 from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
@@ -144,8 +143,8 @@ class Kernels(TorchFunctionMode):
         self.was = torch.are_deterministic_algorithms_enabled()
         self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         if self.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
-            torch.use_deterministic_algorithms(True)
+            process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
+            torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
         return super().__enter__()
 
     def __exit__(self, *exc):
