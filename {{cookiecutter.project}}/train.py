@@ -39,7 +39,7 @@ def train(cfg) -> tuple[int, float]:
     overrides = list(hydra_cfg.overrides.task)
     stop = StopRequest()
     # the stop signals' handlers until train() leaves, installed before workers fork (they inherit a flag setter);
-    # however train() leaves, exceptions included, `cleanup` closes what it opened, the loaders first
+    # however train() leaves, exceptions included, `cleanup` closes what it opened, then the handlers go
     with stop.installed(), contextlib.ExitStack() as cleanup:
         run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, unexact)
         run.callbacks.call("on_run_start", run)  # conf/callbacks: a sample grid, early stopping... (callbacks.py)
