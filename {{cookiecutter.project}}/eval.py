@@ -21,22 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from {{ cookiecutter.package }}.engine import process
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
 
-# The objects these imports make live as long as the process: frozen, no garbage collection walks them.
-with process.long_lived_imports():
-    import hydra
-    import torch
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, resume, schema
-    from {{ cookiecutter.package }}.engine.device import pick_device
-    from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-    from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
-    from {{ cookiecutter.package }}.engine.preempt import StopRequest
-    from {{ cookiecutter.package }}.engine.task_results import evaluate
+from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, process, resume, schema
+from {{ cookiecutter.package }}.engine.device import pick_device
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+from {{ cookiecutter.package }}.engine.task_results import evaluate
 
 log = logging.getLogger("eval")
 
@@ -83,15 +79,12 @@ def evaluate_checkpoint(cfg) -> dict | None:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
     device = pick_device(cfg.device)
-    if cfg.deterministic:  # the same kernels as the training run's validation
-        process.use_deterministic_kernels()
     model = parts.model(cfg)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged
-    try:
-        model.load_state_dict(ckpt["ema"] if use_ema else ckpt["model"])
-    except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise UserError(f"eval: the checkpoint's weights do not fit model {cfg.model._target_} ({first})") from None
+    weights = ckpt["ema"] if use_ema else ckpt["model"]
+    if odd := checkpoint.misfit(model.state_dict(), weights):  # names and shapes, checked before the load
+        raise UserError(f"eval: the checkpoint's weights do not fit model {cfg.model._target_} ({odd})")
+    model.load_state_dict(weights)
 
     world = distributed.join(device)  # after the checks above: under torchrun each rank takes a share of the split
     try:
@@ -137,6 +130,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
+    process.setup(cfg)  # deterministic=true: the same kernels as the training run's validation
     try:
         result = evaluate_checkpoint(cfg)
     except Exception as e:

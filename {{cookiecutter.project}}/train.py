@@ -14,23 +14,18 @@ import os
 import sys
 from pathlib import Path
 
-from {{ cookiecutter.package }}.engine import process
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
 
-# OpenMP reads its wait policy once, as torch loads: `process.omp_wait_policy` is applied around these imports.
-# The objects they make live as long as the process: frozen, no garbage collection walks them (process.py).
-with process.openmp_wait_policy(sys.argv[1:], Path(__file__).parent / "conf"), process.long_lived_imports():
-    import hydra
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-
-    from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
-    from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
-    from {{ cookiecutter.package }}.engine.failures import worker_death
-    from {{ cookiecutter.package }}.engine.optim import clip_gradients
-    from {{ cookiecutter.package }}.engine.preempt import StopRequest
-    from {{ cookiecutter.package }}.engine.run import Run, build
-    from {{ cookiecutter.package }}.engine.runlog import EpochMeter
-    from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
+from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, process, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.failures import worker_death
+from {{ cookiecutter.package }}.engine.optim import clip_gradients
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+from {{ cookiecutter.package }}.engine.run import Run, build
+from {{ cookiecutter.package }}.engine.runlog import EpochMeter
+from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
 
 log = logging.getLogger("train")
 
@@ -40,11 +35,12 @@ def train(cfg) -> tuple[int, float]:
     slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
 {% endif %}
     unexact = preflight.check_once(cfg)  # every key and a dry step, before any work: done by the Hydra callback
-    process.apply(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
-    stop = StopRequest()  # before workers fork: they inherit a handler that only sets a flag
-    with contextlib.ExitStack() as cleanup:  # however train() leaves, exceptions included, this closes what it opened
+    stop = StopRequest()
+    # the stop signals' handlers until train() leaves, installed before workers fork (they inherit a flag setter);
+    # however train() leaves, exceptions included, `cleanup` closes what it opened, then the handlers go
+    with stop.installed(), contextlib.ExitStack() as cleanup:
         run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, unexact)
         run.callbacks.call("on_run_start", run)  # conf/callbacks: a sample grid, early stopping... (callbacks.py)
         stopping = False  # a signal or a callback asked to stop, and every rank agreed to stop at the same step
@@ -160,6 +156,7 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> float:
     """Returns the best checkpoint.monitor value of the run: what a sweeper (Optuna) optimizes."""
+    process.setup(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
     try:
         code, best = train(cfg)
     except Exception as e:

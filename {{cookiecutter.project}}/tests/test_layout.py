@@ -72,7 +72,8 @@ def test_the_users_files_use_only_the_engines_public_surface():
     """data.py, callbacks.py and the other top-level files import only the engine modules the package docstring
     names as its public surface."""
     public = set(re.findall(r"`engine\.(\w+)`", (PROJECT / PACKAGE / "__init__.py").read_text()))
-    users = [p for p in (PROJECT / PACKAGE).glob("*.py") if p.name not in ("__init__.py", "doctor.py", "export.py")]
+    tools = ("__init__.py", "export.py"{% if cookiecutter.with_doctor == "yes" %}, "doctor.py"{% endif %})  # commands, not the user's code
+    users = [p for p in (PROJECT / PACKAGE).glob("*.py") if p.name not in tools]
     assert {"data.py", "callbacks.py"} <= {p.name for p in users} and "errors" in public
     used = {p.name: engine_used(p.read_text()) - public for p in users}
     assert {name: modules for name, modules in used.items() if modules} == {}

@@ -1,14 +1,18 @@
 """engine/process.py: the process-wide settings. A step's freed memory stays with the process (the next step does not
-fault it back in), OpenMP's wait policy is set as torch loads, and neither reaches the processes the run starts."""
+fault it back in), setup() names what it changes and says when OpenMP's wait policy came too late, and the stop
+signals' handlers are ours only while installed."""
 
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from {{ cookiecutter.package }}.engine import process
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from tests.helpers import PROJECT, read_jsonl, run_train
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
@@ -105,67 +109,114 @@ def test_train_py_keeps_freed_memory_and_reports_page_faults(tmp_path):
     assert min(figures["kept"][1:]) < 0.05 * min(figures["given back"][1:]), figures
 
 
-WAIT_PROBE = "import os, sys, train; print(os.environ.get('OMP_WAIT_POLICY'), train.process.applied_wait_policy)"
-
-
-@pytest.mark.parametrize(
-    ("argv", "given", "applied"),
-    [
-        ([], None, "passive"),
-        # a start of torch each (about 5 s): the command line's choice and the user's own variable in the slow tier
-        pytest.param(["process.omp_wait_policy=active"], None, "active", marks=pytest.mark.slow),
-        pytest.param([], "ACTIVE", "None", marks=pytest.mark.slow),
-    ],
-)
-def test_openmp_wait_policy_is_set_as_torch_loads_and_not_left_for_children(argv, given, applied):
-    """train.py gives OpenMP `process.omp_wait_policy` (conf/config.yaml's, or the command line's) while torch loads,
-    then takes it out of the environment again; an OMP_WAIT_POLICY of the user's stays and is not replaced."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given:
-        env["OMP_WAIT_POLICY"] = given
-    probe = f"import sys; sys.argv = ['train.py', *{argv!r}]; " + WAIT_PROBE
-    out = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(given), applied]
-
-
-FROZEN = """
-import gc, sys, weakref
+# process.setup() with every key set, its log lines on stdout, then what it left: frozen objects, threads, cuBLAS
+SETUP = """
+import gc, logging, os, sys
+import torch
+from omegaconf import OmegaConf
 from {{ cookiecutter.package }}.engine import process
-
-class Node:
-    pass
-
-def cycle():  # garbage only the cyclic collector frees; the weak reference says whether it did
-    node = Node()
-    node.self = node
-    return weakref.ref(node)
-
-if sys.argv[1] == "disabled":
-    gc.disable()
-with process.long_lived_imports():
-    during = gc.isenabled()
-    import email.mime.text  # a module this process has not loaded yet
-    inside = cycle()
-outside = cycle()
-gc.collect()
-print(during, gc.isenabled(), inside() is not None, outside() is None, gc.get_freeze_count())
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+keys = {"omp_wait_policy": sys.argv[1], "keep_freed_memory": True, "threads": 1}
+print(gc.get_freeze_count())
+process.setup(OmegaConf.create({"process": keys, "deterministic": True}))
+print(torch.get_num_threads(), os.environ["CUBLAS_WORKSPACE_CONFIG"])
 """
 
 
-@pytest.mark.parametrize("state", ["enabled", "disabled"])
-def test_long_lived_imports_are_frozen_and_later_objects_still_collected(state):
-    out = subprocess.run([sys.executable, "-c", FROZEN, state], cwd=PROJECT, capture_output=True, text=True, check=True)
-    during, after, kept, collected, frozen = out.stdout.split()
-    assert during == "False"  # no collection while the imports load
-    assert after == str(state == "enabled")  # the collector as it was before
-    assert kept == "True" and int(frozen) > 1000  # what the block made is out of the collector's reach...
-    assert collected == "True"  # ...and garbage made after it is collected as before (the control)
+@glibc
+@pytest.mark.parametrize("exported", [None, "PASSIVE"])
+def test_setup_names_its_changes_and_says_when_the_wait_policy_comes_too_late(exported):
+    """OpenMP read OMP_WAIT_POLICY as torch loaded: setup() says how to apply the key unless it is exported."""
+    env = {k: v for k, v in clean_env().items() if k not in ("OMP_WAIT_POLICY", "CUBLAS_WORKSPACE_CONFIG")}
+    out = subprocess.run([sys.executable, "-c", SETUP, "passive"], cwd=PROJECT, capture_output=True, text=True,
+                         env={**env, "OMP_WAIT_POLICY": exported} if exported else env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, *lines, after = out.stdout.strip().splitlines()
+    frozen = lines[-1].split()[1]
+    assert before == "0" and int(frozen) > 100_000  # torch and hydra's objects, out of the collector's reach
+    assert after.split() == ["1", ":4096:8"]
+    changes = f"process: {frozen} objects frozen, malloc thresholds mmap 32 MiB, trim 1024 MiB, torch threads 1, " \
+        "deterministic kernels, CUBLAS_WORKSPACE_CONFIG=:4096:8"  # fmt: skip
+    late = "process.omp_wait_policy=passive: OpenMP already started; export OMP_WAIT_POLICY=PASSIVE before python " \
+        "to apply it"  # fmt: skip
+    assert lines == ([changes] if exported else [late, changes])  # an exported policy: nothing to say (the control)
 
 
-@pytest.mark.parametrize("script", ["train", pytest.param("eval", marks=pytest.mark.slow)])  # the same call
-def test_train_py_and_eval_py_freeze_what_their_imports_made(script):
-    code = f"import gc; before = gc.get_freeze_count(); import {script}; print(before, gc.get_freeze_count())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, check=True)
-    before, after = map(int, out.stdout.split())
-    assert before == 0 and after > 100_000, (script, before, after)  # torch, torchvision, hydra: ~500,000
+# CPU seconds the process burns while its main thread sleeps after a parallel op: OpenMP's threads spinning
+SPIN = """
+import os, resource, sys, time
+if sys.argv[1] == "before":
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+import torch
+if sys.argv[1] == "after":
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+torch.set_num_threads(2)
+x = torch.randn(2000, 2000)
+spun = 0.0
+for _ in range(5):
+    x.add_(1.0)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    time.sleep(0.1)
+    spun += resource.getrusage(resource.RUSAGE_SELF).ru_utime - start
+print(spun)
+"""
+
+
+@pytest.mark.slow  # three starts of torch; the fast tier: what setup() says about it (the test above)
+def test_openmp_reads_its_wait_policy_as_torch_loads_not_later():
+    """Why process.omp_wait_policy must be exported: set before `import torch` the threads spin through the sleeps;
+    set after it, before any parallel op, nothing changes (as with no policy at all, the control)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    spun = {}
+    for when in ("before", "after", "never"):
+        out = subprocess.run([sys.executable, "-c", SPIN, when], env=env, capture_output=True, text=True, check=True)
+        spun[when] = float(out.stdout)
+    assert spun["before"] > 0.3, spun  # 0.5 s of sleep, a thread spinning through it
+    assert spun["after"] < 0.2 and spun["never"] < 0.2, spun
+
+
+def test_stop_signals_are_ours_inside_installed_only_and_the_previous_handlers_come_back():
+    """A signal inside the block sets the flag; after it the handler that was there before answers again."""
+    heard = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: heard.append(signum))
+    try:
+        stop = StopRequest()
+        with stop.installed():
+            assert signal.getsignal(signal.SIGINT) == stop._handle
+            signal.raise_signal(signal.SIGUSR1)
+        assert stop.requested and not heard
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.set_wakeup_fd(-1) == -1  # no wakeup pipe left behind
+        signal.raise_signal(signal.SIGUSR1)
+        assert heard == [signal.SIGUSR1]  # the handler from before the block (the control)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    watchers = [t for t in threading.enumerate() if t.name == "sigterm-while-waiting"]
+    for t in watchers:
+        t.join(timeout=2)
+    assert not any(t.is_alive() for t in watchers)
+
+
+# A main thread that waits (a sleep standing in for a collective on a dead peer) with the stop handlers installed
+WAIT = """
+import contextlib, os, signal, sys, time
+from {{ cookiecutter.package }}.engine.preempt import StopRequest
+stop = StopRequest()
+with stop.installed(), stop.waiting_on_peers(0.5) if sys.argv[1] == "waiting" else contextlib.nullcontext():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3)
+print("flag", stop.requested)
+"""
+
+
+@pytest.mark.parametrize("state", ["waiting", "stepping"])
+def test_a_sigterm_while_waiting_on_peers_ends_the_process_after_its_grace(state):
+    """The watcher ends the process (exit 143) once the wait has outlasted its grace; outside a wait (the control)
+    the signal only sets the flag, and the run goes on to save."""
+    out = subprocess.run([sys.executable, "-c", WAIT, state], cwd=PROJECT, capture_output=True, text=True, timeout=60)
+    if state == "waiting":
+        assert out.returncode == 128 + signal.SIGTERM, out
+        assert "SIGTERM while waiting on the other processes for over 0.5 s: exiting now" in out.stderr, out
+    else:
+        assert out.returncode == 0 and out.stdout.split() == ["flag", "True"], out

@@ -222,10 +222,9 @@ def test_a_task_without_count_and_an_op_without_a_deterministic_kernel_are_refus
     )
     # deterministic=warn runs it: named once in the log, and the closing line and the checkpoint say so
     put = [*RNG_DATA, "model=resnet18", "model._target_=put_model.PutModel", "max_steps=2"]
-    proc = run(copy, "python train.py", *put, "deterministic=warn", f"hydra.run.dir={copy / 'warn'}")
+    run(copy, "python train.py", *put, "deterministic=warn", f"hydra.run.dir={copy / 'warn'}")
     log = (copy / "warn/train.log").read_text()
     assert log.count("deterministic=warn: put_ ran without a deterministic kernel: this run is not bit-exact") == 1
-    assert "does not have a deterministic implementation" not in proc.stderr + log  # torch's own warning: left out
     assert "; not bit-exact (put_: no deterministic kernel); to continue:" in log
     assert load_ckpt(copy / "warn/checkpoints/last.pth")["nondeterministic_ops"] == ["put_"]
     # negative controls: with deterministic=false nothing is checked, and a bit-exact run's checkpoint lists no op

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from . import distributed, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
-from .errors import UserError
+from .errors import UserError, reason
 from .files import durable
 {% if cookiecutter.with_fsdp == "yes" %}
 from .sharded_checkpoint import BEST, LAST
@@ -210,16 +210,13 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code: all refused the same way
         if mmap:  # torch maps zip archives only: anything else is refused as a plain read refuses it, same message
             return read(path, who, wanted)
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        # torch's weights_only refusal is a page of advice; the line naming the refused global is the one that matters
-        reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")[:200]
         raise UserError(
 {% if cookiecutter.with_fsdp == "yes" %}
-            f"{who}: {str(path)!r} is not a readable {'sharded ' * path.is_dir()}checkpoint ({type(e).__name__}: "
+            f"{who}: {str(path)!r} is not a readable {'sharded ' * path.is_dir()}checkpoint ({reason(e)}"
 {% else %}
-            f"{who}: {str(path)!r} is not a readable checkpoint ({type(e).__name__}: "
+            f"{who}: {str(path)!r} is not a readable checkpoint ({reason(e)}"
 {% endif %}
-            f"{reason}); it is truncated, corrupt or not from this project: pick another, e.g. an older "
+            "); it is truncated, corrupt or not from this project: pick another, e.g. an older "
             "checkpoints/step-*.pth"
         ) from None
     for w in held:

@@ -4,9 +4,10 @@ we join the process group (gloo on CPU, nccl on CUDA). Without it every helper h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,11 @@ COLLECTIVE_GRACE_S = 10.0  # a rank asked to stop waits this long on its peers: 
 class World:
     rank: int = 0
     world_size: int = 1
+    stop: StopRequest | None = field(default=None, compare=False)  # the run's, which ends a wait on dead peers
+
+    def waiting(self, grace: float = COLLECTIVE_GRACE_S):
+        """Around a collective: a SIGTERM during it ends this process after `grace` s (when `stop` watches)."""
+        return contextlib.nullcontext() if self.stop is None else self.stop.waiting_on_peers(grace)
 
     @property
     def is_main(self) -> bool:
@@ -41,18 +47,18 @@ def join_early(device: torch.device) -> World:
 
 
 {% if cookiecutter.with_fsdp == "yes" %}
-def join(device: torch.device, group_of_one: bool = False) -> World:
+def join(device: torch.device, group_of_one: bool = False, stop: StopRequest | None = None) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
     `group_of_one`: a plain run joins a process group of its own too (FSDP shards over a group, even of one). The
     group joined before the run's checks (`join_early`) is the run's."""
 {% else %}
-def join(device: torch.device) -> World:
+def join(device: torch.device, stop: StopRequest | None = None) -> World:
     """This process's rank in the torchrun job (after joining its process group), or the one process of a plain run.
     The group joined before the run's checks (`join_early`) is the run's."""
 {% endif %}
     world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size())
+        return World(dist.get_rank(), dist.get_world_size(), stop)
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
@@ -75,11 +81,11 @@ def join(device: torch.device) -> World:
     # on stderr: the ranks join before the run's log file exists (preflight.py), and a rank left waiting on a peer
     # that never comes shows here which one it is
     print(f"rank {rank} of {world_size}: joining the process group (attempt {attempt})", file=sys.stderr, flush=True)
-    with StopRequest.waiting_on_peers(0.0):  # a SIGTERM while joining: exit at once
+    with World(stop=stop).waiting(0.0):  # a SIGTERM while joining: exit at once
         store, rank, world_size = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt{attempt}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return World(rank, world_size)
+    return World(rank, world_size, stop)
 
 
 def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
@@ -116,7 +122,7 @@ def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float
     read. The read stays inside the grace window: with NCCL it is where a rank waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
-    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+    with world.waiting():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
         return tensor.tolist()
 
@@ -134,7 +140,7 @@ def main_buffers(model: torch.nn.Module, world: World | None) -> None:
     judge a mix of ranks' statistics, not the weights the checkpoint keeps (rank 0's). Training is unchanged."""
     if world is None or not world.distributed:
         return
-    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S), torch.no_grad():
+    with world.waiting(), torch.no_grad():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
 
@@ -145,7 +151,7 @@ def gather_all(obj, world: World) -> list:
     if not world.distributed:
         return [obj]
     out = [None] * world.world_size
-    with StopRequest.waiting_on_peers(COLLECTIVE_GRACE_S):
+    with world.waiting():
         dist.all_gather_object(out, obj)
     return out
 

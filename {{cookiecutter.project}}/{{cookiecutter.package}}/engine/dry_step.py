@@ -10,14 +10,12 @@ or a `checkpoint.monitor` the task does not report stops the command before the 
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import warnings
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
-from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, rng
+from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, process, rng
 from .callbacks import Callbacks
 from .checkpoint import init_weights, misfit
 from .data_check import check_classes, first_samples
@@ -27,8 +25,7 @@ from .optim import clip_gradients
 from .schedule import fast_forward
 from .task_results import check_loss, check_metrics, report
 
-NO_KERNEL = " does not have a deterministic implementation"  # the words of torch's warning
-NONDETERMINISTIC = re.compile(r"(\S+)" + NO_KERNEL)
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")  # values, not shapes
 
 
 def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
@@ -79,7 +76,7 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
         if transform is not None:
             with parts.stage(cfg, "data.batch_transform", "on 2 training samples"):
                 batch = transform(batch)
-        with kernels(cfg.deterministic, unexact), _named(cfg, target, "loss", "training"):
+        with _named(cfg, target, "loss", "training"), Kernels(cfg.deterministic, unexact{% if cookiecutter.with_fsdp == "yes" %}, meta{% endif %}):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -97,7 +94,7 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
 {% else %}
         batch = two_prepared(cfg, val_set, collate, prepare, device, "validation")
 {% endif %}
-        with torch.no_grad(), kernels(cfg.deterministic, unexact), _named(cfg, target, "metrics", "validation"):
+        with torch.no_grad(), _named(cfg, target, "metrics", "validation"), Kernels(cfg.deterministic, unexact{% if cookiecutter.with_fsdp == "yes" %}, meta{% endif %}):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
         if unexact and cfg.deterministic is True:
@@ -127,53 +124,62 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
     return unexact
 
 
-@contextlib.contextmanager
-def kernels(mode, unexact: list[str]):
-    """With `deterministic` true or warn, each op run without a deterministic kernel is added to `unexact` (torch's
-    own warning about it is left out: the refusal, or the run, names it)."""
-    if mode is False:
-        yield
-        return
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it (as the run's)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
-    for w in seen:  # any other warning is shown as it would have been
-        op = NONDETERMINISTIC.search(str(w.message))
-        if op is None:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        elif op[1] not in unexact:
-            unexact.append(op[1])
+class Unchecked(Exception):
+    """An op that cannot run on meta tensors (a model built on the meta device): the rest of the stage is the first
+    step's to check."""
 
 
-def quiet(unexact: list[str]) -> None:
-    """torch's own warning for each of these ops left out from here on: the run has named them once."""
-    for op in unexact:
-        warnings.filterwarnings("ignore", message=re.escape(op) + NO_KERNEL)
+class Kernels(TorchFunctionMode):
+    """Around a stage of the dry step, each torch function called in it. With `deterministic` true or warn, torch's
+    deterministic mode refuses an op without a deterministic kernel: the op runs again without the mode and is named
+    in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward pass); an op that fails
+    both ways raises its first error. With `meta`, an op on meta tensors that has no meta kernel (NotImplementedError)
+    or reads values to the host raises Unchecked."""
 
+    def __init__(self, deterministic, unexact: list[str], meta: bool = False):
+        super().__init__()
+        self.deterministic, self.unexact, self.meta = deterministic is not False, unexact, meta
 
-{% if cookiecutter.with_fsdp == "yes" %}
-@contextlib.contextmanager
-def _named(cfg, target: str, method: str, split: str):
-    """An error inside the task or model: one line naming where. Under parallel=fsdp an op without a meta kernel (a
-    data-dependent shape, a host read) is let through: not checkable here."""
-    with parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}"):
+    def __enter__(self):
+        self.was = torch.are_deterministic_algorithms_enabled()
+        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        if self.deterministic:
+            process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
+            torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.was, warn_only=self.warn_only)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name, kwargs = getattr(func, "__name__", repr(func)), kwargs or {}
         try:
-            yield
-        except Exception as e:
-            if isinstance(e, UserError) or cfg.parallel.strategy != "fsdp" or "meta" not in str(e).lower():
+            return func(*args, **kwargs)
+        except Exception as first:
+            if self.meta and (isinstance(first, NotImplementedError) or name in HOST_READS):
+                raise Unchecked(name) from first
+            if not self.deterministic:
                 raise
-{% else %}
+            torch.use_deterministic_algorithms(False)
+            try:
+                result = func(*args, **kwargs)
+            except Exception:
+                raise first from None
+            finally:
+                torch.use_deterministic_algorithms(True)
+        if name not in self.unexact:
+            self.unexact.append(name)
+        return result
+
+
+@contextlib.contextmanager
 def _named(cfg, target: str, method: str, split: str):
-    """An error inside the task or model: one line naming where."""
-    return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
-{% endif %}
+    """An error inside the task or model: one line naming where. An op without a meta kernel (a data-dependent shape,
+    a host read) on the meta device ends the stage: not checkable here."""
+    with parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}"):
+        with contextlib.suppress(Unchecked):
+            yield
 
 
 def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):

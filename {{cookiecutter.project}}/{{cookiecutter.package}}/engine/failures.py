@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from torch.utils.data import DataLoader
 
 from .errors import UserError, causes, reason
 from .memory import SHM_DIR, MiB, shm_space
@@ -35,7 +35,6 @@ BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sa
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
 # signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
-_ARMED: list = []  # a worker's open stack files (arm_stack_dump)
 
 
 class LoaderFailure(UserError):
@@ -57,12 +56,12 @@ class BadSample(LoaderFailure):
 
 
 class Samples(list):
-    """A batch's samples as fetched, and the ones `data.on_bad_sample=skip` left out (`skipped`: their lines, as
-    fetch_guarded words them): the collate in the worker hands both to the main process."""
+    """A batch's samples as fetched, the ones `data.on_bad_sample=skip` left out (`skipped`: their lines, as
+    fetch_guarded words them), or what made the batch fail (`failed`): the collate hands them to the main process."""
 
-    def __init__(self, samples, skipped=()):
+    def __init__(self, samples, skipped=(), failed: Exception | None = None):
         super().__init__(samples)
-        self.skipped = list(skipped)
+        self.skipped, self.failed = list(skipped), failed
 
 
 def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
@@ -70,23 +69,25 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     a sample that raises becomes a BadSample, one line (`data set index 17 (file a/b.png): OSError: image file is
     truncated`; where it comes from is the data set's `sample_source(index)` to say: ImageFiles gives the
     file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good
-    sample left is refused either way: that is a broken transform far more often than a broken data set."""
+    sample left is refused either way: that is a broken transform far more often than a broken data set. The
+    failure is the batch's `failed`, raised as one line when the loop takes the batch (`named`)."""
     samples, skipped = [], []
     for index in indices:
         try:
             samples.append(dataset[index] if fetch is None else fetch(index))
-        except UserError:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
-            raise
+        except UserError as e:  # the data set's own one-line message (e.g. a shard that changed): it stands as it is
+            return Samples([], failed=e)
         except Exception as e:
             source = ""
             with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
                 source = f" ({dataset.sample_source(index)})"  # a data set without one names no source
             line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
-                raise BadSample(line) from e
+                return Samples([], failed=BadSample(line))
             skipped.append(line)
     if not samples:
-        raise BadSample(f"every sample of a batch failed, e.g. {skipped[-1]}: check the data set's transform")
+        return Samples([], failed=BadSample(f"every sample of a batch failed, e.g. {skipped[-1]}: check the data "
+                                            "set's transform"))  # fmt: skip
     return Samples(samples, skipped)
 
 
@@ -99,9 +100,8 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     from its C signal handler, so a worker stuck in a read or a lock still answers."""
     if stack_dir is None or STACK_SIGNAL is None:
         return
-    out = open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), "w")  # noqa: SIM115 (open as long as the worker)
-    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
-    _ARMED.append(out)  # faulthandler keeps the file's descriptor, not the file object: keep it open
+    out = os.open(os.path.join(stack_dir, f"{worker_id}-{os.getpid()}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)  # the descriptor: open for good
 
 
 def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
@@ -145,22 +145,21 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
 
 # --- /dev/shm full, a dead worker -------------------------------------------------------------------------------
 
-SHM_ERRORS = ("unable to allocate shared memory", "Bus error", "SIGBUS")
+SHM_FULL = 0.05  # /dev/shm with less free than this share of its size, as the loader fails: full
 
 
-def shm_full(error: BaseException | str) -> LoaderFailure | None:
-    """The line for a worker that found no room in /dev/shm, when `error` (or its text) says that; else None."""
-    text = str(error)
-    if not (any(s in text for s in SHM_ERRORS) or ("No space left on device" in text and "shm" in text)):
+def shm_full() -> LoaderFailure | None:
+    """The line for a loader failure when /dev/shm is full now (a check of its space, whatever the error says: a
+    worker's failed allocation, its SIGBUS); else None."""
+    space = shm_space()
+    if space is None or space[0] >= SHM_FULL * space[1]:
         return None
-    how = "shared memory is exhausted"
-    if space := shm_space():
-        used, size = space[1] - space[0], space[1]
-        how = f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used)"
+    used, size = space[1] - space[0], space[1]
     return LoaderFailure(
-        f"{how}: a DataLoader worker found no room for a batch there; something besides this run's batches "
-        f"filled it (see `du -sh {SHM_DIR}/*`), or it is too small: free it or give it more room (docker run "
-        "--shm-size=1g), or lower loader.num_workers / loader.prefetch_factor, then resume=latest"
+        f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used): a DataLoader "
+        f"worker found no room for a batch there; something besides this run's batches filled it (see `du -sh "
+        f"{SHM_DIR}/*`), or it is too small: free it or give it more room (docker run --shm-size=1g), or lower "
+        "loader.num_workers / loader.prefetch_factor, then resume=latest"
     )
 
 
@@ -178,17 +177,15 @@ def exit_status(pid: int) -> str | None:
 
 
 class WorkerDied(RuntimeError):
-    """A train loader worker is gone while the run still needs it (monitor.py's check between readings)."""
+    """A train loader worker is gone while the run still needs it (monitor.py's check between readings, or a read of
+    the loader that failed as it died): how it ended, and what to do."""
 
-
-# PyTorch's lines for a dead worker: its SIGCHLD handler's ("DataLoader worker (pid 12) is killed by signal:
-# Killed.") and the main loop's when a queue read fails ("DataLoader worker (pid(s) 12, 13) exited unexpectedly").
-# Which comes first is a race; the handler's is raised inside the queue read, which then reaps the worker (the
-# kernel forgets how it ended) and raises "exited unexpectedly" from it: the signal is left only in the chain.
-TORCH_WORKER_DEATH = re.compile(
-    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: ([^.]+)|exited unexpectedly)"
-    r"(?: with exit code (\d+))?"
-)
+    def __init__(self, how: str):
+        super().__init__(
+            f"{how.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): lower "
+            "loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib; for any other end, rerun "
+            "with loader.num_workers=0 to see the error in the main process"
+        )
 
 
 def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
@@ -205,37 +202,25 @@ def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
         time.sleep(0.05)
 
 
+def dead_worker(pids, error: BaseException) -> WorkerDied | None:
+    """A WorkerDied when a worker of `pids` (the train loader's this epoch) has ended as a read of its loader failed
+    with `error`: how it ended, or, once PyTorch has reaped it (the kernel forgets how), PyTorch's own first line;
+    None while they all run."""
+    if how := ended_worker(pids, wait_s=2.0):  # a read can fail as the worker dies: give it time to end
+        return WorkerDied(how)
+    if all(psutil.pid_exists(pid) for pid in pids):
+        return None
+    return WorkerDied((str(error).strip().splitlines() or [type(error).__name__])[0])
+
+
 def worker_death(exc: BaseException) -> str | None:
-    """One line for a dead DataLoader worker behind `exc` (PyTorch's message or ours), else None: the worker, its
-    signal or exit code, and the usual cause. The traceback shows only where the main process noticed."""
-    said = {}  # pid -> how PyTorch's lines in the chain say it ended: what is left once it is reaped
-    for line in TORCH_WORKER_DEATH.finditer("\n".join(str(link) for link in causes(exc))):
-        sig = next((s for s in signal.Signals if signal.strsignal(s) == line[2]), None)  # "Killed" is SIGKILL's
-        if line[3] or sig:
-            said[int(line[1])] = f"exited with code {line[3]}" if line[3] else f"killed by signal {sig} ({sig.name})"
+    """The line of a dead DataLoader worker behind `exc`: a WorkerDied in its chain, or an error that came as a child
+    process ended, not reaped yet (PyTorch's SIGCHLD handler raises one wherever the loop is); else None."""
     for link in causes(exc):
-        text = (str(link).strip().splitlines() or [""])[0]
-        found = TORCH_WORKER_DEATH.match(text) if isinstance(link, RuntimeError) else None
-        if isinstance(link, (ConnectionError, EOFError)):
-            # a worker killed while the main process takes its batch's shared memory (a descriptor passed over a
-            # socket): the read fails bare, PyTorch found the worker still alive (pytorch/pytorch#1551, #28950)
-            text = ended_worker(wait_s=2.0)
-        elif found:
-            ends = [(pid, exit_status(pid) or said.get(pid)) for pid in map(int, found[1].split(","))]
-            if all(how for _, how in ends):
-                text = "; ".join(f"DataLoader worker (pid {pid}) {how}" for pid, how in ends)
-        elif not isinstance(link, WorkerDied):
-            continue
-        if text is None:
-            continue
-        if full := shm_full(text):  # "Bus error", SIGBUS: a shared-memory page that could not be had
-            return f"{text.split('. ')[0].rstrip('. ')}: {full}"
-        if "Killed" in text or "SIGKILL" in text:
-            return (
-                f"{text.rstrip('. ')}. A SIGKILL is most often the kernel's out-of-memory killer (dmesg shows it): "
-                "lower loader.num_workers or loader.prefetch_factor, or set loader.max_prefetch_mib"
-            )
-        return f"{text.rstrip('. ')}. Rerun with loader.num_workers=0 to see the error in the main process"
+        if isinstance(link, WorkerDied):
+            return str(link)
+        if isinstance(link, (RuntimeError, ConnectionError, EOFError)) and (how := ended_worker()):
+            return str(WorkerDied(how))
     return None
 
 
@@ -243,29 +228,37 @@ def worker_death(exc: BaseException) -> str | None:
 
 
 def named(batches, loader):
-    """`batches` of `loader` (the train loader, or another's name: "validation"), a failure of the loader's own
-    raised as its one line: a UserError PyTorch rebuilt from a worker ("Caught BadSample in DataLoader worker process
-    1. Original Traceback ...") as the worker's own line, in its own type; a stall (`stalled` for the train
-    loader); a full /dev/shm. No checkpoint from here: save_on_failure makes the train loader's."""
-    try:
-        yield from batches  # what the loop's body raises stays out there: only the loader's own errors come here
-    except Exception as e:
-        kind, text = type(e), str(e)
-        if isinstance(e, UserError):  # the worker's line, if it comes from a worker
-            found = re.findall(rf"{kind.__name__}: (.*)", text) if f"Caught {kind.__name__}" in text else []
-            failure = kind(found[-1].strip()) if found else None
-        elif not (isinstance(e, RuntimeError) and text.startswith("DataLoader timed out after")):
-            failure = shm_full(e)
-        elif isinstance(loader, str):
-            failure = LoaderFailure(
-                f"loader.timeout: no {loader} batch for {text.split('after ')[-1]}: a worker is stuck (a hung read, "
-                "a dead network mount?)"
-            )
-        else:
-            failure = stalled(loader)
-        if failure is None:
+    """`batches` of `loader` (the train loader, or validation's DataLoader), a failure of the loader's own raised as
+    its one line: a stall (`loader.timeout` reached: the wait for the batch is timed here; `stalled` for the train
+    loader), a full /dev/shm, a dead train worker; a train batch's `failed` (a bad sample, a data set's UserError)
+    raised as it is. Validation's workers raise theirs as PyTorch rebuilds them: their type (their exit code), the
+    worker's traceback. No checkpoint from here: save_on_failure makes the train loader's."""
+    validation = isinstance(loader, DataLoader)
+    timeout = loader.timeout if validation else loader.settings.timeout
+    batches = iter(batches)
+    while True:
+        asked = time.monotonic()
+        try:
+            batch = next(batches)  # what the loop's body raises stays out there: only the loader's own errors come here
+        except StopIteration:
+            return
+        except UserError:
             raise
-        raise failure from e
+        except Exception as e:
+            waited = time.monotonic() - asked
+            if timeout and waited >= timeout:
+                failure = stalled(loader) if not validation else LoaderFailure(
+                    f"loader.timeout: no validation batch for {waited:.0f} s: a worker is stuck (a hung read, a dead "
+                    "network mount?)"
+                )  # fmt: skip
+            else:
+                failure = shm_full() or (None if validation else dead_worker(loader.worker_pids, e))
+            if failure is None:
+                raise
+            raise failure from e
+        if not validation and batch[1].failed is not None:  # a train batch that failed where it was made
+            raise batch[1].failed
+        yield batch
 
 
 @contextlib.contextmanager
@@ -289,7 +282,7 @@ def save_on_failure(run):
         else:
             run.checkpoints.save(run)
             notes.append(f"checkpoint of step {run.step} saved: {run.checkpoints.last}")
-        failure.args = ("; ".join([failure.args[0], *notes]),)
+        failure.args = ("; ".join([failure.args[0].rstrip(), *notes]),)  # a worker's traceback ends in a newline
         raise
 
 

@@ -173,8 +173,8 @@ class SeededBatches(torch.utils.data.Dataset):
         if many:
             try:
                 return failures.Samples(many(list(batch)))
-            except UserError:
-                raise
+            except UserError as e:
+                return failures.Samples([], failed=e)
             except Exception:  # one sample failed, somewhere in the batch: one by one finds which
                 pass
         return failures.fetch_guarded(self.dataset, batch, self.skip)
@@ -194,6 +194,9 @@ class BatchNote:
     worker: int = 0  # a stream's: the worker that made it
     ends: dict = field(default_factory=dict)  # a shard stream's: shard -> the record its reader reads next
     state: dict | None = None  # a Stateful plain stream's: {"count": records read, "state": its state_dict()}
+    # What made the batch fail (a bad sample, a data set's UserError), sent as data: the main process raises it in one
+    # line as the loop reaches the batch (failures.named), where a raise in a worker comes as a traceback's text
+    failed: Exception | None = None
 {% endif %}
 
 
@@ -245,6 +248,8 @@ class CollateWithSnapshot:
         self.collate_fn, self.capture_rng = collate_fn, capture_rng
 
     def __call__(self, samples):
+        if getattr(samples, "failed", None) is not None:
+            return None, BatchNote(failed=samples.failed)
         batch = self.collate_fn(list(samples))
         note, info = BatchNote(skipped=getattr(samples, "skipped", [])), get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state

@@ -27,18 +27,32 @@ class StopRequest:
     """The stop signals' handlers for this process (see the module's docstring); `requested` once one came."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-    waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers (process-wide)
 
     def __init__(self):
         self.signum: int | None = None
-        self.previous: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self.previous[signum] = signal.signal(signum, self._handle)
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, args=(read,), name="sigterm-while-waiting", daemon=True).start()
+        self.previous: dict[int, object] = {}  # the handlers ours replaced, while installed
+        self.waiting: tuple[float, float] | None = None  # (since, grace) while the main thread waits on peers
+
+    @contextmanager
+    def installed(self):
+        """Our handlers and the watcher while the block runs, then the handlers and wakeup fd as they were. Enter it
+        before workers fork: they inherit a handler that only sets a flag. Outside the main thread: nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read,), name="sigterm-while-waiting", daemon=True).start()
+        self.previous = previous
+        try:
+            yield self
+        finally:
+            signal.set_wakeup_fd(wakeup)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            os.close(write)  # the watcher reads the pipe's end and stops
 
     def _watch(self, fd: int) -> None:
         """Watcher thread: the signal numbers arrive as bytes on `fd` even while the main thread is stuck in C++."""
@@ -46,7 +60,11 @@ class StopRequest:
         while True:
             # sleep until a signal comes; poll only once a SIGTERM is pending, to see a wait outlast its grace
             if select.select([fd], [], [], 0.1 if term_at else None)[0]:
-                if signal.SIGTERM in os.read(fd, 512):  # the numbers of the signals that came
+                came = os.read(fd, 512)  # the numbers of the signals that came; nothing once the pipe is closed
+                if not came:
+                    os.close(fd)
+                    return
+                if signal.SIGTERM in came:
                     if term_at is not None and self.waiting is not None:
                         _exit_now("a second SIGTERM")
                     term_at = term_at or time.monotonic()
@@ -67,16 +85,15 @@ class StopRequest:
     def exit_code(self) -> int:
         return 130 if self.signum == signal.SIGINT else 0
 
-    @staticmethod
     @contextmanager
-    def waiting_on_peers(grace: float):
-        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (once a
-        StopRequest watches)."""
-        StopRequest.waiting = (time.monotonic(), grace)
+    def waiting_on_peers(self, grace: float):
+        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (while
+        installed: the watcher reads it)."""
+        self.waiting = (time.monotonic(), grace)
         try:
             yield
         finally:
-            StopRequest.waiting = None
+            self.waiting = None
 
     @staticmethod
     def shield_worker(worker_id: int = 0) -> None:

@@ -24,10 +24,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from . import distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .data_check import check_classes
@@ -183,9 +183,9 @@ def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
 def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> str:
     """Hydra's composition error in one line; for an unknown key, the nearest known one (in the config composed
     without it)."""
-    typo = re.match(r"Could not override '([^']+)'", str(e))
-    if typo:
-        key = typo[1]
+    cause = e.__cause__
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        key = cause.full_key  # an override of a key the config does not have
         parent, _, name = key.rpartition(".")
         rest_argv = [a for a in argv if not a.startswith((key + "=", "-"))]
         try:
@@ -204,17 +204,10 @@ def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> st
     if options and missing and "/" in missing:
         group, _, choice = missing.rpartition("/")
         return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(options))}"
-    if type(e).__name__ == "OverrideParseException":
+    if isinstance(e, OverrideParseException):
         return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
-    merging = re.match(r"Error merging override (\S+)$", str(e))
-    if merging and e.__cause__ is not None:  # a value of the wrong type: the override, then OmegaConf's reason
-        return f"{merging[1]}: {str(e.__cause__).splitlines()[0]}"
-    noise = ("full_key:", "object_type=", "reference_type=", "Config search path", "provider=", "See https://")
-    parts = []
-    for err in (e, e.__cause__):
-        lines = [line.strip() for line in str(err or "").splitlines()]
-        parts.append(" ".join(line for line in lines if line and not line.startswith(noise)))
-    return ": ".join(part for part in parts if part)[:400]
+    # Hydra's first line and OmegaConf's reason under it (a value of the wrong type): the libraries' own words
+    return ": ".join(str(err).strip().splitlines()[0] for err in (e, cause) if err is not None and str(err).strip())
 
 
 def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
 from .device import amp_dtype, device_batches, pick_device
-from .dry_step import quiet, two_prepared
+from .dry_step import two_prepared
 from .ema import EMA
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
@@ -165,7 +165,7 @@ def build(
     logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
     ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
     device = pick_device(cfg.device)
-    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %})  # one process per rank under torchrun
+    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
@@ -174,7 +174,6 @@ def build(
             "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
-    quiet(unexact)  # named once above: torch's own warning, once per call site, adds nothing
     rng.seed_everything(cfg.seed)
     found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
     ckpt = checkpoint.load(found) if found else None  # refused before the run when it changes the run (preflight)

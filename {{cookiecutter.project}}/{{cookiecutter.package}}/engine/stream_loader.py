@@ -72,8 +72,12 @@ class ReaderStream(IterableDataset):
         epoch, first, *consumed = self.control.tolist()
         local = (worker + first) % workers  # the reader this worker is this epoch
         records = self._records(epoch, self.rank * workers + local, self.world_size * workers, consumed)
-        while (made := self._batch(records, local)) is not None:
-            yield made
+        try:
+            while (made := self._batch(records, local)) is not None:
+                yield made
+        except (UserError, failures.BadSample) as e:  # sent as data, raised by the main process as it takes it
+            yield None, BatchNote(worker=local, failed=e)
+            return
         ended = (None, BatchNote(worker=local))  # no batch: the reader has read its records
         while True:  # until the epoch ends: the worker stays in the round robin, and alive (module docstring)
             yield ended

@@ -97,11 +97,11 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     target = type(task).__qualname__
 {% if cookiecutter.with_fsdp == "yes" %}
     sums, batches = None, 0
-    for batch in failures.named(device_batches(loader, device), "validation"):
+    for batch in failures.named(device_batches(loader, device), loader):
         batches += 1
 {% else %}
     sums = None
-    for batch in failures.named(device_batches(loader, device), "validation"):
+    for batch in failures.named(device_batches(loader, device), loader):
 {% endif %}
         metrics = task.metrics(model, prepare(batch) if prepare is not None else batch)
         if sums is None:  # in check_metrics' order, `count` last
