@@ -125,16 +125,16 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
 
 
 class Unchecked(Exception):
-    """An op that cannot run on meta tensors (a model built on the meta device): the rest of the stage is the first
-    step's to check."""
+    """An op that cannot run on meta tensors (a model built on the meta device): the rest of the stage is the
+    first step's to check."""
 
 
 class Kernels(TorchFunctionMode):
-    """Around a stage of the dry step, each torch function called in it. With `deterministic` true or warn, torch's
-    deterministic mode refuses an op without a deterministic kernel: the op runs again without the mode and is named
-    in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward pass); an op that fails
-    both ways raises its first error. With `meta`, an op on meta tensors that has no meta kernel (NotImplementedError)
-    or reads values to the host raises Unchecked."""
+    """Around a stage of the dry step, each torch function called in it. With `deterministic` true or warn,
+    torch's deterministic mode refuses an op without a deterministic kernel: the op runs again without the
+    mode and is named in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward
+    pass); an op that fails both ways raises its first error. With `meta`, an op on meta tensors that has no
+    meta kernel (NotImplementedError) or reads values to the host raises Unchecked."""
 
     def __init__(self, deterministic, unexact: list[str], meta: bool = False):
         super().__init__()
@@ -175,8 +175,8 @@ class Kernels(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _named(cfg, target: str, method: str, split: str):
-    """An error inside the task or model: one line naming where. An op without a meta kernel (a data-dependent shape,
-    a host read) on the meta device ends the stage: not checkable here."""
+    """An error inside the task or model: one line naming where. An op without a meta kernel (a data-dependent
+    shape, a host read) on the meta device ends the stage: not checkable here."""
     with parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}"):
         with contextlib.suppress(Unchecked):
             yield

@@ -57,7 +57,8 @@ class BadSample(LoaderFailure):
 
 class Samples(list):
     """A batch's samples as fetched, the ones `data.on_bad_sample=skip` left out (`skipped`: their lines, as
-    fetch_guarded words them), or what made the batch fail (`failed`): the collate hands them to the main process."""
+    fetch_guarded words them), or what made the batch fail (`failed`): the collate hands them to the main
+    process."""
 
     def __init__(self, samples, skipped=(), failed: Exception | None = None):
         super().__init__(samples)
@@ -149,8 +150,8 @@ SHM_FULL = 0.05  # /dev/shm with less free than this share of its size, as the l
 
 
 def shm_full() -> LoaderFailure | None:
-    """The line for a loader failure when /dev/shm is full now (a check of its space, whatever the error says: a
-    worker's failed allocation, its SIGBUS); else None."""
+    """The line for a loader failure when /dev/shm is full now (a check of its space, whatever the error says:
+    a worker's failed allocation, its SIGBUS); else None."""
     space = shm_space()
     if space is None or space[0] >= SHM_FULL * space[1]:
         return None
@@ -177,8 +178,8 @@ def exit_status(pid: int) -> str | None:
 
 
 class WorkerDied(RuntimeError):
-    """A train loader worker is gone while the run still needs it (monitor.py's check between readings, or a read of
-    the loader that failed as it died): how it ended, and what to do."""
+    """A train loader worker is gone while the run still needs it (monitor.py's check between readings, or a
+    read of the loader that failed as it died): how it ended, and what to do."""
 
     def __init__(self, how: str):
         super().__init__(
@@ -203,9 +204,9 @@ def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
 
 
 def dead_worker(pids, error: BaseException) -> WorkerDied | None:
-    """A WorkerDied when a worker of `pids` (the train loader's this epoch) has ended as a read of its loader failed
-    with `error`: how it ended, or, once PyTorch has reaped it (the kernel forgets how), PyTorch's own first line;
-    None while they all run."""
+    """A WorkerDied when a worker of `pids` (the train loader's this epoch) has ended as a read of its loader
+    failed with `error`: how it ended, or, once PyTorch has reaped it (the kernel forgets how), PyTorch's own
+    first line; None while they all run."""
     if how := ended_worker(pids, wait_s=2.0):  # a read can fail as the worker dies: give it time to end
         return WorkerDied(how)
     if all(psutil.pid_exists(pid) for pid in pids):
@@ -214,8 +215,9 @@ def dead_worker(pids, error: BaseException) -> WorkerDied | None:
 
 
 def worker_death(exc: BaseException) -> str | None:
-    """The line of a dead DataLoader worker behind `exc`: a WorkerDied in its chain, or an error that came as a child
-    process ended, not reaped yet (PyTorch's SIGCHLD handler raises one wherever the loop is); else None."""
+    """The line of a dead DataLoader worker behind `exc`: a WorkerDied in its chain, or an error that came as
+    a child process ended, not reaped yet (PyTorch's SIGCHLD handler raises one wherever the loop is); else
+    None."""
     for link in causes(exc):
         if isinstance(link, WorkerDied):
             return str(link)
@@ -228,11 +230,12 @@ def worker_death(exc: BaseException) -> str | None:
 
 
 def named(batches, loader):
-    """`batches` of `loader` (the train loader, or validation's DataLoader), a failure of the loader's own raised as
-    its one line: a stall (`loader.timeout` reached: the wait for the batch is timed here; `stalled` for the train
-    loader), a full /dev/shm, a dead train worker; a train batch's `failed` (a bad sample, a data set's UserError)
-    raised as it is. Validation's workers raise theirs as PyTorch rebuilds them: their type (their exit code), the
-    worker's traceback. No checkpoint from here: save_on_failure makes the train loader's."""
+    """`batches` of `loader` (the train loader, or validation's DataLoader), a failure of the loader's own
+    raised as its one line: a stall (`loader.timeout` reached: the wait for the batch is timed here; `stalled`
+    for the train loader), a full /dev/shm, a dead train worker; a train batch's `failed` (a bad sample, a
+    data set's UserError) raised as it is. Validation's workers raise theirs as PyTorch rebuilds them: their
+    type (their exit code), the worker's traceback. No checkpoint from here: save_on_failure makes the train
+    loader's."""
     validation = isinstance(loader, DataLoader)
     timeout = loader.timeout if validation else loader.settings.timeout
     batches = iter(batches)

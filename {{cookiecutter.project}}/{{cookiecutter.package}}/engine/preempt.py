@@ -35,8 +35,9 @@ class StopRequest:
 
     @contextmanager
     def installed(self):
-        """Our handlers and the watcher while the block runs, then the handlers and wakeup fd as they were. Enter it
-        before workers fork: they inherit a handler that only sets a flag. Outside the main thread: nothing."""
+        """Our handlers and the watcher while the block runs, then the handlers and wakeup fd as they were.
+        Enter it before workers fork: they inherit a handler that only sets a flag. Outside the main thread:
+        nothing."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -87,8 +88,8 @@ class StopRequest:
 
     @contextmanager
     def waiting_on_peers(self, grace: float):
-        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s (while
-        installed: the watcher reads it)."""
+        """Around a call that waits on other processes: a SIGTERM during it ends this process after `grace` s
+        (while installed: the watcher reads it)."""
         self.waiting = (time.monotonic(), grace)
         try:
             yield
