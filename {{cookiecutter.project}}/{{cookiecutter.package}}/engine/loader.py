@@ -190,13 +190,13 @@ class BatchNote:
     # sample is seeded afresh, so nothing reads it), and the seed base of its set of workers.
     rng: tuple | None = None
     base_seed: int = 0
+    # What made the batch fail (a bad sample, a data set's UserError), sent as data: the main process raises it in
+    # one line as the loop reaches the batch (failures.named), where a raise in a worker comes as a traceback's text
+    failed: Exception | None = None
 {% if cookiecutter.with_streams == "yes" %}
     worker: int = 0  # a stream's: the worker that made it
     ends: dict = field(default_factory=dict)  # a shard stream's: shard -> the record its reader reads next
     state: dict | None = None  # a Stateful plain stream's: {"count": records read, "state": its state_dict()}
-    # What made the batch fail (a bad sample, a data set's UserError), sent as data: the main process raises it in one
-    # line as the loop reaches the batch (failures.named), where a raise in a worker comes as a traceback's text
-    failed: Exception | None = None
 {% endif %}
 
 
