@@ -279,6 +279,8 @@ def test_an_unreachable_server_falls_back_to_the_run_folder(tmp_path):
     proc = run_train(tmp_path, *DATA, "max_steps=3", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}",
                      "logger.mlflow.on_unreachable=local")  # fmt: skip
     assert f"{uri} does not answer" in proc.stdout + proc.stderr
+    # MLflow's requests bounded by process.setup, which names what it exported in the run's log
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES=2, MLFLOW_HTTP_REQUEST_TIMEOUT=30" in (tmp_path / "train.log").read_text()
     client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert len(runs) == 1 and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) == 3
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import queue
 import re
 import threading
@@ -138,9 +137,6 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def start(self, params: dict, saved_id: str | None, note: tuple[int, str] | None) -> None:
-        # every HTTP request bounded: MLflow's default retries with backoff can take minutes against a dead server
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(self.timeout_s))))
         uri = self.reachable(str(self.cfg.tracking_uri))
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
