@@ -114,7 +114,7 @@ def test_quick_start_is_found_and_the_warning_check_can_fail():
     readme = "# x\n\n## Quick start\n\n```bash\npip install -e .\npython train.py   # note\n\ntensorboard\n```\n"
     assert quick_start(readme) == ["pip install -e .", "python train.py   # note", "tensorboard"]
     hydra = (
-        "/x/hydra/_internal/callbacks.py:28: UserWarning: Callback CheckBeforeRun.on_run_start raised "
+        "/x/hydra/_internal/callbacks.py:28: UserWarning: Callback RunFolder.on_run_start raised "
         "InterpolationResolutionError: ...\n  warnings.warn(\n"
     )
     with pytest.raises(AssertionError, match="printed a warning"):

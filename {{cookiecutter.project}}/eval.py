@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
-from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, process, resume, schema
+from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, preflight, process, resume, schema
 from {{ cookiecutter.package }}.engine.device import pick_device
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
@@ -131,6 +131,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
     process.setup(cfg)  # deterministic=true: the same kernels as the training run's validation
+    preflight.record(cfg, Path(HydraConfig.get().runtime.output_dir) / preflight.HYDRA_FILES)  # as Hydra would
     try:
         result = evaluate_checkpoint(cfg)
     except Exception as e:

@@ -18,7 +18,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, process, schema{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif +%}
+from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, process, schema
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
 from {{ cookiecutter.package }}.engine.failures import worker_death
 from {{ cookiecutter.package }}.engine.optim import clip_gradients
@@ -30,18 +30,15 @@ from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
 log = logging.getLogger("train")
 
 
-def train(cfg) -> tuple[int, float]:
-{% if cookiecutter.with_slurm == "yes" %}
-    slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
-{% endif %}
-    unexact = preflight.check_once(cfg)  # every key and a dry step, before any work: done by the Hydra callback
+def train(cfg, checked: preflight.Checked) -> tuple[int, float]:
+    """The run, once its checks passed; `checked`: what they found (a resume's checkpoint, ops run inexactly)."""
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     stop = StopRequest()
     # the stop signals' handlers until train() leaves, installed before workers fork (they inherit a flag setter);
     # however train() leaves, exceptions included, `cleanup` closes what it opened, then the handlers go
     with stop.installed(), contextlib.ExitStack() as cleanup:
-        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, unexact)
+        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, checked)
         run.callbacks.call("on_run_start", run)  # conf/callbacks: a sample grid, early stopping... (callbacks.py)
         stopping = False  # a signal or a callback asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():
@@ -156,9 +153,12 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> float:
     """Returns the best checkpoint.monitor value of the run: what a sweeper (Optuna) optimizes."""
-    process.setup(cfg)  # threads, the allocator's thresholds, deterministic kernels (engine/process.py)
     try:
-        code, best = train(cfg)
+        checked = preflight.check(cfg)  # every key and a dry step, before any work; then the run's .hydra/ record
+        # threads, the allocator's thresholds, deterministic kernels (engine/process.py); after the checks, whose
+        # refusal leaves the folder of a run it would go on byte for byte (setup writes a log line)
+        process.setup(cfg)
+        code, best = train(cfg, checked)
     except Exception as e:
         error = find_user_error(e) or worker_death(e)  # a killed worker: its pid and signal, not a traceback
         if error is None:

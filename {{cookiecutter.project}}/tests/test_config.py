@@ -242,7 +242,7 @@ def refused(tmp_path, *overrides):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert sorted(p.name for p in cwd.iterdir()) == []  # CheckBeforeRun refused before Hydra made the run folder
+    assert sorted(p.name for p in cwd.iterdir()) == []  # the run folder this command made is gone
     return lines[0]
 
 
@@ -266,7 +266,7 @@ def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
 
 
 # What Hydra itself would refuse over several lines (check_command_line), and refusals of the data and of the
-# checkpoint (CheckBeforeRun), through train.py only: (override, words in the line)
+# checkpoint (preflight.check), through train.py only: (override, words in the line)
 EARLY = [
     ("loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
     pytest.param(  # the fast tier refuses a missing folder in process (test_segmentation.py) and this line's form above
@@ -357,13 +357,14 @@ def test_the_checks_above_can_fail(tmp_path):
 
 
 def test_a_refused_command_leaves_an_existing_run_folder_untouched(tmp_path, shapes_run):
-    """Hydra rewrites .hydra/config.yaml before the task runs; the checks run before that (CheckBeforeRun)."""
+    """Hydra would rewrite .hydra/config.yaml before the task runs: it writes none (hydra.output_subdir: null), and
+    train.py writes its record once the checks pass."""
     run_dir = tmp_path / "run"
     shutil.copytree(shapes_run, run_dir)  # a finished run's folder (the session's shared run, copied)
     saved = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
     proc = run_train(run_dir, *RNG_DATA, "epochs=-1", "resume=latest", expect=2)
     assert proc.stderr.strip() == "error: epochs must be an integer >= 1, got -1"
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == saved
-    # negative control: without the callback, the same refusal comes from train() after Hydra rewrote its record
-    run_train(run_dir, *RNG_DATA, "epochs=-1", "resume=latest", "~hydra.callbacks.checks", expect=2)
+    # negative control: with Hydra writing its record, the same refusal comes after Hydra rewrote it
+    run_train(run_dir, *RNG_DATA, "epochs=-1", "resume=latest", "hydra.output_subdir=.hydra", expect=2)
     assert (run_dir / ".hydra/config.yaml").read_bytes() != saved[run_dir / ".hydra/config.yaml"]

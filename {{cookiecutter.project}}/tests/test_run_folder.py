@@ -4,10 +4,11 @@ ranks of one torchrun job take rank 0's, and a refusal under torchrun is one lin
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package }}.engine.preflight import claim
+from {{ cookiecutter.package }}.engine.preflight import claim, unclaim
 from tests.helpers import PROJECT, load_ckpt, read_jsonl, run_train, same_weights, torchrun_cmd
 {% if cookiecutter.with_fsdp == "yes" %}
 from tests.test_fsdp import BLOCKS, export  # a sharded run: every rank writes its own shards into the folder
@@ -15,13 +16,26 @@ from tests.test_fsdp import BLOCKS, export  # a sharded run: every rank writes i
 
 
 def test_a_folder_another_run_holds_gives_the_next_name(tmp_path):
-    first, made = claim(str(tmp_path / "day/run"))
-    assert first == str(tmp_path / "day/run")
-    assert made == [f"{first}/.hydra", first, str(tmp_path / "day")]  # what a refusal removes
-    assert claim(str(tmp_path / "day/run"))[0] == f"{first}-2"
-    assert claim(str(tmp_path / "day/run"))[0] == f"{first}-3"
+    first = claim(str(tmp_path / "day/run"))
+    assert first == str(tmp_path / "day/run") and (tmp_path / "day/run/.hydra").is_dir()
+    assert claim(str(tmp_path / "day/run")) == f"{first}-2"
+    assert claim(str(tmp_path / "day/run")) == f"{first}-3"
     (tmp_path / "empty").mkdir()  # made beforehand, no run in it yet: taken
-    assert claim(str(tmp_path / "empty")) == (str(tmp_path / "empty"), [str(tmp_path / "empty/.hydra")])
+    assert claim(str(tmp_path / "empty")) == str(tmp_path / "empty")
+
+
+def test_a_refusal_removes_the_folders_its_claim_made_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs/kept").mkdir(parents=True)  # a sibling: its parent stays
+    run_dir = Path(claim(str(tmp_path / "outputs/day/run")))
+    (run_dir / "train.log").write_text("")  # Hydra's job log, opened before train() runs
+    unclaim(run_dir)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["outputs", "outputs/kept"]
+    # a folder holding a run (its record written) is left as it is: the control
+    (tmp_path / "outputs/kept/.hydra").mkdir()
+    (tmp_path / "outputs/kept/.hydra/config.yaml").write_text("seed: 0\n")
+    unclaim(tmp_path / "outputs/kept")
+    assert (tmp_path / "outputs/kept/.hydra/config.yaml").read_text() == "seed: 0\n"
 
 
 def test_a_used_folder_named_again_without_resume_is_not_written_into(tmp_path, shapes, shapes_run):

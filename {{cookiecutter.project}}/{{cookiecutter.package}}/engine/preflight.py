@@ -1,14 +1,16 @@
-"""What a command checks before any work, once: `check_run`, and where it runs.
+"""What a command checks before any work, once: `check`, train()'s first call, for every run and every job of a
+multirun alike.
 
 - `check_keys`, `precheck_data`: the checks that build nothing (every key known and in range, required values set,
   every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
   one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
-- `CheckBeforeRun` (`hydra.callbacks` in conf/config.yaml) runs `check_run` for a single run before Hydra creates
-  the run folder; `check_once` in train() for each job of a multirun (`-m`, sweeps, SLURM jobs).
+- Hydra writes nothing into the run folder (`hydra.output_subdir: null`): `record` writes its `.hydra/` files once
+  the checks pass, so a refused command leaves a run it would go on untouched, and a folder it made is removed.
+- `RunFolder` (`hydra.callbacks` in conf/config.yaml), before Hydra makes the run folder: one of the run's own
+  (`claim`), the same for every torchrun rank.
 - `one_line_errors` around train.py's `main()`: what Hydra reports over several lines as it composes, in one line.
 """
 
-import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -20,6 +22,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -40,83 +43,102 @@ from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config, flatten
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
 
-checked: dict[str, list[str]] = {}  # run folders check_run passed: the ops without a deterministic kernel it found
-renamed: dict[str, str] = {}  # {run folder claimed: the one the config resolved, which another run holds}
+
+class Checked(NamedTuple):
+    """What the checks hand the run."""
+
+    unexact: list[str]  # the ops the dry step ran without a deterministic kernel (deterministic=warn)
+    resumed: tuple[Path, dict] | None  # the checkpoint a resume continues: its path and contents, read once
 
 
-def check_once(cfg: DictConfig) -> list[str]:
-    """train()'s call: `check_run`, unless CheckBeforeRun ran it for this run already (a single run): one check per
-    run either way. Returns the ops without a deterministic kernel the dry step found (deterministic=warn)."""
+def check(cfg: DictConfig) -> Checked:
+    """train()'s first call: `check_run` on every rank; a refusal is one line from rank 0 and exit code 2, and removes
+    the run folder this command claimed. Then the run's record (`record`)."""
     hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
-    if run_dir not in checked:
-        check_run(cfg, Path(run_dir), hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task))
-    if run_dir in renamed:
-        log.info("run folder %s holds another run: this one writes to %s", resume.short(renamed[run_dir]),
-                 resume.short(run_dir))  # fmt: skip
-    return checked[run_dir]
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    world, checked, error = None, None, None
+    try:
+{% if cookiecutter.with_slurm == "yes" %}
+        slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
+{% endif %}
+        world = distributed.join_early(pick_device(cfg.device))  # joined already under torchrun (RunFolder)
+        checked = check_run(cfg, run_dir, hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task), world.is_main)
+    except UserError as e:
+        error = str(e)
+    errors = [error] if world is None else distributed.gather_all(error, world)  # every rank waits for all
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        if world is None or world.is_main:
+            unclaim(run_dir)
+        refuse(first, world)
+    if world.is_main:
+        record(cfg, run_dir / HYDRA_FILES)
+    return checked
 
 
-def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str]) -> None:
+def record(cfg: DictConfig, folder: Path) -> None:
+    """The run's record, as Hydra writes it when its `output_subdir` is set: the config, Hydra's own, the overrides."""
+    hydra_cfg = HydraConfig.get()
+    folder.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.overrides.task, folder / "overrides.yaml")
+
+
+def unclaim(run_dir: Path) -> None:
+    """A refused run's folder, when this command made it (its `.hydra` is still empty: `claim`), removed with its log
+    file, and so are the parents it leaves empty inside the working folder (outputs/<day>/); a folder holding a run
+    is left as it is."""
+    marker = run_dir / HYDRA_FILES
+    if not marker.is_dir() or any(marker.iterdir()):
+        return
+    marker.rmdir()
+    for log_file in run_dir.glob("*.log"):  # Hydra's job log, opened before train() runs
+        log_file.unlink()
+    folder, cwd = run_dir, Path.cwd()
+    while folder != cwd and not any(folder.iterdir()) and (folder == run_dir or cwd in folder.parents):
+        folder.rmdir()
+        folder = folder.parent
+
+
+def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str], is_main: bool = True) -> Checked:
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
-    without building anything ({% if cookiecutter.with_slurm == "yes" %}SLURM tasks that cannot meet, {% endif %}device=cuda with no GPU, the data sets' `precheck`,
+    without building anything (device=cuda with no GPU, the data sets' `precheck`,
     a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
     check_keys(cfg, choices, overrides)
-{% if cookiecutter.with_slurm == "yes" %}
-    slurm.adopt_job_ranks()  # refuses N tasks that cannot meet (and exports the ranks, as train() does first)
-{% endif %}
     pick_device(cfg.device)
     precheck_data(cfg)
-    ckpt = resume.precheck(cfg, run_dir) if cfg.resume else None
-    checked[str(run_dir)] = dry_step(cfg, ckpt)
+    resumed = resume.precheck(cfg, run_dir, is_main) if cfg.resume else None
+    return Checked(dry_step(cfg, resumed[1] if resumed else None), resumed)
 
 
-class CheckBeforeRun(Callback):
-    """`check_run` for train.py (not eval.py, whose config has keys of its own), exiting with its one line.
-
-    Hydra writes `.hydra/config.yaml` and the log file into the run folder before it calls the task function, so a
-    refusal from inside train() would already have overwritten a resumed run's saved config: a single run is checked
-    in `on_run_start`, before anything is written. A multirun's jobs, each in a new folder, are train()'s to check."""
+class RunFolder(Callback):
+    """train.py's run folder, before Hydra makes it: one of this run's own (`claim`), rank 0's for every torchrun
+    rank; and a sweep under torchrun refused. eval.py's folders are Hydra's."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         if config.hydra.job.name != "train":
             return
         # Only run_job, after this, sets HydraConfig, which the `${hydra:...}` parts of hydra.run.dir need
         # (hydra-ecosystem/hydra#1301, #1884): set here as run_job does, or Hydra turns the error into a UserWarning
-        # and skips this check.
+        # and skips this callback.
         HydraConfig.instance().set_config(config)
-        task = config.copy()  # the task's config: without the `hydra` node, as the task function sees it
-        with open_dict(task):
-            del task["hydra"]
         # Under torchrun the ranks join their process group now, before anything is written: every rank takes the
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
-        # starts straddle a second, hydra#2070), and rank 0 alone reports a refusal for all of them.
+        # starts straddle a second, hydra#2070).
         other_rank = int(os.environ.get("RANK", "0")) != 0  # the same config fails the same way on rank 0: it says so
-        device = self.refusing(lambda: pick_device(task.device), quiet=other_rank)
+        device = self.refusing(lambda: pick_device(config.device), quiet=other_rank)
         world = self.refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
         run_dir = asked = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         explicit = any(o.split("=")[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
-        made = []  # the folders this command made, the run folder and any new parents, to remove on a refusal
-        if world.is_main and not (explicit and task.get("resume")):  # going on in a folder takes both, explicitly
-            run_dir, made = claim(asked)
+        if world.is_main and not (explicit and config.get("resume")):  # going on in a folder takes both, explicitly
+            run_dir = claim(asked)
         run_dir = distributed.gather_all(run_dir, world)[0]  # rank 0's
         with read_write(config.hydra), open_dict(config.hydra):  # the folder run_job makes (if need be) and uses
             config.hydra.run.dir = run_dir
-            config.hydra.runtime.output_dir = run_dir  # as run_job sets it, so `${hydra:runtime.output_dir}` resolves
-        HydraConfig.instance().set_config(config)
-        if run_dir != asked:
-            renamed[run_dir] = asked
-        try:
-            check_run(task, Path(run_dir), config.hydra.runtime.choices, list(config.hydra.overrides.task))
-            error = None
-        except UserError as e:
-            error = str(e)
-        first = next((e for e in distributed.gather_all(error, world) if e), None)  # every rank waits for all
-        if first is not None:
-            for folder in made:  # claimed a moment ago: empty, unless another run made a folder inside
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
-            refuse(first, world)
+        if run_dir != asked and world.is_main:
+            log.info("run folder %s holds another run: this one writes to %s", resume.short(asked),
+                     resume.short(run_dir))  # fmt: skip
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # Under torchrun every rank would run the whole sweep by itself, in sweep folders of their own (the time
@@ -150,23 +172,19 @@ def refuse(error: str, world: distributed.World | None = None, quiet: bool = Fal
     sys.exit(2)
 
 
-def claim(path: str) -> tuple[str, list[str]]:
+def claim(path: str) -> str:
     """A folder of this run's own: `path`, or `path-2`, `path-3`... when another run holds it (runs started in the
     same second resolve the same name: a shell loop, a SLURM array). A run holds a folder once it made its `.hydra`
     inside, and `os.mkdir` makes a folder or fails, atomically: two runs never share one, and an empty folder made
-    beforehand is taken. Returns it and the folders made, deepest first, to remove should the run be refused."""
+    beforehand is taken. `.hydra` stays empty until the run's checks pass (`record`)."""
     for n in itertools.count(1):
         folder = path if n == 1 else f"{path}-{n}"
-        made, missing = [], folder  # the folder and its parents that are not there yet, deepest first
-        while not os.path.isdir(missing):
-            made.append(missing)
-            missing = os.path.dirname(missing)
         os.makedirs(folder, exist_ok=True)
         try:
             os.mkdir(os.path.join(folder, HYDRA_FILES))
         except FileExistsError:
             continue
-        return folder, [os.path.join(folder, HYDRA_FILES), *made]
+        return folder
 
 
 def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:

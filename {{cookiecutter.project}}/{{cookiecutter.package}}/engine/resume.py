@@ -172,12 +172,13 @@ def report(ckpt: dict, cfg, path: Path, loader) -> None:
     log.info("resumed from step %d (epoch %d, batch %d)", ckpt["step"], loader.epoch, loader.position)
 
 
-def precheck(cfg, run_dir: Path) -> dict | None:
-    """A resume that train() would refuse, refused before the run folder is written: no file there, not a checkpoint,
-    another run's config (unless resume_strict=false), another model or optimizer class, a number of processes that
-    does not divide its global batch. Returns it (None: none found), memory-mapped, for the dry step's model."""
+def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | None:
+    """The checkpoint a resume continues, located and read once for the whole run, or its refusal before the run
+    folder is written: no file there, not a checkpoint, another run's config (unless resume_strict=false), another
+    model or optimizer class, a number of processes that does not divide its global batch. Returns its path and
+    contents, memory-mapped (None: none found, a fresh start); `is_main`: the rank that logs the search."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    found = locate(cfg.resume, run_dir, cfg, world_size, is_main=False)  # the logging is train()'s to do
+    found = locate(cfg.resume, run_dir, cfg, world_size, is_main)
     if found is None:
         return None
     ckpt = checkpoint.load(found, mmap=True)
@@ -210,7 +211,7 @@ def precheck(cfg, run_dir: Path) -> dict | None:
         if why:
             raise UserError(f"resume: data.train {why}")
 {% endif %}
-    return ckpt
+    return found, ckpt
 
 
 def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:

@@ -158,12 +158,12 @@ class Run:
         )  # fmt: skip
 
 
-def build(
-    cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, unexact: list[str]
-) -> Run:
-    """Join the ranks, seed, find the checkpoint to resume from, build data, loaders, model, optimizer, schedule and
-    logs, and load the checkpoint into them. `cleanup` closes what this opens, however the run ends. `unexact`: the
-    ops the dry step found without a deterministic kernel (deterministic=warn), named here once."""
+def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
+    """Join the ranks, seed, build data, loaders, model, optimizer, schedule and logs, and load the checkpoint the
+    checks found into them. `cleanup` closes what this opens, however the run ends. `checked` (preflight.Checked):
+    the ops the dry step found without a deterministic kernel (deterministic=warn), named here once, and the
+    checkpoint a resume continues."""
+    unexact, resumed = checked
     device = pick_device(cfg.device)
     world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
@@ -175,8 +175,7 @@ def build(
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
     rng.seed_everything(cfg.seed)
-    found = resume.locate(cfg.resume, run_dir, cfg, world.world_size, world.is_main) if cfg.resume else None
-    ckpt = checkpoint.load(found) if found else None  # refused before the run when it changes the run (preflight)
+    found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
 
     train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")  # checked by the dry step
     collate = parts.collate(cfg, train_set)  # None: torch's default_collate
