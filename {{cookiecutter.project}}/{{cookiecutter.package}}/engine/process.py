@@ -1,8 +1,8 @@
 """Process-wide settings, in one place: `process.*` in conf/config.yaml, and deterministic kernels.
 
 Each one changes the whole process, not one object, so the entry points' Hydra main calls `setup(cfg)` once,
-after the config checks, and nothing else changes them; one log line names what it changed. Nothing is exported to the
-environment but CUBLAS_WORKSPACE_CONFIG (cuBLAS reads it there){% if cookiecutter.with_tracking == "yes" %} and, with
+after the config checks, and nothing else changes them; one log line names what it changed. Nothing is
+exported to the environment but CUBLAS_WORKSPACE_CONFIG (cuBLAS reads it there){% if cookiecutter.with_tracking == "yes" %} and, with
 logger.use mlflow, MLflow's request bounds{% endif %}: forked loader workers share the allocator's
 settings, which live in the process's memory, and run one thread each. What each key does and what it
 measured: docs/training-step.md (#speed-on-the-cpu). `process.omp_wait_policy` keeps OpenMP's threads from
