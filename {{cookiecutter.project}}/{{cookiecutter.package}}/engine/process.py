@@ -3,13 +3,14 @@
 Each one changes the whole process, not one object, so the entry points' Hydra main calls `setup(cfg)` once,
 after the config checks, and nothing else changes them; one log line names what it changed. Nothing is
 exported to the environment but CUBLAS_WORKSPACE_CONFIG (cuBLAS reads it there){% if cookiecutter.with_tracking == "yes" %} and, with
-logger.use mlflow, MLflow's request bounds{% endif %}: forked loader workers share the allocator's
-settings, which live in the process's memory, and run one thread each. What each key does and what it
-measured: docs/training-step.md (#speed-on-the-cpu). `process.omp_wait_policy` keeps OpenMP's threads from
-spinning on the cores the loader workers decode on; OpenMP (libgomp) reads OMP_WAIT_POLICY once, as torch
-loads it, before any config exists: setup() can only check that the environment has it, and says so when it
-does not. `process.keep_freed_memory`: glibc's malloc hands free memory at its heap's top back to the kernel,
-and the next step faults it in again, page by page; fixed thresholds end that.
+logger.use mlflow, MLflow's request bounds{% endif %}:
+forked loader workers share the allocator's settings, which live in the process's memory, and run one thread
+each. What each key does and what it measured: docs/training-step.md (#speed-on-the-cpu).
+`process.omp_wait_policy` keeps OpenMP's threads from spinning on the cores the loader workers decode on;
+OpenMP (libgomp) reads OMP_WAIT_POLICY once, as torch loads it, before any config exists: setup() can only
+check that the environment has it, and says so when it does not. `process.keep_freed_memory`: glibc's malloc
+hands free memory at its heap's top back to the kernel, and the next step faults it in again, page by page;
+fixed thresholds end that.
 
 And one setting no key changes: the objects that exist when setup() runs (torch, torchvision, hydra: ~550,000)
 are frozen (`gc.freeze`), out of the reach of every later collection; objects made later are collected as
