@@ -131,7 +131,8 @@ class RunFolder(Callback):
         world = self.refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
         run_dir = asked = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         explicit = any(o.split("=")[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
-        if world.is_main and not (explicit and config.get("resume")):  # going on in a folder takes both, explicitly
+        in_place = explicit and config.get("resume") and os.path.isdir(asked)  # going on in a run's folder
+        if world.is_main and not in_place:  # a new folder is claimed, so that a refusal can remove it (`unclaim`)
             run_dir = claim(asked)
         run_dir = distributed.gather_all(run_dir, world)[0]  # rank 0's
         with read_write(config.hydra), open_dict(config.hydra):  # the folder run_job makes (if need be) and uses
