@@ -78,9 +78,9 @@ class IndexedShards(ShardDataset):
 {% endif %}
 class RecordingClassification(Classification):
     """Classification of `(inputs, labels, indices)` batches that appends, per training batch, the sample indices to
-    `$RECORD_SAMPLES-rank<RANK>.jsonl` with its process id and the task object's number in that process (the config
-    check builds a task too, for its dry step: the run's is the last one a process builds). The place comes from the
-    environment, so a resumed run's command stays the run's own."""
+    `$RECORD_SAMPLES-rank<RANK>.jsonl` with its process id and the task object's number in that process (one per
+    run: tests.helpers.run_batches reads them). The place comes from the environment, so a resumed run's command
+    stays the run's own."""
 
     built = 0  # task objects this process has built
 
@@ -345,7 +345,8 @@ class TrainModeMetrics(Classification):
 
 
 class DivergingClassification(Classification):
-    """Classification whose loss becomes inf from the `after`+1-th call on, as a run whose loss diverges."""
+    """Classification whose loss becomes inf from the `after`+1-th call on, as a run whose loss diverges (the checks'
+    dry step makes the first call)."""
 
     def __init__(self, label_smoothing: float = 0.0, after: int = 20):
         super().__init__(label_smoothing)

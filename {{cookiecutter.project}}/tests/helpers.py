@@ -115,15 +115,25 @@ def run_torchrun(
 def recorded_steps(record: Path, first_step: int = 0) -> dict[int, list[list[int]]]:
     """Global step -> each rank's sample indices, as tests.datasets.RecordingClassification wrote them for one
     command (`record` its RECORD_SAMPLES) that began at `first_step` (the checkpoint's step; 0 when fresh). Of each
-    process only the run's task counts (the last one it built); a rank's n-th batch is step first_step + n + 1."""
+    process only its last one counts (`run_batches`); a rank's n-th batch is step first_step + n + 1."""
     steps: dict[int, list[list[int]]] = {}
     for path in sorted(record.parent.glob(f"{record.name}-rank*.jsonl"), key=lambda p: int(p.stem.rsplit("rank")[1])):
         lines = read_jsonl(path)
-        last = {line["pid"]: line["task"] for line in lines}  # the newest task number of each process
-        mine = [line["indices"] for line in lines if line["task"] == last[line["pid"]]]
+        mine = [batch for pid in dict.fromkeys(line["pid"] for line in lines) for batch in run_batches(lines, pid)]
         for n, indices in enumerate(mine):
             steps.setdefault(first_step + n + 1, []).append(indices)
     return steps
+
+
+def run_batches(lines: list[dict], pid: int) -> list[list[int]]:
+    """The training batches process `pid` recorded: its task's lines, less the throwaway steps before the first
+    batch (the checks' dry step; under DDP the step that settles its buckets), which take the data set's first two
+    samples."""
+    batches = [line["indices"] for line in lines if line["pid"] == pid]
+    throwaway = batches[0]
+    while batches and batches[0] == throwaway:
+        batches.pop(0)
+    return batches
 
 
 def step_sets(steps: dict[int, list[list[int]]]) -> dict[int, list[int]]:

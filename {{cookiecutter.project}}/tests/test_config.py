@@ -7,6 +7,7 @@ import sys
 
 import hydra
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
@@ -230,7 +231,11 @@ def test_check_passes_every_shipped_choice(tmp_path):
 
 def check(cfg, choices, overrides):
     """What train.py checks before a run (engine/preflight.py), on a run folder that is never made."""
-    preflight.check_run(cfg, PROJECT / "outputs" / "never-made", choices, overrides)
+    try:
+        preflight.check_run(cfg, PROJECT / "outputs" / "never-made", choices, overrides)
+    finally:
+        if torch.distributed.is_initialized():  # parallel=fsdp joined a process group of one
+            torch.distributed.destroy_process_group()
 
 
 def refused(tmp_path, *overrides):

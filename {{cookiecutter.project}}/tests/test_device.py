@@ -22,6 +22,7 @@ from {{ cookiecutter.package }}.engine.device import (
 )
 from {{ cookiecutter.package }}.engine.dry_step import dry_step
 from {{ cookiecutter.package }}.engine.errors import UserError
+from {{ cookiecutter.package }}.engine.run import build_problem
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, run_train, same_weights
 
 CPU = torch.device("cpu")
@@ -152,9 +153,9 @@ def test_grayscale_images_pass_the_dry_step_with_a_normalize_of_one_channel():
     schema.register()
     with initialize_config_dir(str(PROJECT / "conf"), version_base="1.3"):
         fitting, rgb = compose("config", [*gray, *one_channel]), compose("config", [*gray, "+model.in_channels=1"])
-    assert dry_step(fitting) == []
+    assert dry_step(fitting, build_problem(fitting, CPU, resuming=False)) == []
     with pytest.raises(UserError, match=r"^data.normalize \(.*Normalize\) fails on 2 training samples: RuntimeError"):
-        dry_step(rgb)
+        dry_step(rgb, build_problem(rgb, CPU, resuming=False))
 
 
 def test_sum_and_read_mixes_tensors_and_numbers():

@@ -189,7 +189,7 @@ def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
 def test_a_diverging_loss_stops_in_one_line_and_keeps_the_last_finite_sharded_save(tmp_path, shapes_root):
     """The non-finite stop under FSDP: one line, no save of the bad step, last.pth the sharded save before it."""
     run_dir = tmp_path / "run"
-    diverging = ["task._target_=tests.datasets.DivergingClassification", "+task.after=4", "checkpoint.every_steps=2"]
+    diverging = ["task._target_=tests.datasets.DivergingClassification", "+task.after=5", "checkpoint.every_steps=2"]
     proc = run_train(run_dir, f"data.root={shapes_root}", *BLOCKS, *diverging, "val_every_steps=null", expect=2)
     line = proc.stderr.strip().splitlines()[-1]
     found = re.fullmatch(r"error: the loss became nan or inf at step (\d+) \(seen at step \d+\): stopped without "

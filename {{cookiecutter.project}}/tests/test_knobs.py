@@ -206,7 +206,7 @@ def test_init_from_loads_weights_only_and_resumes_exactly(runs, tmp_path):
 
 def test_a_diverging_loss_stops_in_one_line_and_keeps_finite_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = ["task._target_=tests.datasets.DivergingClassification", "+task.after=20", "checkpoint.every_steps=4"]
+    overrides = ["task._target_=tests.datasets.DivergingClassification", "+task.after=21", "checkpoint.every_steps=4"]
     proc = run_train(run_dir, *BASE, *overrides, expect=2)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: the loss became nan or inf at step 21 (seen at step 24): stopped without saving; "

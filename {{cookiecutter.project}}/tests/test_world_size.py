@@ -20,6 +20,7 @@ from tests.helpers import (
     loader_settings,
     read_jsonl,
     recorded_steps,
+    run_batches,
     run_torchrun,
     run_train,
     step_sets,
@@ -230,9 +231,7 @@ def test_node_loss_the_survivor_goes_on_with_the_same_global_batches(tmp_path, s
     assert [r["step"] for r in read_jsonl(run_dir / "steps.jsonl")] == list(range(1, 15))
     # the survivor's own record: its last process is the one that resumed; its steps from the checkpoint on
     lines = read_jsonl(run_dir / "record-rank0.jsonl")
-    last_pid = lines[-1]["pid"]
-    last_task = max(line["task"] for line in lines if line["pid"] == last_pid)
-    after = [line["indices"] for line in lines if line["pid"] == last_pid and line["task"] == last_task]
+    after = run_batches(lines, lines[-1]["pid"])
     straight_sets, straight_weights = straight
     assert {resumed_at + n + 1: sorted(b) for n, b in enumerate(after)} == {
         s: straight_sets[s] for s in range(resumed_at + 1, 15)

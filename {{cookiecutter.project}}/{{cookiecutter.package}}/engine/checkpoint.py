@@ -255,12 +255,11 @@ def misfit(own: dict, saved: dict) -> str:
                      for label, names in odd.items() if names)  # fmt: skip
 
 
-def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = False{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
+def init_weights(model: torch.nn.Module, path: str, strict: bool{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
     """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
     loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
     file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
-    tensors whose name and shape fit, and a line listing the rest. `quiet`: no log line (the dry step loads them too,
-    to refuse a misfit before any work).{% if cookiecutter.with_fsdp == "yes" %} A sharded checkpoint is gathered whole;
+    tensors whose name and shape fit, and a line listing the rest.{% if cookiecutter.with_fsdp == "yes" %} A sharded checkpoint is gathered whole;
     `load(fitting)`: how the fitting tensors go in instead of load_state_dict (a sharded model's: fsdp.fill).{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
@@ -288,6 +287,5 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool, quiet: bool = 
     model.load_state_dict(fitting, strict=False)
 {% endif %}
     left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
-    if not quiet:
-        log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
-                 "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip
+    log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
+             "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip

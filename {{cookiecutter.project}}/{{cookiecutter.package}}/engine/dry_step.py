@@ -1,100 +1,61 @@
-"""The config check's last part: build what the run will build and run it once on two real samples.
+"""The config check's last part: the model, task and data the run built (run.build_problem), run once on two real
+samples, with everything they changed put back.
 
 On the device the run will use, two training samples go through the run's collate, `data.normalize`, `task.loss`
-(its return form checked) and backward, and two validation samples through `task.metrics`, each stage failing in
-one line naming its key (`parts.stage`): a wrong argument, a missing data path, a normalize that does not fit the
+(its return form checked), backward, gradient clipping and the LR schedule, and two validation samples through
+`task.metrics`, each stage failing in one line naming its key (`parts.stage`): a normalize that does not fit the
 images, a model or task that does not fit the data, an op without a deterministic kernel under `deterministic=true`
-or a `checkpoint.monitor` the task does not report stops the command before the run folder is written.
+or a `checkpoint.monitor` the task does not report stops the command before the run folder is written. No optimizer
+step runs: the weights the run starts from are the ones built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
-from . import {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}parts, process, rng
-from .callbacks import Callbacks
-from .checkpoint import init_weights, misfit
-from .data_check import check_classes, first_samples
-from .device import {% if cookiecutter.with_fsdp == "yes" %}amp_dtype, {% endif %}pick_device, to_device
+from . import parts, process, rng
+from .checkpoint import misfit
+from .data_check import first_samples
+from .device import pick_device, to_device
 from .errors import UserError
 from .optim import clip_gradients
 from .schedule import fast_forward
 from .task_results import check_loss, check_metrics, report
 
-HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")  # values, not shapes
 
-
-def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
+def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
     """Refuses the run in one line, or returns the ops without a deterministic kernel it runs (deterministic=warn).
-    `ckpt`: the checkpoint a resume continues (resume.precheck passed it), whose weights must fit the model built."""
-    device = pick_device(cfg.device)
-    unexact: list[str] = []
-    with rng.kept():
-{% if cookiecutter.with_fsdp == "yes" %}
-        meta = cfg.parallel.strategy == "fsdp"  # the model on the meta device: forms and shapes, no whole model
-        if meta:  # a shard class naming nothing in the model, amp=fp16, a tensor no initialiser sets: refused here
-            model = fsdp.on_meta(lambda: parts.model(cfg), cfg.channels_last)
-            fsdp.initialize(model, cfg.parallel, cfg.seed)
-            fsdp.policy(amp_dtype(cfg.amp, device))
-        else:
-            model = parts.model(cfg, device)  # model, optimizer and task first: they cost less than the data
-        if cfg.init_from and not ckpt:  # a misfit is refused here, before the run folder is written
-            init_weights(model, cfg.init_from, cfg.init_strict, quiet=True, load=(lambda _: None) if meta else None)
-{% else %}
-        model = parts.model(cfg, device)  # model, optimizer and task first: they cost less than the data
-        if cfg.init_from and not ckpt:  # a misfit is refused here, before the run folder is written
-            init_weights(model, cfg.init_from, cfg.init_strict, quiet=True)
-{% endif %}
-        odd = misfit(model.state_dict(), ckpt["model"]) if ckpt else ""
-        if odd:  # resume_strict=false lets a change of the model or data through resume.precheck
-            raise UserError(
-                f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
-                f"{ckpt['config']['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with "
-                "the same model and data"
-            )
-        optimizer = parts.optimizer(cfg, model)
-        task = parts.task(cfg)
-        Callbacks(cfg)  # each built once: a bad argument or value is refused before the run folder is written
-        train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")
-        classes = {"train": getattr(train_set, "classes", None), "val": getattr(val_set, "classes", None)}
-        check_classes(classes, cfg.data.get("num_classes"))
-        collate = parts.collate(cfg, train_set)
-        with parts.stage(cfg, "data.normalize", "to build"):
-            prepare = parts.prepare(cfg, device)
-{% if cookiecutter.with_fsdp == "yes" %}
-        target, where = cfg.task._target_, torch.device("meta") if meta else device
-        batch = to_device(two_prepared(cfg, train_set, collate, prepare, device, "training"), where)
-{% else %}
-        target = cfg.task._target_
-        batch = two_prepared(cfg, train_set, collate, prepare, device, "training")
-{% endif %}
+    `problem` (run.Problem): what the run built; `ckpt`: the checkpoint a resume continues (resume.precheck passed
+    it), whose weights must fit the model built."""
+    model, optimizer, task = problem.model, problem.optimizer, problem.task
+    odd = misfit(model.state_dict(), ckpt["model"]) if ckpt else ""
+    if odd:  # resume_strict=false lets a change of the model or data through resume.precheck
+        raise UserError(
+            f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
+            f"{ckpt['config']['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with "
+            "the same model and data"
+        )
+    device, target, unexact = pick_device(cfg.device), cfg.task._target_, []
+    with undone(model, optimizer):
+        # from shallow copies: a data set that opens its files on first use does so on the copy, not for the workers
+        train_set, val_set = copy.copy(problem.train_set), copy.copy(problem.val_set)
+        batch = two_prepared(cfg, train_set, problem.collate, problem.prepare, device, "training")
         transform = parts.batch_transform(cfg)
         if transform is not None:
             with parts.stage(cfg, "data.batch_transform", "on 2 training samples"):
                 batch = transform(batch)
-        with _named(cfg, target, "loss", "training"), Kernels(cfg.deterministic, unexact{% if cookiecutter.with_fsdp == "yes" %}, meta{% endif %}):
+        with _named(cfg, target, "loss", "training"), Kernels(cfg.deterministic, unexact):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
-{% if cookiecutter.with_fsdp == "yes" %}
-            if not meta:  # under FSDP no rank takes a step on the whole model
-                clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
-                optimizer.step()
-{% else %}
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
-            optimizer.step()
-{% endif %}
             fast_forward(parts.schedule(cfg, optimizer, 100), 1)
-{% if cookiecutter.with_fsdp == "yes" %}
-        batch = to_device(two_prepared(cfg, val_set, collate, prepare, device, "validation"), where)
-        names = None  # stays None when an op of the model or task has no meta kernel: the run's first step checks
-{% else %}
-        batch = two_prepared(cfg, val_set, collate, prepare, device, "validation")
-{% endif %}
-        with torch.no_grad(), _named(cfg, target, "metrics", "validation"), Kernels(cfg.deterministic, unexact{% if cookiecutter.with_fsdp == "yes" %}, meta{% endif %}):
+        batch = two_prepared(cfg, val_set, problem.collate, problem.prepare, device, "validation")
+        with torch.no_grad(), _named(cfg, target, "metrics", "validation"), Kernels(cfg.deterministic, unexact):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
         if unexact and cfg.deterministic is True:
@@ -103,16 +64,8 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
                 "kernel: use another op, or set deterministic=warn to run it anyway (the run is then not bit-exact, "
                 "and says so)"
             )
-{% if cookiecutter.with_fsdp == "yes" %}
-        if names is None:
-            return unexact
-        if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
-            totals = {k: torch.as_tensor(metrics[k]).detach().double() for k in names}
-            totals = {k: torch.ones(v.shape, dtype=v.dtype) if meta else v.cpu() for k, v in totals.items()}
-{% else %}
         if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
             totals = {k: torch.as_tensor(metrics[k]).detach().double().cpu() for k in names}
-{% endif %}
             with _named(cfg, target, "compute", "validation"):
                 names = list(report(task, totals, target))
     reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
@@ -124,21 +77,36 @@ def dry_step(cfg, ckpt: dict | None = None) -> list[str]:
     return unexact
 
 
-class Unchecked(Exception):
-    """An op that cannot run on meta tensors (a model built on the meta device): the rest of the stage is the
-    first step's to check."""
+@contextlib.contextmanager
+def undone(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """What a throwaway step changes, put back as it ends: the buffers (BatchNorm's statistics), the gradients (None),
+    the optimizer's group settings (a schedule sets lr), training mode, and every generator (`rng.kept`)."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        with rng.kept():
+            yield
+    finally:
+        with torch.no_grad():
+            for live, kept in zip(model.buffers(), buffers, strict=True):
+                live.copy_(kept)
+        for p in model.parameters():
+            p.grad = None
+        for group, kept in zip(optimizer.param_groups, groups, strict=True):
+            group.clear()
+            group.update(kept)
+        model.train()
 
 
 class Kernels(TorchFunctionMode):
     """Around a stage of the dry step, each torch function called in it. With `deterministic` true or warn,
     torch's deterministic mode refuses an op without a deterministic kernel: the op runs again without the
     mode and is named in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward
-    pass); an op that fails both ways raises its first error. With `meta`, an op on meta tensors that has no
-    meta kernel (NotImplementedError) or reads values to the host raises Unchecked."""
+    pass); an op that fails both ways raises its first error."""
 
-    def __init__(self, deterministic, unexact: list[str], meta: bool = False):
+    def __init__(self, deterministic, unexact: list[str]):
         super().__init__()
-        self.deterministic, self.unexact, self.meta = deterministic is not False, unexact, meta
+        self.deterministic, self.unexact = deterministic is not False, unexact
 
     def __enter__(self):
         self.was = torch.are_deterministic_algorithms_enabled()
@@ -157,8 +125,6 @@ class Kernels(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except Exception as first:
-            if self.meta and (isinstance(first, NotImplementedError) or name in HOST_READS):
-                raise Unchecked(name) from first
             if not self.deterministic:
                 raise
             torch.use_deterministic_algorithms(False)
@@ -173,13 +139,9 @@ class Kernels(TorchFunctionMode):
         return result
 
 
-@contextlib.contextmanager
 def _named(cfg, target: str, method: str, split: str):
-    """An error inside the task or model: one line naming where. An op without a meta kernel (a data-dependent
-    shape, a host read) on the meta device ends the stage: not checkable here."""
-    with parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}"):
-        with contextlib.suppress(Unchecked):
-            yield
+    """An error inside the task or model: one line naming where."""
+    return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
 
 
 def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):

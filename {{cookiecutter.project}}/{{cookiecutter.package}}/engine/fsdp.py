@@ -111,7 +111,7 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
     """The units' tensors initialised one unit at a time (this module's docstring), as a constructor would: each
     module's `reset_parameters()`, children first, then the model's own `init_weights()` when it has one (timm's and
     torchtitan's models do), whose draws into the other units' meta tensors touch nothing. `put(name, whole)` takes
-    each tensor (None: only check, as the dry step does); a tensor nothing set is refused in one line."""
+    each tensor (None: only check); a tensor nothing set is refused in one line."""
     init_weights = getattr(blueprint, "init_weights", None)
     paths = unit_paths(blueprint, parallel_cfg)
     units: dict[str, list] = {path: [] for path in paths}

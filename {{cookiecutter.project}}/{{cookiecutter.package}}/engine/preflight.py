@@ -3,7 +3,8 @@ multirun alike.
 
 - `check_keys`, `precheck_data`: the checks that build nothing (every key known and in range, required values set,
   every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
-  one line (UserError) naming the key; the dry step (dry_step.py) then builds and runs what the run will build.
+  one line (UserError) naming the key; then the run's model, task and data are built (run.build_problem) and
+  the dry step (dry_step.py) runs them once, its effects undone.
 - Hydra writes nothing into the run folder (`hydra.output_subdir: null`): `record` writes its `.hydra/` files once
   the checks pass, so a refused command leaves a run it would go on untouched, and a folder it made is removed.
 - `RunFolder` (`hydra.callbacks` in conf/config.yaml), before Hydra makes the run folder: one of the run's own
@@ -32,7 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from . import distributed, resume{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import distributed, resume, run{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
@@ -49,6 +50,7 @@ class Checked(NamedTuple):
 
     unexact: list[str]  # the ops the dry step ran without a deterministic kernel (deterministic=warn)
     resumed: tuple[Path, dict] | None  # the checkpoint a resume continues: its path and contents, read once
+    problem: run.Problem  # the model, optimizer, task, callbacks and data, built once
 
 
 def check(cfg: DictConfig) -> Checked:
@@ -104,12 +106,14 @@ def unclaim(run_dir: Path) -> None:
 def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str], is_main: bool = True) -> Checked:
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
     without building anything (device=cuda with no GPU, the data sets' `precheck`,
-    a resume's checkpoint), then the dry step, which builds the data, model and task and runs them once."""
+    a resume's checkpoint), then the run's own build of its model, task and data (`run.build_problem`) and the dry
+    step, which runs them once."""
     check_keys(cfg, choices, overrides)
-    pick_device(cfg.device)
+    device = pick_device(cfg.device)
     precheck_data(cfg)
     resumed = resume.precheck(cfg, run_dir, is_main) if cfg.resume else None
-    return Checked(dry_step(cfg, resumed[1] if resumed else None), resumed)
+    problem = run.build_problem(cfg, device, resuming=resumed is not None)
+    return Checked(dry_step(cfg, problem, resumed[1] if resumed else None), resumed, problem)
 
 
 class RunFolder(Callback):

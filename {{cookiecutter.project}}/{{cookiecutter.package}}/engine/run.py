@@ -12,6 +12,7 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -20,6 +21,7 @@ from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp ==
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
+from .data_check import check_classes
 from .device import amp_dtype, device_batches, pick_device
 from .dry_step import two_prepared
 from .ema import EMA
@@ -158,12 +160,62 @@ class Run:
         )  # fmt: skip
 
 
+class Problem(NamedTuple):
+    """The run's model, optimizer, task, callbacks and data, built once (`build_problem`): the checks' dry step runs
+    them on two samples, then the run trains them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    task: object
+    callbacks: Callbacks
+    train_set: object
+    val_set: object
+    collate: object  # None: torch's default_collate
+    prepare: object  # data.normalize on the device, for whole batches
+{% if cookiecutter.with_fsdp == "yes" %}
+    peak: object  # parallel=fsdp: fsdp.PeakMemory, from before the model existed
+{% endif %}
+
+
+def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
+    """Seed, then build the model (its init_from weights in, unless `resuming`), optimizer, task, callbacks, data
+    sets and their collate and preparation, cheapest first: a refusal comes before the data is read."""
+{% if cookiecutter.with_fsdp == "yes" %}
+    sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
+    world = distributed.join(device, sharded)  # FSDP shards over a group, even of one; torchrun's ranks joined already
+    peak = fsdp.PeakMemory(world) if sharded else None
+{% endif %}
+    rng.seed_everything(cfg.seed)
+{% if cookiecutter.with_fsdp == "yes" %}
+    if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
+        amp = amp_dtype(cfg.amp, device)
+        model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
+    else:
+        model = parts.model(cfg, device)
+    load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
+{% else %}
+    model = parts.model(cfg, device)
+{% endif %}
+    if cfg.init_from and not resuming:  # weights only; a resume brings its own weights and says so
+        init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
+    optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
+    task, callbacks = parts.task(cfg), Callbacks(cfg)  # before restore: a resume's draws from the RNG are the same
+    train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")
+    classes = {"train": getattr(train_set, "classes", None), "val": getattr(val_set, "classes", None)}
+    check_classes(classes, cfg.data.get("num_classes"))
+    collate = parts.collate(cfg, train_set)
+    with parts.stage(cfg, "data.normalize", "to build"):
+        prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
+    return Problem(model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %})
+
+
 def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
-    """Join the ranks, seed, build data, loaders, model, optimizer, schedule and logs, and load the checkpoint the
-    checks found into them. `cleanup` closes what this opens, however the run ends. `checked` (preflight.Checked):
-    the ops the dry step found without a deterministic kernel (deterministic=warn), named here once, and the
-    checkpoint a resume continues."""
-    unexact, resumed = checked
+    """Join the ranks, build the loaders, schedule and logs around the problem the checks built, and load the
+    checkpoint they found into them. `cleanup` closes what this opens, however the run ends. `checked`
+    (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
+    once, the checkpoint a resume continues, and the problem."""
+    unexact, resumed, problem = checked
+    model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %} = problem
     device = pick_device(cfg.device)
     world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
@@ -174,11 +226,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
             "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
-    rng.seed_everything(cfg.seed)
     found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
-
-    train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")  # checked by the dry step
-    collate = parts.collate(cfg, train_set)  # None: torch's default_collate
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
@@ -210,26 +258,14 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     )  # built once
     val_loader = eval_loader(val_set, settings, **shared)  # as eval.py's
 {% endif %}
-    prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_fsdp == "yes" %}
-    sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
-    peak = fsdp.PeakMemory(world) if sharded else None  # from before the model exists
-    if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
-        model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
-    else:
-        model = parts.model(cfg, device)
-    load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
-{% else %}
-    model = parts.model(cfg, device)
+    sharded = peak is not None
 {% endif %}
-    if cfg.init_from and not ckpt:  # weights only; a resume brings its own weights and says so
-        init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
-    elif cfg.init_from:
+    if cfg.init_from and ckpt:
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
-    optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
 {% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
     total_steps = None if per_epoch is None else cfg.epochs * -(-per_epoch // cfg.accumulate_steps)
@@ -238,10 +274,6 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
 {% endif %}
     scheduler = parts.schedule(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
-    with rng.kept():  # DDP: a task of its own for settle_buckets' throwaway step, drawing nothing from the run's RNG,
-        spare = parts.task(cfg) if world.distributed else None  # so the run's task sees only the run's batches
-    task = parts.task(cfg)  # before restore: whatever it draws from the RNG, a resumed run draws the same
-    callbacks = Callbacks(cfg)  # likewise
 {% if cookiecutter.with_fsdp == "yes" %}
     ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
@@ -263,10 +295,10 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
 {% endif %}
 
-    def throwaway() -> torch.Tensor:  # the spare task's loss on two training samples, without its parts
+    def throwaway() -> torch.Tensor:  # the task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
         batch = two_prepared(cfg, copy.copy(train_set), collate, prepare, device, "training")
-        return split_loss(spare.loss(net, batch))[0]
+        return split_loss(task.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway)
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
