@@ -119,7 +119,7 @@ from {{ cookiecutter.package }}.engine.preempt import StopRequest
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 keys = {"omp_wait_policy": sys.argv[1], "keep_freed_memory": True, "threads": 1}
 print(gc.get_freeze_count())
-process.setup(OmegaConf.create({"process": keys, "deterministic": True}))
+process.setup(OmegaConf.create({"process": keys, "deterministic": True, "parallel": {"strategy": "ddp"}}))
 print(torch.get_num_threads(), os.environ["CUBLAS_WORKSPACE_CONFIG"])
 """
 

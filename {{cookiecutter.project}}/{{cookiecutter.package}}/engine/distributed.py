@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import rng
 from .errors import UserError
 from .preempt import StopRequest
 
@@ -95,26 +94,17 @@ def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def settle_buckets(net: torch.nn.Module, throwaway_loss) -> None:
+def settle_buckets(net: torch.nn.Module, throwaway_loss, undone) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
     resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
     bits of the averaged gradients: docs/distributed.md). A collective: every rank calls it.
 
     DDP rebuilds its buckets once, at the forward after its first backward: so one throwaway step,
-    `throwaway_loss()` (the task's loss on two training samples) and its backward, with its effects undone:
-    gradients back to None, buffers copied back, every generator restored; no optimizer step runs."""
-    if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
-        return
-    buffers = [b.detach().clone() for b in net.module.buffers()]
-    try:
-        with rng.kept():
+    `throwaway_loss()` (the task's loss on two training samples) and its backward, inside `undone` (a context that
+    puts back what it changes: dry_step.undone); no optimizer step runs."""
+    if isinstance(net, torch.nn.parallel.DistributedDataParallel):
+        with undone:
             throwaway_loss().backward()
-    finally:
-        with torch.no_grad():
-            for live, kept in zip(net.module.buffers(), buffers, strict=True):
-                live.copy_(kept)
-        for p in net.module.parameters():
-            p.grad = None
 
 
 def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import distributed, process
+from . import distributed
 from .errors import UserError, reason
 from .memory import MiB
 from .optim import state_slots
@@ -89,8 +89,6 @@ def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) ->
 def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channels_last: bool = False, like=None):
     """The model `make` builds, sharded without ever being whole (this module's docstring tells how); with `like`, a
     model sharded like it holding a copy of its slices instead (the EMA's: FSDP modules refuse deepcopy)."""
-    if device.type == "cpu":  # freed blocks back to the system: every step frees a gathered unit and its whole
-        process.keep_freed_memory(process.GLIBC_START, process.GLIBC_START)  # gradient (docs/distributed.md)
     model = shard(on_meta(make, channels_last), parallel_cfg, amp, device)
     if like is not None:  # built on the meta device: it draws nothing from the run's generators
         with torch.no_grad():

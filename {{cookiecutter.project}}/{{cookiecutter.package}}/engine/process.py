@@ -26,6 +26,10 @@ import os
 
 import torch
 import torch.utils.deterministic
+{% if cookiecutter.with_fsdp == "yes" %}
+
+from .device import pick_device
+{% endif %}
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,15 @@ def setup(cfg) -> None:
                  "apply it", wanted, wanted.upper())  # fmt: skip
     gc.freeze()  # what the imports and the config made lives as long as the process: no collection walks it again
     changes = [f"{gc.get_freeze_count()} objects frozen"]
+{% if cookiecutter.with_fsdp == "yes" %}
+    if cfg.parallel.strategy == "fsdp" and pick_device(cfg.device).type == "cpu":
+        # each sharded step frees a gathered unit and its whole gradient: back to the system (docs/distributed.md)
+        if keep_freed_memory(GLIBC_START, GLIBC_START):
+            changes.append(f"malloc thresholds mmap and trim {GLIBC_START >> 10} KiB (parallel=fsdp on the CPU)")
+    elif cfg.process.keep_freed_memory and keep_freed_memory():
+{% else %}
     if cfg.process.keep_freed_memory and keep_freed_memory():
+{% endif %}
         changes.append(f"malloc thresholds mmap {MMAP_THRESHOLD >> 20} MiB, trim {TRIM_THRESHOLD >> 20} MiB")
     if cfg.process.threads is not None:
         torch.set_num_threads(cfg.process.threads)

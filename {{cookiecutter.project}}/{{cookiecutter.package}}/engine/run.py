@@ -23,7 +23,7 @@ from .callbacks import Callbacks
 from .checkpoint import init_weights
 from .data_check import check_classes
 from .device import amp_dtype, device_batches, pick_device
-from .dry_step import two_prepared
+from .dry_step import two_prepared, undone
 from .ema import EMA
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
@@ -300,7 +300,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
         batch = two_prepared(cfg, copy.copy(train_set), collate, prepare, device, "training")
         return split_loss(task.loss(net, batch))[0]
 
-    distributed.settle_buckets(net, throwaway)
+    distributed.settle_buckets(net, throwaway, undone(model, optimizer))
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
         ema = EMA(model, cfg.ema.decay)
         if ckpt and ckpt.get("ema") is not None:
