@@ -14,8 +14,11 @@ import psutil
 import torch
 
 from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from tests.warm_train import WarmTrain
 
 PROJECT = Path(__file__).resolve().parents[1]
+
+WARM = []  # this pytest process's WarmTrain, once its first run has started it
 
 # Bytes that open like a pickle of protocol 62: torch warns of the protocol before it refuses them. About one random
 # file in 260 starts with a pickle's PROTO byte and a number above 5, which is how a run once saw three stderr lines.
@@ -58,18 +61,29 @@ def run_train(
     start_method: str | None = None,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code. `start_method`:
+    """`python train.py ...` in the project root, its outputs in `run_dir`; asserts the exit code. Started warm
+    (tests/warm_train.py) unless the run needs a cold start or WARM_TRAIN=0. `start_method`:
     the workers are started that way (tests/start_method.py) instead of the platform's default; `env`: variables
     set for this run on top of the environment."""
     launcher = ["tests/start_method.py", start_method] if start_method else []
     cmd = [sys.executable, *launcher, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    env = {**os.environ, **(env or {})}
+    server = None if start_method or env.get("WARM_TRAIN") == "0" else warm_server()
+    if server is not None and server.fits(env):  # forked from a process that has imported torch (warm_train.py)
+        proc = server.run(cmd[1:], env, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == expect, (
         f"exit {proc.returncode} != {expect} for {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     return proc
+
+
+def warm_server() -> WarmTrain:
+    """This pytest process's warm-start server (tests/warm_train.py), started by its first run."""
+    if not WARM:
+        WARM.append(WarmTrain())
+    return WARM[0]
 
 
 def run_here(
