@@ -234,7 +234,7 @@ def check(cfg, choices, overrides):
     try:
         preflight.check_run(cfg, PROJECT / "outputs" / "never-made", choices, overrides)
     finally:
-        if torch.distributed.is_initialized():  # parallel=fsdp joined a process group of one
+        if torch.distributed.is_initialized():  # a sharded model's check joined a process group of one
             torch.distributed.destroy_process_group()
 
 
