@@ -109,8 +109,7 @@ def log_step(run: Run, meter: EpochMeter) -> bool:
     if first_bad:
         raise UserError(run.checkpoints.diverged(first_bad, run.step))
     if run.log_line_due():
-        parts = {name: value for name, value in figures.items() if name.startswith("loss_")}
-        run.runlog.step(run.step, figures["loss"], run.scheduler.get_last_lr()[0], figures.get("grad_norm"), parts)
+        run.runlog.step(run.step, run.scheduler.get_last_lr()[0], figures)
         run.callbacks.call("on_log", run, figures)
     return signalled
 

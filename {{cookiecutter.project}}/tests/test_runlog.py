@@ -15,12 +15,12 @@ from tests.helpers import read_jsonl
 def test_resumed_runlog_continues_after_the_checkpoint(tmp_path):
     crashed = RunLog(tmp_path)
     for step in range(1, 7):
-        crashed.step(step, loss=float(step), lr=0.1)
+        crashed.step(step, 0.1, {"loss": float(step)})
     crashed.epoch({"epoch": 0, "step": 3, "train_loss": 1.0})
     crashed.epoch({"epoch": 1, "step": 6, "train_loss": 0.5})
     crashed.close()
     resumed = RunLog(tmp_path, purge_step=4)  # the checkpoint was at step 3
-    resumed.step(4, loss=40.0, lr=0.1)
+    resumed.step(4, 0.1, {"loss": 40.0})
     resumed.close()
     assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "steps.jsonl")] == [
         (1, 1.0),
@@ -38,12 +38,12 @@ def test_resumed_runlog_continues_after_the_checkpoint(tmp_path):
 def test_csv_rows_follow_the_jsonl_lines_over_a_resume(tmp_path):
     crashed = RunLog(tmp_path, use=["csv"])
     for step in range(1, 7):
-        crashed.step(step, loss=float(step), lr=0.1, parts={"loss_aux": step / 2})
+        crashed.step(step, 0.1, {"loss": float(step), "loss_aux": step / 2})
     crashed.epoch({"epoch": 0, "step": 3, "train_loss": 1.0, "mid_epoch": False, "worker_pids": [1, 2]})
     crashed.epoch({"epoch": 1, "step": 6, "train_loss": 0.5})
     crashed.close()
     resumed = RunLog(tmp_path, purge_step=4, use=["csv"])  # the checkpoint was at step 3
-    resumed.step(4, loss=40.0, lr=0.1, parts={"loss_aux": 2.0})
+    resumed.step(4, 0.1, {"loss": 40.0, "loss_aux": 2.0})
     resumed.close()
     with open(tmp_path / "steps.csv") as f:
         rows = list(csv.DictReader(f))
@@ -54,7 +54,7 @@ def test_csv_rows_follow_the_jsonl_lines_over_a_resume(tmp_path):
         assert list(csv.DictReader(f)) == [{"step": "3", "epoch": "0", "train_loss": "1.0"}]  # numbers only
     assert not (tmp_path / "tb").exists()  # tensorboard not in `use`
     control = RunLog(tmp_path / "control")  # csv not in `use`: no table
-    control.step(1, loss=1.0, lr=0.1)
+    control.step(1, 0.1, {"loss": 1.0})
     control.close()
     assert not (tmp_path / "control" / "steps.csv").exists()
 
@@ -62,7 +62,7 @@ def test_csv_rows_follow_the_jsonl_lines_over_a_resume(tmp_path):
 {% endif %}
 def test_disabled_runlog_writes_nothing(tmp_path):
     log = RunLog(tmp_path / "rank1", enabled=False)
-    log.step(1, 1.0, 0.1)
+    log.step(1, 0.1, {"loss": 1.0})
     log.epoch({"epoch": 0, "step": 1})
     log.close()
     assert not (tmp_path / "rank1").exists()

@@ -125,22 +125,21 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
     deadline, sizes = time.monotonic() + wait_s, None
     while asked and time.monotonic() < deadline:
         time.sleep(0.1)
-        now = {worker_id: path.stat().st_size for worker_id, (_, path) in asked.items()}
-        if all(now.values()) and now == sizes:
+        now = [path.stat().st_size for _, path in asked.values()]
+        if all(now) and now == sizes:
             break
         sizes = now
-    empty = f"(no stack written within {wait_s:g} s)\n"  # slow to answer
-    stacks = {worker_id: (pid, path.read_text() or empty) for worker_id, (pid, path) in asked.items()}
-    worker_id = loader.worker_due()
-    stuck = [stacks.pop(worker_id)] if worker_id in stacks else []
-    holder = f"DataLoader worker {worker_id}" + "".join(f" (pid {pid})" for pid, _ in stuck)
+    due = loader.worker_due()
+    holder = f"DataLoader worker {due}" + (f" (pid {asked[due][0]})" if due in asked else "")
     failure = LoaderFailure(
         f"loader.timeout: no batch for {loader.settings.timeout:g} s: batch {loader.position} of epoch "
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
     )
-    shown = stuck + list(stacks.values())  # the stuck worker's stack first
-    failure.stacks = "".join(f"--- DataLoader worker pid {pid} ---\n{text}\n" for pid, text in shown)
+    empty = f"(no stack written within {wait_s:g} s)\n"  # slow to answer
+    for worker_id in sorted(asked, key=lambda worker_id: worker_id != due):  # the stuck worker's stack first
+        pid, path = asked[worker_id]
+        failure.stacks += f"--- DataLoader worker pid {pid} ---\n{path.read_text() or empty}\n"
     return failure
 
 
@@ -168,7 +167,7 @@ def exit_status(pid: int) -> str | None:
     """How a child process ended, without reaping it ("killed by signal 9 (SIGKILL)"); None while it runs."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except (ChildProcessError, AttributeError, OSError):  # already reaped (a normal shutdown), or not POSIX
+    except (AttributeError, OSError):  # already reaped (ChildProcessError: a normal shutdown), or not POSIX
         return None
     if info is None:
         return None
@@ -189,15 +188,15 @@ class WorkerDied(RuntimeError):
         )
 
 
-def ended_worker(pids=None, wait_s: float = 0.0) -> str | None:
-    """The line for a process of `pids` (default: every child of this process) that has ended, not reaped yet
-    ("DataLoader worker (pid N) killed by signal 9 (SIGKILL)"), waiting up to `wait_s` for one on its way out; None if
-    none has."""
+def ended_worker(pids=None, wait_s: float = 0.0) -> WorkerDied | None:
+    """A WorkerDied for a process of `pids` (default: every child of this process) that has ended, not reaped yet
+    ("DataLoader worker (pid N) killed by signal 9 (SIGKILL). A SIGKILL ..."), waiting up to `wait_s` for one on its
+    way out; None if none has."""
     deadline = time.monotonic() + wait_s
     while True:
         for pid in sorted(pids) if pids is not None else [child.pid for child in psutil.Process().children()]:
             if status := exit_status(pid):
-                return f"DataLoader worker (pid {pid}) {status}"
+                return WorkerDied(f"DataLoader worker (pid {pid}) {status}")
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
@@ -207,8 +206,8 @@ def dead_worker(pids, error: BaseException) -> WorkerDied | None:
     """A WorkerDied when a worker of `pids` (the train loader's this epoch) has ended as a read of its loader
     failed with `error`: how it ended, or, once PyTorch has reaped it (the kernel forgets how), PyTorch's own
     first line; None while they all run."""
-    if how := ended_worker(pids, wait_s=2.0):  # a read can fail as the worker dies: give it time to end
-        return WorkerDied(how)
+    if died := ended_worker(pids, wait_s=2.0):  # a read can fail as the worker dies: give it time to end
+        return died
     if all(psutil.pid_exists(pid) for pid in pids):
         return None
     return WorkerDied((str(error).strip().splitlines() or [type(error).__name__])[0])
@@ -221,8 +220,8 @@ def worker_death(exc: BaseException) -> str | None:
     for link in causes(exc):
         if isinstance(link, WorkerDied):
             return str(link)
-        if isinstance(link, (RuntimeError, ConnectionError, EOFError)) and (how := ended_worker()):
-            return str(WorkerDied(how))
+        if isinstance(link, (RuntimeError, ConnectionError, EOFError)) and (died := ended_worker()):
+            return str(died)
     return None
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 
-from .failures import WorkerDied, ended_worker
+from .failures import ended_worker
 from .memory import MiB
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class Monitor:
         if not (last or (self.every and step % self.every == 0)):
             return
         now = time.perf_counter()
-        if dead := ended_worker(self.loader.worker_pids):
-            raise WorkerDied(dead)
+        if died := ended_worker(self.loader.worker_pids):
+            raise died
         steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
         self._mark = (step, data_wait, now)
         window = {

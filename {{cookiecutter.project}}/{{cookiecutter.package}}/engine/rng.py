@@ -107,8 +107,7 @@ class SampleSeeding:
             torch.default_generator.manual_seed(seed)
 
     def batch(self, make, keep: bool):
-        saved = capture() if keep else None
-        try:
+        with kept(keep, cuda=False):
             if not self.all:
                 np.random.seed(UNTOUCHED)
                 random.seed(UNTOUCHED)
@@ -119,19 +118,13 @@ class SampleSeeding:
                     return made
                 self.all = True
             return make()
-        finally:
-            if keep:
-                apply(saved)
 
 
 def from_seed(seed: int) -> RawState:
-    """The state that seeding all three generators with `seed` gives, without touching the globals."""
-    seed = int(seed)
-    torch_state = torch.Generator().manual_seed(seed).get_state()
-    # numpy seeds take 32-bit words; split the (up to 64-bit) seed so no bits are dropped.
-    words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]
-    numpy_state = np.random.RandomState(words).get_state()
-    return (torch_state.numpy().tobytes(), numpy_state, random.Random(seed).getstate())
+    """The state that `seed_cpu(seed)` leaves, the globals put back afterwards."""
+    with kept(cuda=False):
+        seed_cpu(seed)
+        return capture()
 
 
 def seed_everything(seed: int) -> None:
@@ -185,5 +178,4 @@ def capture_main() -> dict:
 def restore_main(state: dict) -> None:
     apply(from_saved(state))
     if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all(states)
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])

@@ -65,16 +65,12 @@ class RunLog:
             write_table(run_dir, name)
 {% endif %}
 
-    def step(
-        self, step: int, loss: float, lr: float, grad_norm: float | None = None, parts: dict | None = None
-    ) -> None:
-        """One log interval: `loss` is the mean over the steps since the previous line, `lr` the rate after `step`,
-        `grad_norm` (with optim.grad_clip) the mean norm before clipping, `parts` ({loss_<name>: mean}) those of a
-        task's `(loss, parts)`."""
+    def step(self, step: int, lr: float, figures: dict) -> None:
+        """One log interval: `lr` is the rate after `step`, `figures` EpochMeter.read_window's means over the steps
+        since the previous line (`loss`, with optim.grad_clip `grad_norm` before clipping, a task's `loss_<name>`)."""
         if not self.enabled:
             return
-        line = {"step": step, "loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
-        line.update(parts or {})
+        line = {"step": step, "loss": figures["loss"], "lr": lr, **figures}
         self.files["steps"].write(json.dumps(line) + "\n")
         figures = {key: value for key, value in line.items() if key != "step"}
         self.scalars("train", figures, step)
