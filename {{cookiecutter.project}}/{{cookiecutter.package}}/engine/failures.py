@@ -271,7 +271,7 @@ def save_on_failure(run):
     try:
         yield
     except LoaderFailure as failure:
-        notes = []
+        notes = [failure.args[0].rstrip()]  # a worker's traceback ends in a newline
         if failure.stacks and run.world.is_main:
             path = run.run_dir / STALL_STACKS
             path.write_text(failure.stacks)
@@ -284,7 +284,7 @@ def save_on_failure(run):
         else:
             run.checkpoints.save(run)
             notes.append(f"checkpoint of step {run.step} saved: {run.checkpoints.last}")
-        failure.args = ("; ".join([failure.args[0].rstrip(), *notes]),)  # a worker's traceback ends in a newline
+        failure.args = ("; ".join(notes),)
         raise
 
 

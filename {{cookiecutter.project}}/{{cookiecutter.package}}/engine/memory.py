@@ -20,7 +20,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import torch
 from torch.utils.data import default_collate
 
 from . import rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
@@ -55,13 +54,13 @@ def leaves(batch, key=None):
     elif isinstance(batch, (list, tuple)):
         for v in batch:
             yield from leaves(v, key)
-    elif isinstance(batch, torch.Tensor) or isinstance(getattr(batch, "nbytes", None), int):
+    elif isinstance(getattr(batch, "nbytes", None), int):  # each of those has its size in bytes, torch's tensors too
         yield key, batch
 
 
 def batch_bytes(batch) -> int:
     """Bytes of every tensor (and numpy array) in a batch."""
-    return sum(v.nelement() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes for _, v in leaves(batch))
+    return sum(v.nbytes for _, v in leaves(batch))
 
 
 def layout(batch) -> str:
@@ -186,7 +185,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
     for limit in ("budget", "shm"):
         was, plan = settings, Plan(settings, batch)
         if limit == "budget" and max_mib is not None:
-            need, most, to_none = (lambda p: p.bytes), max_mib * MiB, True  # down to no workers if need be
+            need, most = (lambda p: p.bytes), max_mib * MiB
             over = (
                 f"the prefetch plan needs {plan.mib:.1f} MiB ({was.num_workers} workers x prefetch_factor "
                 f"{was.prefetch_factor} x {batch / MiB:.2f} MiB per batch{', x2 pinned' if was.pin_memory else ''})"
@@ -194,7 +193,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
             )
             todo = "lower loader.prefetch_factor, loader.num_workers or loader.batch_size, raise the budget"
         elif limit == "shm" and space is not None:
-            need, most, to_none = (lambda p: p.shm_need(ranks)), space[0], False
+            need, most = (lambda p: p.shm_need(ranks)), space[0]
             over = (
                 f"{SHM_DIR} has {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, and the loaders may put "
                 f"{plan.shm_need(ranks) / MiB:.1f} MiB of batches there ({plan.shm_batches} batches of "
@@ -212,7 +211,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
             continue
         candidates = [replace(was, prefetch_factor=p) for p in range(was.prefetch_factor - 1, 0, -1)]
         candidates += [replace(was, num_workers=w, prefetch_factor=1) for w in range(was.num_workers - 1, 0, -1)]
-        if to_none:
+        if limit == "budget":  # down to no workers if need be
             candidates.append(replace(was, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
         settings = next((c for c in candidates if need(Plan(c, batch)) <= most), None)
         if settings is None:

@@ -148,10 +148,10 @@ class Monitor:
         return self._readings.submit(sample, set(self.loader.worker_pids))
 
     def _write_done(self, wait: bool = False) -> None:
-        """Write the readings that have finished (all of them, waiting, with `wait`)."""
-        done = [entry for entry in self._pending if wait or entry[2].done()]
-        self._pending = [entry for entry in self._pending if entry not in done]
-        for step, window, reading in done:
+        """Write the readings that have finished (all of them, waiting, with `wait`): one thread takes them in
+        order, so they finish in order."""
+        while self._pending and (wait or self._pending[0][2].done()):
+            step, window, reading = self._pending.pop(0)
             figures = reading.result()  # on every rank: `wait` means read before the workers exit
             if not self.runlog.enabled:
                 continue

@@ -153,8 +153,7 @@ class EpochMeter:
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
         self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
         self.window_parts: dict[str, torch.Tensor] = {}  # sums of a task's loss parts since the last read, by name
-        self.window_batches, self.window_norms, self.samples, self.data_wait = 0, 0, 0, 0.0
-        self.batches = 0
+        self.window_batches, self.window_norms, self.samples, self.batches, self.data_wait = 0, 0, 0, 0, 0.0
         self.carried = carried or {"window": NO_WINDOW, "epoch": {"loss": 0.0, "samples": 0}}
         self.started = time.perf_counter()
         self._faults_at_start = minor_page_faults()
@@ -215,10 +214,11 @@ class EpochMeter:
         goes on (a stop off the log interval: the resumed run's next line covers the same steps)."""
         bad = (self.first_bad > 0).to(torch.float64)
         window, _, (bad_step_sum, bad_ranks, signalled) = self._sums(world, self.first_bad, bad, stop_requested)
-        figures = {"loss": window["loss"] / max(window["batches"], 1)}
+        batches = max(window["batches"], 1)
+        figures = {"loss": window["loss"] / batches}
         if window["norms"]:
             figures["grad_norm"] = window["norm"] / window["norms"]
-        figures.update({f"loss_{name}": total / max(window["batches"], 1) for name, total in window["parts"].items()})
+        figures.update({f"loss_{name}": total / batches for name, total in window["parts"].items()})
         if not keep:
             self.window_parts = dict.fromkeys(self.window_parts, 0)  # the names stay: the next window brings the same
             self.window_loss.zero_()

@@ -84,7 +84,8 @@ def report(task, totals: dict, target: str) -> dict[str, float]:
                 f"task {target}: compute()[{name!r}] must be a number (reported as val_<name>), got {value!r}"
             )
         out[name] = float(value)
-    return {**{k: v for k, v in out.items() if k != "count"}, "count": count}
+    out.pop("count", None)  # the split's own count stands, last
+    return {**out, "count": count}
 
 
 @torch.no_grad()

@@ -54,7 +54,8 @@ def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
         return None
     saved, note = (ckpt or {}).get("tracking") or {}, None
     if ckpt is not None:
-        step, changed, said = ckpt["step"] + 1, resume.changes(ckpt, cfg), f"resumed at step {ckpt['step'] + 1}"
+        step, changed = ckpt["step"] + 1, resume.changes(ckpt, cfg)
+        said = f"resumed at step {step}"
         note = step, f"{said}, changed (resume_strict=false): {resume.describe(changed)}" if changed else said
     params = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     sweep = None  # in a multirun (-m, Optuna) the sweep folder's name: its jobs share an experiment, a W&B group
@@ -81,12 +82,11 @@ class Tracking:
         self.queue.put((step, dict(figures)))
 
     def _drain(self) -> None:
-        done = False
-        while not done:
+        batch = []
+        while None not in batch:  # None: `close` put the last point before it
             batch = [self.queue.get()]  # waits for the first; then takes all that piled up while the last send ran
             while not self.queue.empty():  # this thread alone takes from the queue
                 batch.append(self.queue.get())
-            done = batch[-1] is None
             for tracker in self.trackers:
                 self._call(tracker, "log", [point for point in batch if point is not None])
 
@@ -149,8 +149,8 @@ class MlflowTracker(Tracker):
                 log.warning("logger mlflow: the checkpoint's run %s is not at %s (%s): starting a new MLflow run",
                             saved_id, uri, type(e).__name__)  # fmt: skip
         if run is not None:
-            self.run_id = run.info.run_id
-            said = f"continuing run {self.run_id}"
+            self.run_id = saved_id
+            said = f"continuing run {saved_id}"
             self.client.update_run(self.run_id, status="RUNNING")
             params = {k: v for k, v in params.items() if k not in run.data.params}  # keys added since; values fixed
         else:
@@ -198,8 +198,9 @@ class MlflowTracker(Tracker):
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         for step, m in points:
-            for tag, array in ((k, v) for k, v in m.items() if picture(v)):
-                self.client.log_image(self.run_id, array, key=tag.replace("/", "_"), step=step)
+            for tag, value in m.items():
+                if picture(value):
+                    self.client.log_image(self.run_id, value, key=tag.replace("/", "_"), step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
