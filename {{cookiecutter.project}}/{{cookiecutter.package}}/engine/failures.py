@@ -62,7 +62,8 @@ class Samples(list):
 
     def __init__(self, samples, skipped=(), failed: Exception | None = None):
         super().__init__(samples)
-        self.skipped, self.failed = list(skipped), failed
+        self.skipped = list(skipped)
+        self.failed = failed
 
 
 def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
@@ -72,7 +73,8 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
     file{% if cookiecutter.with_shards == "yes" %}, ShardDataset the shard and member{% endif %}), or with `skip` is left out and listed. A batch with no good
     sample left is refused either way: that is a broken transform far more often than a broken data set. The
     failure is the batch's `failed`, raised as one line when the loop takes the batch (`named`)."""
-    samples, skipped = [], []
+    samples = []
+    skipped = []
     for index in indices:
         try:
             samples.append(dataset[index] if fetch is None else fetch(index))
@@ -122,7 +124,8 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
                 os.kill(pid, STACK_SIGNAL)
                 asked[worker_id] = (pid, path)
     # faulthandler writes in one go but marks no end: files that stopped growing for a moment are complete
-    deadline, sizes = time.monotonic() + wait_s, None
+    deadline = time.monotonic() + wait_s
+    sizes = None
     while asked and time.monotonic() < deadline:
         time.sleep(0.1)
         now = [path.stat().st_size for _, path in asked.values()]
@@ -154,7 +157,8 @@ def shm_full() -> LoaderFailure | None:
     space = shm_space()
     if space is None or space[0] >= SHM_FULL * space[1]:
         return None
-    used, size = space[1] - space[0], space[1]
+    used = space[1] - space[0]
+    size = space[1]
     return LoaderFailure(
         f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used): a DataLoader "
         f"worker found no room for a batch there; something besides this run's batches filled it (see `du -sh "

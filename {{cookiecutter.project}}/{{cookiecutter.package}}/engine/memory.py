@@ -132,12 +132,14 @@ class Plan:
 
     def line(self) -> str:
         """The log line: one batch's bytes and layout, the batches in flight, and /dev/shm's room for them."""
-        s, what = self.settings, f" ({self.layout})" if self.layout else ""
+        s = self.settings
+        what = f" ({self.layout})" if self.layout else ""
         head = f"prefetch plan: one batch {self.batch_bytes / MiB:.2f} MiB{what}"
         if not s.num_workers:
             return f"{head}; num_workers=0 loads in the main process: 0 batches in flight = 0.0 MiB"
         pinned = f" + {self.pinned_copies} pinned copies" if s.pin_memory else ""
-        shm, need = "no /dev/shm on this system", self.shm_need(local_ranks()) / MiB
+        shm = "no /dev/shm on this system"
+        need = self.shm_need(local_ranks()) / MiB
         if space := shm_space():
             shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need:.1f} MiB of it "
             shm += "for batches"
@@ -183,7 +185,8 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
     ahead each (`prefetch_factor 4 -> 2, num_workers 4 -> 3`). `on_budget="error"` refuses instead, in one line."""
     changes = []
     for limit in ("budget", "shm"):
-        was, plan = settings, Plan(settings, batch)
+        was = settings
+        plan = Plan(settings, batch)
         if limit == "budget" and max_mib is not None:
             need, most = (lambda p: p.bytes), max_mib * MiB
             over = (

@@ -45,7 +45,8 @@ def shared_batches(pids) -> int:
 def _readings() -> dict[int, tuple[int, int, int]]:
     """{pid: (RSS, PSS (else USS), open files)} for this process, then each live child process, all generations; one
     that exits meanwhile is skipped."""
-    main, found = psutil.Process(), {}
+    main = psutil.Process()
+    found = {}
     for proc in (main, *main.children(recursive=True)):
         try:
             if proc.status() != psutil.STATUS_ZOMBIE:
@@ -92,7 +93,9 @@ class Monitor:
     is False on ranks other than 0: those sample but write nothing."""
 
     def __init__(self, loader, runlog, every_steps: int):
-        self.loader, self.runlog, self.every = loader, runlog, every_steps
+        self.loader = loader
+        self.runlog = runlog
+        self.every = every_steps
         self.plan = None  # memory.Plan, set from the first batch
         self._epoch = None  # the epoch the window belongs to
         self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
@@ -110,7 +113,9 @@ class Monitor:
     def step(self, step: int, data_wait: float, started: float) -> None:
         """Call once per step with the epoch's cumulative data wait and its start time (perf_counter)."""
         if self._epoch != self.loader.epoch:  # first step of an epoch: the window starts at the epoch start
-            self._epoch, self._mark, self._epoch_end = self.loader.epoch, (step - 1, 0.0, started), None
+            self._epoch = self.loader.epoch
+            self._mark = (step - 1, 0.0, started)
+            self._epoch_end = None
         self._steps_seen += 1
         self._write_done()
         last = self.loader.at_epoch_end
@@ -131,7 +136,9 @@ class Monitor:
         now = time.perf_counter()
         if died := ended_worker(self.loader.worker_pids):
             raise died
-        steps, wait, elapsed = step - self._mark[0], data_wait - self._mark[1], now - self._mark[2]
+        steps = step - self._mark[0]
+        wait = data_wait - self._mark[1]
+        elapsed = now - self._mark[2]
         self._mark = (step, data_wait, now)
         window = {
             "wait_ms_per_step": 1000 * wait / steps,

@@ -36,7 +36,8 @@ def kept(keep: bool = True, cuda: bool = True):
     if not keep:
         yield
         return
-    python, numpy = random.getstate(), np.random.get_state()
+    python = random.getstate()
+    numpy = np.random.get_state()
     devices = range(torch.cuda.device_count()) if cuda and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
@@ -62,7 +63,10 @@ def epoch_base(seed: int, epoch: int) -> int:
 
 
 # splitmix64's constants: a cheap, well-mixed 64-bit hash of (epoch base, sample index)
-_GOLDEN, _MIX1, _MIX2, _MASK = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK = (1 << 64) - 1
 
 
 def index_seed(base: int, index: int) -> int:
@@ -161,7 +165,8 @@ def to_saved(raw: RawState) -> dict:
 
 
 def from_saved(saved: dict) -> RawState:
-    n, p = saved["numpy"], saved["python"]
+    n = saved["numpy"]
+    p = saved["python"]
     numpy_state = (n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     python_state = (p["version"], tuple(int(v) for v in p["internal"].tolist()), p["gauss_next"])
     return (saved["torch"].numpy().tobytes(), numpy_state, python_state)

@@ -43,7 +43,8 @@ class RunLog:
         tracking: Tracking | None = None,
         use: Sequence[str] = ("tensorboard",),
     ):
-        self.enabled, self.tracking = enabled, tracking
+        self.enabled = enabled
+        self.tracking = tracking
 {% else %}
     def __init__(self, run_dir: Path, purge_step: int | None = None, enabled: bool = True):
         self.enabled = enabled
@@ -146,14 +147,19 @@ class EpochMeter:
     checkpoint (`state()`), so a resumed run logs the figures of the run that never stopped."""
 
     def __init__(self, device: torch.device, carried: dict | None = None, input_key: int | str = 0):
-        self.device, self.input_key = device, input_key  # data.input: the batch's part its samples are counted on
+        self.device = device
+        self.input_key = input_key  # data.input: the batch's part its samples are counted on
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
         self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
         self.window_parts: dict[str, torch.Tensor] = {}  # sums of a task's loss parts since the last read, by name
-        self.window_batches, self.window_norms, self.samples, self.batches, self.data_wait = 0, 0, 0, 0, 0.0
+        self.window_batches = 0
+        self.window_norms = 0
+        self.samples = 0
+        self.batches = 0
+        self.data_wait = 0.0
         self.carried = carried or {"window": NO_WINDOW, "epoch": {"loss": 0.0, "samples": 0}}
         self.started = time.perf_counter()
         self._faults_at_start = minor_page_faults()
@@ -185,7 +191,9 @@ class EpochMeter:
         if grad_norm is not None:
             self.window_norm += grad_norm.double()
             self.window_norms += 1
-        self.window_batches, self.samples, self.batches = self.window_batches + 1, self.samples + n, self.batches + 1
+        self.window_batches += 1
+        self.samples += n
+        self.batches += 1
 
     def _sums(self, world, *more) -> tuple[dict, dict, list[float]]:
         """(the window's sums and counts over ranks, the epoch's, `more` summed over ranks), with what was carried
@@ -198,7 +206,8 @@ class EpochMeter:
             world,
         )
         parts, rest = dict(zip(names, rest[len(more) :])), rest[: len(more)]
-        window, epoch = self.carried["window"], self.carried["epoch"]
+        window = self.carried["window"]
+        epoch = self.carried["epoch"]
         window = {
             "loss": window["loss"] + loss,
             "batches": window["batches"] + world.world_size * self.window_batches,
@@ -262,11 +271,14 @@ def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
     path = run_dir / f"{name}.csv"
     if line is not None and path.exists():
         with open(path, newline="") as f:
-            columns, rows, mode = next(csv.reader(f)), [numbers(line)], "a"
+            columns = next(csv.reader(f))
+            rows = [numbers(line)]
+            mode = "a"
     else:  # steps.csv: the fixed columns first, as the header that later rows go under
         rows = [numbers(json.loads(text)) for text in (run_dir / f"{name}.jsonl").read_text().splitlines() if text]
         lead = ("step", "loss", "lr", "grad_norm") if name == "steps" else ("step",)
-        columns, mode = list(dict.fromkeys([*lead, *(k for row in rows for k in row)])), "w"
+        columns = list(dict.fromkeys([*lead, *(k for row in rows for k in row)]))
+        mode = "w"
     if not rows:  # no header without a row: the first row's parts make the columns
         path.unlink(missing_ok=True)
         return

@@ -97,7 +97,8 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
     distributed.main_buffers(model, world)  # every rank judges the weights rank 0 saves
     target = type(task).__qualname__
 {% if cookiecutter.with_fsdp == "yes" %}
-    sums, batches = None, 0
+    sums = None
+    batches = 0
     for batch in failures.named(device_batches(loader, device), loader):
         batches += 1
 {% else %}

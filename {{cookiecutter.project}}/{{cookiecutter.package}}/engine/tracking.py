@@ -52,9 +52,11 @@ def start(cfg, run_dir: Path, ckpt: dict | None) -> Tracking | None:
     use = [name for name in cfg.logger.use if name in REMOTE]  # their packages importable: checked (`check_packages`)
     if not use:
         return None
-    saved, note = (ckpt or {}).get("tracking") or {}, None
+    saved = (ckpt or {}).get("tracking") or {}
+    note = None
     if ckpt is not None:
-        step, changed = ckpt["step"] + 1, resume.changes(ckpt, cfg)
+        step = ckpt["step"] + 1
+        changed = resume.changes(ckpt, cfg)
         said = f"resumed at step {step}"
         note = step, f"{said}, changed (resume_strict=false): {resume.describe(changed)}" if changed else said
     params = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
@@ -71,7 +73,8 @@ class Tracking:
     """The trackers behind one queue and thread: `log` never waits; `close` at most `timeout_s`, naming what is left."""
 
     def __init__(self, trackers: list, timeout_s: float):
-        self.trackers, self.timeout_s = trackers, timeout_s
+        self.trackers = trackers
+        self.timeout_s = timeout_s
         self.queue: queue.Queue = queue.Queue()
         self.failed: set[str] = set()  # trackers whose errors were already reported: one warning each
         self.thread = threading.Thread(target=self._drain, name="trackers", daemon=True)
@@ -125,7 +128,9 @@ class Tracker:
     name = ""
 
     def __init__(self, cfg, run_dir: Path, sweep: str | None):
-        self.cfg, self.run_dir, self.sweep = cfg[self.name], run_dir, sweep
+        self.cfg = cfg[self.name]
+        self.run_dir = run_dir
+        self.sweep = sweep
         self.timeout_s = float(cfg.timeout_s)
         self.run_id: str | None = None
 
@@ -141,7 +146,8 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.client, run = MlflowClient(uri), None
+        self.client = MlflowClient(uri)
+        run = None
         if saved_id is not None:
             try:
                 run = self.client.get_run(saved_id)
