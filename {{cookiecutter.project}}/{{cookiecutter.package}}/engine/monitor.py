@@ -100,8 +100,8 @@ class Monitor:
         self._epoch = None  # the epoch the window belongs to
         self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
         self._readings = ThreadPoolExecutor(1, thread_name_prefix="health-sample")
-        self._pending: list[tuple[int, dict | None, Future]] = []  # (step, window figures or None: the plan's, reading)
-        self._epoch_end: Future | None = None  # the reading at the epoch's last batch
+        self._pending = []  # (step, window figures or None: the plan's, the reading's Future)
+        self._epoch_end = None  # the Future of the reading at the epoch's last batch
         self._steps_seen = 0
         self._measured = False  # the plan against a reading, logged once
 

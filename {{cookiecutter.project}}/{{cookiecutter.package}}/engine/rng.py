@@ -134,8 +134,7 @@ def from_seed(seed: int) -> RawState:
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU and every CUDA device) in this process. Seed 0 is a seed like any other."""
     seed_cpu(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    torch.cuda.manual_seed_all(seed)  # without CUDA silently ignored (torch's documented contract), else lazily applied
 
 
 def derived(*key: int) -> int:
@@ -175,7 +174,7 @@ def from_saved(saved: dict) -> RawState:
 def capture_main() -> dict:
     """Everything the main process draws from: python, numpy, torch CPU and, once CUDA is in use, every device."""
     state = to_saved(capture())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # initialized implies available
         state["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
     return state
 

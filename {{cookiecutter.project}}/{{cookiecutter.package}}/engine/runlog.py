@@ -154,7 +154,7 @@ class EpochMeter:
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
         self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
-        self.window_parts: dict[str, torch.Tensor] = {}  # sums of a task's loss parts since the last read, by name
+        self.window_parts = {}  # sums (device tensors) of a task's loss parts since the last read, by name
         self.window_batches = 0
         self.window_norms = 0
         self.samples = 0

@@ -52,12 +52,12 @@ def check_metrics(metrics, target: str, computes: bool) -> list[str]:
             "'count' (the number of samples in the batch), by which every other sum is divided"
         )
     for name, value in metrics.items():
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)  # `len(batch)` as a count
-        if not isinstance(value, torch.Tensor) and not number:
-            raise UserError(
-                f"task {target}: metrics()[{name!r}] must be a tensor (a sum over the batch), got {value!r}"
-            )
-        if isinstance(value, torch.Tensor) and value.numel() != 1 and (name == "count" or not computes):
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):  # a number: `len(batch)` as a count
+                raise UserError(
+                    f"task {target}: metrics()[{name!r}] must be a tensor (a sum over the batch), got {value!r}"
+                )
+        elif value.numel() != 1 and (name == "count" or not computes):
             raise UserError(
                 f"task {target}: metrics()[{name!r}] has shape {tuple(value.shape)}: "
                 + ("count must be one number" if name == "count" else "a sum of that shape needs a compute(totals) "

@@ -75,8 +75,8 @@ class Tracking:
     def __init__(self, trackers: list, timeout_s: float):
         self.trackers = trackers
         self.timeout_s = timeout_s
-        self.queue: queue.Queue = queue.Queue()
-        self.failed: set[str] = set()  # trackers whose errors were already reported: one warning each
+        self.queue = queue.Queue()
+        self.failed = set()  # names of the trackers whose errors were already reported: one warning each
         self.thread = threading.Thread(target=self._drain, name="trackers", daemon=True)
         self.thread.start()
 
