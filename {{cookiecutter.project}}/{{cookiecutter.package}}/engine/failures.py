@@ -155,12 +155,12 @@ def shm_full() -> LoaderFailure | None:
     """The line for a loader failure when /dev/shm is full now (a check of its space, whatever the error says:
     a worker's failed allocation, its SIGBUS); else None."""
     space = shm_space()
-    if space is None or space[0] >= SHM_FULL * space[1]:
+    if space is None or space[0] >= SHM_FULL * space[1]:  # a size of 0 ends here too
         return None
     used = space[1] - space[0]
     size = space[1]
     return LoaderFailure(
-        f"{SHM_DIR} is {used / max(size, 1):.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used): a DataLoader "
+        f"{SHM_DIR} is {used / size:.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used): a DataLoader "
         f"worker found no room for a batch there; something besides this run's batches filled it (see `du -sh "
         f"{SHM_DIR}/*`), or it is too small: free it or give it more room (docker run --shm-size=1g), or lower "
         "loader.num_workers / loader.prefetch_factor, then resume=latest"

@@ -221,8 +221,11 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
             raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")
         if on_budget == "error":
             raise UserError(f"loader: {over}: {todo}, or set loader.on_budget=adjust")
-        names = [n for n in ("prefetch_factor", "num_workers") if getattr(was, n) != getattr(settings, n)]
-        changed = ", ".join(f"{n} {getattr(was, n)} -> {getattr(settings, n)}" for n in names)
+        changed = ", ".join(
+            f"{n} {getattr(was, n)} -> {getattr(settings, n)}"
+            for n in ("prefetch_factor", "num_workers")
+            if getattr(was, n) != getattr(settings, n)
+        )
         where = "; the main process loads each batch" if not settings.num_workers else ""
         changes.append(f"{over}: {changed} ({need(Plan(settings, batch)) / MiB:.1f} MiB{where})")
     return settings, changes

@@ -71,15 +71,15 @@ class RunLog:
         since the previous line (`loss`, with optim.grad_clip `grad_norm` before clipping, a task's `loss_<name>`)."""
         if not self.enabled:
             return
-        line = {"step": step, "loss": figures["loss"], "lr": lr, **figures}
+        shown = {"loss": figures["loss"], "lr": lr, **figures}  # the line's order: loss, lr, grad_norm, parts
+        line = {"step": step, **shown}
         self.files["steps"].write(json.dumps(line) + "\n")
-        figures = {key: value for key, value in line.items() if key != "step"}
-        self.scalars("train", figures, step)
+        self.scalars("train", shown, step)
 {% if cookiecutter.with_tracking == "yes" %}
         if self.csv is not None:
             write_table(self.csv, "steps", line)
         if self.tracking is not None:  # the same Python floats, queued: the step does not wait for a server
-            self.tracking.log(step, {f"train/{key}": value for key, value in figures.items()})
+            self.tracking.log(step, {f"train/{key}": value for key, value in shown.items()})
 {% endif %}
 
     def epoch(self, record: dict) -> None:

@@ -16,7 +16,7 @@ from .errors import UserError
 def split_loss(result) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, parts) of what `task.loss` returned: `parts` is {} for a bare loss. Python checks only."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
-        return result[0], result[1]
+        return result
     return result, {}
 
 

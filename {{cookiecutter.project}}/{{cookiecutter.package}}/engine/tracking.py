@@ -200,13 +200,15 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, step) for step, m in points for k, v in m.items() if not picture(v)]
+        metrics = []
+        for step, m in points:
+            for key, value in m.items():
+                if picture(value):
+                    self.client.log_image(self.run_id, value, key=key.replace("/", "_"), step=step)
+                else:
+                    metrics.append(Metric(key, float(value), now, step))
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
-        for step, m in points:
-            for tag, value in m.items():
-                if picture(value):
-                    self.client.log_image(self.run_id, value, key=tag.replace("/", "_"), step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
