@@ -167,7 +167,7 @@ def from_saved(saved: dict) -> RawState:
     n = saved["numpy"]
     p = saved["python"]
     numpy_state = (n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-    python_state = (p["version"], tuple(int(v) for v in p["internal"].tolist()), p["gauss_next"])
+    python_state = (p["version"], tuple(p["internal"].tolist()), p["gauss_next"])
     return (saved["torch"].numpy().tobytes(), numpy_state, python_state)
 
 

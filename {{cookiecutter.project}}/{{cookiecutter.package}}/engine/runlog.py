@@ -153,7 +153,7 @@ class EpochMeter:
         self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
         self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
-        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # first step with a non-finite loss
+        self.first_bad = zero.clone()  # first step with a non-finite loss (float64 holds any step exactly)
         self.window_parts = {}  # sums (device tensors) of a task's loss parts since the last read, by name
         self.window_batches = 0
         self.window_norms = 0
@@ -200,12 +200,19 @@ class EpochMeter:
         in: one host read. Sums of float32 losses in float64 are exact, so they add up the same in any grouping."""
         names = sorted(self.window_parts)
         loss, norm, epoch_loss, samples, *rest = sum_and_read(
-            [self.window_loss, self.window_norm, self.epoch_loss, self.samples, *more]
-            + [self.window_parts[name] for name in names],
+            [
+                self.window_loss,
+                self.window_norm,
+                self.epoch_loss,
+                self.samples,
+                *map(self.window_parts.get, names),
+                *more,
+            ],
             self.device,
             world,
         )
-        parts, rest = dict(zip(names, rest[len(more) :])), rest[: len(more)]
+        parts = dict(zip(names, rest))  # the parts, then `more`
+        rest = rest[len(names) :]
         window = self.carried["window"]
         epoch = self.carried["epoch"]
         window = {
@@ -272,20 +279,19 @@ def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
     if line is not None and path.exists():
         with open(path, newline="") as f:
             columns = next(csv.reader(f))
-            rows = [numbers(line)]
-            mode = "a"
-    else:  # steps.csv: the fixed columns first, as the header that later rows go under
-        rows = [numbers(json.loads(text)) for text in (run_dir / f"{name}.jsonl").read_text().splitlines() if text]
-        lead = ("step", "loss", "lr", "grad_norm") if name == "steps" else ("step",)
-        columns = list(dict.fromkeys([*lead, *(k for row in rows for k in row)]))
-        mode = "w"
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, columns, extrasaction="ignore").writerow(numbers(line))
+        return
+    rows = [numbers(json.loads(text)) for text in (run_dir / f"{name}.jsonl").read_text().splitlines() if text]
     if not rows:  # no header without a row: the first row's parts make the columns
         path.unlink(missing_ok=True)
         return
-    with open(path, mode, newline="") as f:
+    # steps.csv: the fixed columns first, as the header that later rows go under
+    lead = ("step", "loss", "lr", "grad_norm") if name == "steps" else ("step",)
+    columns = list(dict.fromkeys([*lead, *(k for row in rows for k in row)]))
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
-        if mode == "w":
-            writer.writeheader()
+        writer.writeheader()
         writer.writerows(rows)
 
 
