@@ -73,7 +73,7 @@ def layout(batch) -> str:
 {% endif %}
         return "x".join(map(str, v.shape)) + " " + str(v.dtype).removeprefix("torch.")
 
-    return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in leaves(batch) if batch_bytes(v))
+    return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in leaves(batch) if v.nbytes)
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:
@@ -141,8 +141,10 @@ class Plan:
         shm = "no /dev/shm on this system"
         need = self.shm_need(local_ranks()) / MiB
         if space := shm_space():
-            shm = f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need:.1f} MiB of it "
-            shm += "for batches"
+            shm = (
+                f"{SHM_DIR} {space[0] / MiB:.1f} MiB free of {space[1] / MiB:.1f} MiB, up to {need:.1f} MiB of it "
+                "for batches"
+            )
         return (
             f"{head} x {self.in_flight} batches in flight ({s.num_workers} workers x prefetch_factor "
             f"{s.prefetch_factor}){pinned} = {self.mib:.1f} MiB; {shm}"
