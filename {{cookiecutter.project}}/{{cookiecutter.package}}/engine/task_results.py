@@ -71,21 +71,22 @@ def report(task, totals: dict, target: str) -> dict[str, float]:
     them: `task.compute(totals)` when the task has it, else `total / count` for each entry; `count` itself last."""
     count = float(totals["count"])
     if not hasattr(task, "compute"):
-        return {**{k: float(v) / max(count, 1.0) for k, v in totals.items() if k != "count"}, "count": count}
-    figures = task.compute(dict(totals))
-    if not isinstance(figures, Mapping) or not figures:
-        raise UserError(f"task {target}: compute() must return a dict of figures by name, got {type(figures)}")
-    out = {}
-    for name, value in figures.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(name, str) or not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise UserError(
-                f"task {target}: compute()[{name!r}] must be a number (reported as val_<name>), got {value!r}"
-            )
-        out[name] = float(value)
-    out.pop("count", None)  # the split's own count stands, last
-    return {**out, "count": count}
+        figures = {k: float(v) / max(count, 1.0) for k, v in totals.items()}
+    else:
+        computed = task.compute(dict(totals))
+        if not isinstance(computed, Mapping) or not computed:
+            raise UserError(f"task {target}: compute() must return a dict of figures by name, got {type(computed)}")
+        figures = {}
+        for name, value in computed.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if not isinstance(name, str) or not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise UserError(
+                    f"task {target}: compute()[{name!r}] must be a number (reported as val_<name>), got {value!r}"
+                )
+            figures[name] = float(value)
+    figures.pop("count", None)  # the split's own count stands, last
+    return {**figures, "count": count}
 
 
 @torch.no_grad()

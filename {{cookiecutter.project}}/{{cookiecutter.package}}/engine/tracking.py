@@ -82,7 +82,7 @@ class Tracking:
 
     def log(self, step: int, figures: dict) -> None:
         """Python floats, or a picture ((H, W, 3) uint8 numpy) under its tag: queued, sent by the thread."""
-        self.queue.put((step, dict(figures)))
+        self.queue.put((step, figures))  # the caller's own dict, built for this call
 
     def _drain(self) -> None:
         batch = []
@@ -132,7 +132,7 @@ class Tracker:
         self.run_dir = run_dir
         self.sweep = sweep
         self.timeout_s = float(cfg.timeout_s)
-        self.run_id: str | None = None
+        self.run_id = None  # the tracked run's id, once `start` made or found it
 
 
 class MlflowTracker(Tracker):
