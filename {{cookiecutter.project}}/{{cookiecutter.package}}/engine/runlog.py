@@ -62,8 +62,9 @@ class RunLog:
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step){% if cookiecutter.with_tracking == "yes" %} if "tensorboard" in use else None{% endif +%}
 {% if cookiecutter.with_tracking == "yes" %}
         self.csv = run_dir if "csv" in use else None
-        for name in ("steps", "metrics") if self.csv else ():  # the rows of the jsonl lines kept (a resume's purge)
-            write_table(run_dir, name)
+        if self.csv is not None:  # the rows of the jsonl lines kept (a resume's purge)
+            write_table(run_dir, "steps")
+            write_table(run_dir, "metrics")
 {% endif %}
 
     def step(self, step: int, lr: float, figures: dict) -> None:
@@ -280,7 +281,7 @@ def write_table(run_dir: Path, name: str, line: dict | None = None) -> None:
         with open(path, newline="") as f:
             columns = next(csv.reader(f))
         with open(path, "a", newline="") as f:
-            csv.DictWriter(f, columns, extrasaction="ignore").writerow(numbers(line))
+            csv.DictWriter(f, columns, extrasaction="ignore").writerow(line)  # a steps line holds numbers only
         return
     rows = [numbers(json.loads(text)) for text in (run_dir / f"{name}.jsonl").read_text().splitlines() if text]
     if not rows:  # no header without a row: the first row's parts make the columns
