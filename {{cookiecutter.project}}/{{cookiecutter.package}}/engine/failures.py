@@ -35,6 +35,7 @@ BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sa
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
 # signals here, and a whole process group gets those). None where there are no real-time signals (macOS).
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else None
+STACK_WAIT_S = 3.0  # how long `stalled` waits for the workers' stacks
 
 
 class LoaderFailure(UserError):
@@ -107,7 +108,7 @@ def arm_stack_dump(stack_dir: str | None, worker_id: int) -> None:
     faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)  # the descriptor: open for good
 
 
-def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
+def stalled(loader) -> LoaderFailure:
     """The line for a `loader.timeout` that fired in `loader` (a TrainLoader{% if cookiecutter.with_streams == "yes" %} or StreamLoader{% endif %}) while it waited for
     its next batch, and the workers' Python stacks.
 
@@ -124,7 +125,7 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
                 os.kill(pid, STACK_SIGNAL)
                 asked[worker_id] = (pid, path)
     # faulthandler writes in one go but marks no end: files that stopped growing for a moment are complete
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + STACK_WAIT_S
     sizes = None
     while asked and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -139,7 +140,7 @@ def stalled(loader, wait_s: float = 3.0) -> LoaderFailure:
         f"{loader.epoch} is made by {holder}, which is stuck (a hung read, a dead network mount, a deadlock in a "
         "decoder?)"
     )
-    empty = f"(no stack written within {wait_s:g} s)\n"  # slow to answer
+    empty = f"(no stack written within {STACK_WAIT_S:g} s)\n"  # slow to answer
     for worker_id in sorted(asked, key=lambda worker_id: worker_id != due):  # the stuck worker's stack first
         pid, path = asked[worker_id]
         failure.stacks += f"--- DataLoader worker pid {pid} ---\n{path.read_text() or empty}\n"

@@ -159,11 +159,11 @@ def plan(batch, settings: LoaderSettings) -> Plan:
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
 
 
-def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
+def shm_space() -> tuple[int, int] | None:
     """(free bytes, size in bytes) of the file system holding torch's shared memory; None where there is none
     (macOS, Windows: shared memory is not a file system there)."""
     try:
-        st = os.statvfs(path)
+        st = os.statvfs(SHM_DIR)
     except (OSError, AttributeError):
         return None
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

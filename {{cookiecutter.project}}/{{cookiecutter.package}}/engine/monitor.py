@@ -136,9 +136,10 @@ class Monitor:
         now = time.perf_counter()
         if died := ended_worker(self.loader.worker_pids):
             raise died
-        steps = step - self._mark[0]
-        wait = data_wait - self._mark[1]
-        elapsed = now - self._mark[2]
+        start_step, start_wait, start_time = self._mark
+        steps = step - start_step
+        wait = data_wait - start_wait
+        elapsed = now - start_time
         self._mark = (step, data_wait, now)
         window = {
             "wait_ms_per_step": 1000 * wait / steps,
@@ -173,7 +174,7 @@ class Monitor:
             else:
                 self.runlog.scalars("health", {**figures, **window}, step)
 
-    def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None = None) -> dict:
+    def epoch(self, data_wait: float, train_time: float, page_faults_per_batch: float | None) -> dict:
         """The epoch's keys for metrics.jsonl: the reading at its last batch, its data wait share, and the main
         process's page faults per batch (None where the OS does not count them)."""
         self._write_done(wait=True)
