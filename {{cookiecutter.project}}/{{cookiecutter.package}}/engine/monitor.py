@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def shared_batches(pids) -> int:
     """Bytes of PyTorch shared-memory files (batches in flight) held open by these processes, each file once."""
-    seen: dict[tuple[int, int], int] = {}
+    seen = {}  # (device, inode) -> size: a file two processes hold counts once
     for pid in pids:
         for path in glob.glob(f"/proc/{pid}/fd/*"):  # none where there is no /proc, or the process is gone
             try:

@@ -229,7 +229,7 @@ class EpochMeter:
         """({loss, grad_norm when clipping is on, loss_<part>}: means since the last read, over ranks; the first step
         with a non-finite loss (0: none); whether any rank was asked to stop): one host read. `keep`: the window
         goes on (a stop off the log interval: the resumed run's next line covers the same steps)."""
-        bad = (self.first_bad > 0).to(torch.float64)
+        bad = self.first_bad > 0  # whether this rank diverged: sum_and_read counts it as 1.0
         window, _, (bad_step_sum, bad_ranks, signalled) = self._sums(world, self.first_bad, bad, stop_requested)
         batches = max(window["batches"], 1)
         figures = {"loss": window["loss"] / batches}
