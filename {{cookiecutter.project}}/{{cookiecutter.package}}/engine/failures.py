@@ -242,30 +242,28 @@ def named(batches, loader):
     loader's."""
     validation = isinstance(loader, DataLoader)
     timeout = loader.timeout if validation else loader.settings.timeout
-    batches = iter(batches)
-    while True:
-        asked = time.monotonic()
-        try:
-            batch = next(batches)  # what the loop's body raises stays out there: only the loader's own errors come here
-        except StopIteration:
-            return
-        except UserError:
+    asked = time.monotonic()
+    try:
+        # what the loop's body raises stays out there (it runs past the yield): only the loader's own errors come here
+        for batch in batches:
+            if not validation and batch[1].failed is not None:  # a train batch that failed where it was made
+                raise batch[1].failed
+            yield batch
+            asked = time.monotonic()
+    except UserError:
+        raise
+    except Exception as e:
+        waited = time.monotonic() - asked
+        if timeout and waited >= timeout:
+            failure = stalled(loader) if not validation else LoaderFailure(
+                f"loader.timeout: no validation batch for {waited:.0f} s: a worker is stuck (a hung read, a dead "
+                "network mount?)"
+            )  # fmt: skip
+        else:
+            failure = shm_full() or (None if validation else dead_worker(loader.worker_pids, e))
+        if failure is None:
             raise
-        except Exception as e:
-            waited = time.monotonic() - asked
-            if timeout and waited >= timeout:
-                failure = stalled(loader) if not validation else LoaderFailure(
-                    f"loader.timeout: no validation batch for {waited:.0f} s: a worker is stuck (a hung read, a dead "
-                    "network mount?)"
-                )  # fmt: skip
-            else:
-                failure = shm_full() or (None if validation else dead_worker(loader.worker_pids, e))
-            if failure is None:
-                raise
-            raise failure from e
-        if not validation and batch[1].failed is not None:  # a train batch that failed where it was made
-            raise batch[1].failed
-        yield batch
+        raise failure from e
 
 
 @contextlib.contextmanager

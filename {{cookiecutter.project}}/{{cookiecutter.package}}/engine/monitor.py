@@ -98,7 +98,7 @@ class Monitor:
         self.every = every_steps
         self.plan = None  # memory.Plan, set from the first batch
         self._epoch = None  # the epoch the window belongs to
-        self._mark = (0, 0.0, 0.0)  # (step, cumulative data wait, time) at the window's start
+        self._mark = None  # (step, cumulative data wait, time) at the window's start, from an epoch's first step
         self._readings = ThreadPoolExecutor(1, thread_name_prefix="health-sample")
         self._pending = []  # (step, window figures or None: the plan's, the reading's Future)
         self._epoch_end = None  # the Future of the reading at the epoch's last batch
