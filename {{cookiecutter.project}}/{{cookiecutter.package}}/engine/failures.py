@@ -307,4 +307,4 @@ class BadSampleLog:
         new = [entry for entry in (f"{epoch}\t{self.rank}\t{line}" for line in lines) if entry not in self.seen]
         self.seen.update(new)
         with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
-            f.write("".join(line + "\n" for line in new))
+            f.writelines(line + "\n" for line in new)

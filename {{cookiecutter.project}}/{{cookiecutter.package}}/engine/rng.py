@@ -88,6 +88,8 @@ def seed_sample(seed: int) -> None:
 
 
 UNTOUCHED = 0x5EED  # numpy's and python's seed while a batch is made without seeding them
+# numpy's and python's first draws after that seed: a data set that drew from them leaves others
+UNTOUCHED_DRAWS = (np.random.RandomState(UNTOUCHED).random_sample(), random.Random(UNTOUCHED).random())
 
 
 class SampleSeeding:
@@ -101,7 +103,6 @@ class SampleSeeding:
     def __init__(self):
         self.all = False  # numpy and python are seeded too
         self.last = 0  # the last sample's seed
-        self.first_draws = (np.random.RandomState(UNTOUCHED).random_sample(), random.Random(UNTOUCHED).random())
 
     def seed(self, seed: int) -> None:
         self.last = seed
@@ -116,7 +117,7 @@ class SampleSeeding:
                 np.random.seed(UNTOUCHED)
                 random.seed(UNTOUCHED)
                 made = make()
-                if (np.random.random_sample(), random.random()) == self.first_draws:
+                if (np.random.random_sample(), random.random()) == UNTOUCHED_DRAWS:
                     np.random.seed(self.last >> 32)
                     random.seed(self.last)
                     return made
