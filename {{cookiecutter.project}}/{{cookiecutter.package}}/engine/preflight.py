@@ -285,7 +285,7 @@ def walk(cfg, schema, prefix: str) -> None:
             walk(cfg[f.name], f.type, f"{prefix}{f.name}.")
         elif "open" in f.metadata:
             open_group(cfg, prefix + f.name, f.metadata["open"])
-        elif "check" in f.metadata:
+        else:  # a key(): its check
             refuse_if(prefix + f.name, cfg[f.name], f.metadata["check"])
 
 
