@@ -363,7 +363,7 @@ def test_a_data_set_read_in_order_is_refused_in_one_line(tmp_path):
     assert "streams are not part of this project" in lines[0]
     assert not (tmp_path / "run").exists()
     # the check refuses a data set read in order, not any data set that is not the project's own
-    assert parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "builtins.list"}}}), "val") == []
+    assert parts.data_set(OmegaConf.create({"val": {"_target_": "builtins.list"}}), "val") == []
     with pytest.raises(UserError, match=r"^data.val: Records is an IterableDataset"):
-        parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "tests.test_data.Records"}}}), "val")
+        parts.data_set(OmegaConf.create({"val": {"_target_": "tests.test_data.Records"}}), "val")
 {% endif %}

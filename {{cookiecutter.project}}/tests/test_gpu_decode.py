@@ -172,12 +172,10 @@ def test_what_the_device_cannot_finish_is_refused_in_one_line(photos):
         CropDecoder(transform, "gpu")
     tv = ImageFiles(photos, crop_list(32), decode="torchvision")
     gpu = on_gpu_reader(tv, crop_list(32))
-    own = OmegaConf.create(
-        {"data": {"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}}}
-    )
+    own = OmegaConf.create({"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}})
     with pytest.raises(UserError, match=r"^data.collate is set, and ImageFiles collates its batches itself \(data"):
         parts.collate(own, gpu)
-    none = OmegaConf.create({"data": {}})
+    none = OmegaConf.create({})
     assert parts.collate(none, gpu) == gpu.reader.collate and parts.collate(none, tv) is None
     assert parts.collate(own, tv).func.__name__ == "collate_and_ask"  # yours, where the data set names none
     with pytest.raises(UserError, match=f"^{ON_THE_CPU}$"):

@@ -185,10 +185,10 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
 def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
     """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
-        model, task = parts.model(cfg).to(device), parts.task(cfg)
+        model, task = parts.model(cfg.model).to(device), parts.build(cfg.task, "task")
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
         batch = (collate or default_collate)([samples[i % len(samples)] for i in range(batch_size)])
-    batch = parts.prepare(cfg, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
+    batch = parts.prepare(cfg.data, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # the device done with what was asked
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
@@ -197,7 +197,7 @@ def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, 
         model.zero_grad(set_to_none=True)
         split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
     sync()
-    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg, model))
+    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg.optim, model))
 
 
 def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -307,9 +307,9 @@ def diagnose(cfg) -> dict:
     space = memory.shm_space()  # (free, size) of where the batches in flight live, or None (memory.py)
     shm_free, shm_size = (None, None) if space is None else (space[0] / MiB, space[1] / MiB)
     began = time.perf_counter()
-    train_set = parts.data_set(cfg, "train")
+    train_set = parts.data_set(cfg.data, "train")
     build_s = time.perf_counter() - began
-    results, collate = [], parts.collate(cfg, train_set)  # the batches as train.py collates them
+    results, collate = [], parts.collate(cfg.data, train_set)  # the batches as train.py collates them
     for name in GlobalHydra.instance().config_loader().get_group_options("loader"):
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)

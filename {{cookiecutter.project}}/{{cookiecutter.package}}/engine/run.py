@@ -189,23 +189,24 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
 {% if cookiecutter.with_fsdp == "yes" %}
     if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
         amp = amp_dtype(cfg.amp, device)
-        model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
+        model = fsdp.build(lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
     else:
-        model = parts.model(cfg, device)
+        model = parts.model(cfg.model, device, cfg.channels_last)
     load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
 {% else %}
-    model = parts.model(cfg, device)
+    model = parts.model(cfg.model, device, cfg.channels_last)
 {% endif %}
     if cfg.init_from and not resuming:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
-    optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
-    task, callbacks = parts.task(cfg), Callbacks(cfg)  # before restore: a resume's draws from the RNG are the same
-    train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")
+    optimizer = parts.optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
+    # the task and callbacks before restore: a resume's draws from the RNG are the same
+    task = parts.build(cfg.task, "task")
+    callbacks = Callbacks(cfg.get("callbacks"))
+    train_set, val_set = parts.data_set(cfg.data, "train"), parts.data_set(cfg.data, "val")
     classes = {"train": getattr(train_set, "classes", None), "val": getattr(val_set, "classes", None)}
     check_classes(classes, cfg.data.get("num_classes"))
-    collate = parts.collate(cfg, train_set)
-    with parts.stage(cfg, "data.normalize", "to build"):
-        prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
+    collate = parts.collate(cfg.data, train_set)
+    prepare = parts.prepare(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on the device
     return Problem(model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %})
 
 
@@ -272,13 +273,15 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
 {% else %}
     total_steps = cfg.epochs * -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
 {% endif %}
-    scheduler = parts.schedule(cfg, optimizer, total_steps)
+    scheduler = parts.schedule(cfg.schedule, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
 {% if cookiecutter.with_fsdp == "yes" %}
     ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
-            twin = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model)
+            twin = fsdp.build(
+                lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model
+            )
             ema = EMA(model, cfg.ema.decay, twin)
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
@@ -297,7 +300,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
 
     def throwaway() -> torch.Tensor:  # the task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        batch = two_prepared(cfg, copy.copy(train_set), collate, prepare, device, "training")
+        batch = two_prepared(cfg.data, copy.copy(train_set), collate, prepare, device, "training")
         return split_loss(task.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway, undone(model, optimizer))
@@ -307,7 +310,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
             ema.model.load_state_dict(ckpt["ema"])
     if ema is not None and ckpt and ckpt.get("ema") is None:
         log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
-    batch_transform = parts.batch_transform(cfg)
+    batch_transform = parts.batch_transform(cfg.data)
     if batch_transform is not None:  # keyed on (epoch, batch number): the same draws for any worker count
         batch_transform = SeededBatchTransform(batch_transform, cfg.seed, world.rank)
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
