@@ -278,7 +278,7 @@ class Config:
     callbacks: Any = key(callback_nodes)  # named callback nodes (conf/callbacks/), each a `_target_`
     data: Any = group(
         targets=("train._target_", "val._target_"),
-        loop={  # read by run.py and parts.py; the data sets get the keys they need as `${data.<key>}`
+        loop={  # read by the engine (run.py, parts.py, device.py); the data sets get theirs as `${data.<key>}`
             "num_classes": None,  # the classes the data sets hold are checked against it
             "normalize": None,
             "collate": None,
