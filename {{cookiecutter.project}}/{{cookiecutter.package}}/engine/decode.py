@@ -25,8 +25,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .errors import UserError
+from .schema import DECODERS, one_of
 
-DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
 JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
@@ -102,8 +102,8 @@ class CropDecoder:
     """
 
     def __init__(self, transform, decode: str = "auto"):
-        if decode not in DECODERS:  # from code outside Hydra: the schema refuses such a word in a config
-            raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
+        if wanted := one_of(*DECODERS)(decode):  # from code outside Hydra: the schema refuses it in a config
+            raise UserError(f"data.decode must be {wanted}, got {decode!r}")
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
         self.flip = gpu_steps(transform, self.plan) if decode == "gpu" else None  # the flip step, if any

@@ -47,24 +47,19 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     """Settle a loader profile's `auto` values; combinations that cannot apply are adjusted and said so. The ranges of
     its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed."""
     workers = usable_cpus() if cfg.num_workers == "auto" else cfg.num_workers
-    prefetch = cfg.prefetch_factor
-    pin = cfg.pin_memory
-    if pin == "auto":
-        pin = device_type == "cuda"
+    pin = device_type == "cuda" if cfg.pin_memory == "auto" else cfg.pin_memory
     if pin and device_type != "cuda":
         log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
         pin = False
-    persistent, timeout = cfg.persistent_workers, cfg.timeout
-    if workers == 0:
-        # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
-        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch))
-        ignored = [k for k, v in given if v]
-        if ignored:
-            log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
-        persistent, prefetch, timeout = False, None, 0.0
-    elif prefetch is None:
-        prefetch = 2  # PyTorch's own default
-    return LoaderSettings(cfg.batch_size, workers, prefetch, pin, persistent, float(timeout))
+    prefetch = 2 if cfg.prefetch_factor is None else cfg.prefetch_factor  # null: PyTorch's own default
+    settings = LoaderSettings(cfg.batch_size, workers, prefetch, pin, cfg.persistent_workers, float(cfg.timeout))
+    if workers:
+        return settings
+    # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
+    ignored = [k for k in ("persistent_workers", "prefetch_factor") if cfg[k]]
+    if ignored:
+        log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
+    return settings.in_main()
 
 
 class EpochBatchSampler(Sampler):

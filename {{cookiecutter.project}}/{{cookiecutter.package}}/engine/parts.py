@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from .device import PrepareBatch, input_transform
 from .errors import UserError, reason
-from .optim import LOOP_KEYS, parameter_groups
+from .optim import parameter_groups
+from .schema import LOOP_KEYS
 
 
 @contextlib.contextmanager
