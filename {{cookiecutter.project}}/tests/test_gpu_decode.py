@@ -76,7 +76,8 @@ def test_a_jpeg_sample_is_its_bytes_with_the_box_and_flip_the_cpu_path_draws(pho
             drawn = train_list.transforms[1].make_params([image])
         flip = bool(torch.rand(1) < 0.5)
         assert isinstance(sample, EncodedImage) and torch.equal(sample.data, file)
-        assert sample.box == (drawn["top"], drawn["left"], drawn["height"], drawn["width"]) and sample.flip == flip
+        top, left = drawn["top"], drawn["left"]
+        assert sample.box == (top, left, top + drawn["height"], left + drawn["width"]) and sample.flip == flip
         flips.add(sample.flip)
         boxes.add(sample.box)
     assert flips == {True, False} and len(boxes) == 10

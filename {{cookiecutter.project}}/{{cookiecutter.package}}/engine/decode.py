@@ -13,7 +13,6 @@ what data.decode=torchvision makes.
 from __future__ import annotations
 
 import io
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +118,8 @@ class CropDecoder:
             if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
                 # the box as the CPU path cuts it at full size, the flip drawn after it as RandomHorizontalFlip draws
                 # it (`torch.rand(1) >= p`: not flipped)
-                y0, x0, y1, x1 = cut(box, 1, image.size)
                 flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
-                file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip)
+                return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), cut(box, 1, image.size), flip)
             pixels, _ = self.region(data, image, box, crop.size)
         out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
@@ -172,9 +169,8 @@ class CropDecoder:
             for t in (data, pixels):
                 if t is not None:
                     t.share_memory_()
-        ends = list(itertools.accumulate(f.data.numel() for f in files))
-        boxes, flips = [f.box for f in files], [f.flip for f in files]
-        return EncodedBatch(data, ends, boxes, flips, at, self.plan[0], pixels, len(images))
+        lengths, boxes, flips = [f.data.numel() for f in files], [f.box for f in files], [f.flip for f in files]
+        return EncodedBatch(data, lengths, boxes, flips, at, self.plan[0], pixels, len(images))
 
 
 def gpu_steps(transform, plan):
@@ -206,8 +202,8 @@ def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
 
 @dataclass
 class EncodedImage:
-    """One JPEG sample as a worker makes it: the file's bytes (uint8, 1-D), its box (top, left, height, width, in
-    the file's pixels) and whether it is flipped."""
+    """One JPEG sample as a worker makes it: the file's bytes (uint8, 1-D), its box (`cut`'s top, left, bottom,
+    right, in the file's pixels) and whether it is flipped."""
 
     data: torch.Tensor
     box: tuple[int, int, int, int]
@@ -216,13 +212,13 @@ class EncodedImage:
 
 @dataclass
 class EncodedBatch:
-    """A batch's images on the host: the JPEG files one after the other in `data` (file k is
-    `data[ends[k - 1]:ends[k]]`), with their boxes, flips and places in the batch (`at`), and the crop step's box
+    """A batch's images on the host: the JPEG files one after the other in `data` (`lengths`: how many bytes
+    each), with their boxes, flips and places in the batch (`at`), and the crop step's box
     (`RandomBox` or `CentreBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
     the images a worker decoded itself, stacked (uint8 (M, 3, H, W)), for the other places, or is None."""
 
     data: torch.Tensor
-    ends: list[int]
+    lengths: list[int]
     boxes: list[tuple[int, int, int, int]]
     flips: list[bool]
     at: list[int]
@@ -245,7 +241,7 @@ class EncodedBatch:
 
     def files(self) -> list[torch.Tensor]:
         """The JPEG files, each a 1-D view of `data`: the list decode_jpeg decodes in one call."""
-        return [self.data[a:b] for a, b in zip([0, *self.ends[:-1]], self.ends, strict=True)]
+        return list(self.data.split(self.lengths))
 
     def to_images(self, device: torch.device) -> torch.Tensor:
         """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each
@@ -262,8 +258,8 @@ class EncodedBatch:
                 f"data.decode=gpu: a JPEG file of this batch does not decode on {device} ({str(e).splitlines()[0]}):"
                 " data.decode=auto decodes in the workers, where data.on_bad_sample names the file or skips it"
             ) from None
-        for place, image, (top, left, height, width), flip in zip(self.at, images, self.boxes, self.flips, strict=True):
-            part = image[:, top : top + height, left : left + width]  # the view the CPU path cuts
+        for place, image, (y0, x0, y1, x1), flip in zip(self.at, images, self.boxes, self.flips, strict=True):
+            part = image[:, y0:y1, x0:x1]  # the view the CPU path cuts
             part = resize(part, crop.size, crop.interpolation, antialias=crop.antialias)
             out[place] = part.flip(-1) if flip else part  # RandomHorizontalFlip's own flip of an image
         if self.pixels is not None:
