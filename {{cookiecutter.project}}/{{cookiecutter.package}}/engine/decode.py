@@ -120,15 +120,15 @@ class CropDecoder:
                 # it (`torch.rand(1) >= p`: not flipped)
                 flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
                 return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), cut(box, 1, image.size), flip)
-            pixels, _ = self.region(data, image, box, crop.size)
+            pixels = self.region(data, image, box, crop.size)
         out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
         for step in rest:
             out = step(out)
         return out
 
-    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
-        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
+    def region(self, data: bytes, image: Image.Image, box, size) -> torch.Tensor:
+        """The box's pixels as a (3, h, w) uint8 tensor, decoded at scale 1, 2, 4 or 8 (h and w say which)."""
         _, _, height, width = box
         fits = (s for s in SCALES if height / s >= size[0] and width / s >= size[1])
         scale = 1 if self.decode == "torchvision" else next(fits, 1)  # torchvision: decoded whole
@@ -139,7 +139,7 @@ class CropDecoder:
                 pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
             else:
                 y0, x0, y1, x1 = cut(box, 1, image.size)
-                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
+                return pixels[:, y0:y1, x0:x1]  # the view RandomResizedCrop's own crop takes
         if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
             scale = 1  # PIL could not draft this file: decoded whole
         y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
@@ -147,7 +147,7 @@ class CropDecoder:
         # of a 2,048 x 1,536 photo, a fifth of the decode's own time); an RGB file is not converted: convert("RGB")
         # would only copy it again
         part = image.crop((x0, y0, x1, y1))
-        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB"))
 
     def collate(self, samples: list) -> list:
         """data.decode=gpu's collate of `(image, label)` samples: the images become one `EncodedBatch`; the labels,

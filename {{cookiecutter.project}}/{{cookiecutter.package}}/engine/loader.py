@@ -263,7 +263,7 @@ class SeedWorker:
     stream `(worker_id + rotation) % W` of the given streams. With `stack_dir`, the worker writes its Python
     stack there when a stall is reported (failures.arm_stack_dump)."""
 
-    def __init__(self, streams=None, rotation: int = 0, worker_init=None, stack_dir: str | None = None):
+    def __init__(self, streams: list | None, rotation: int, worker_init, stack_dir: str | None):
         self.streams = None if streams is None else list(streams)  # as they stand now: the loader's list runs on
         self.rotation, self.worker_init, self.stack_dir = rotation, worker_init, stack_dir
 
@@ -336,7 +336,7 @@ class EpochLoader:
         return self.settings.batch_size * self.world_size
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.position
+        return self.batches_per_epoch - self.position  # a stream without sizes (None) has none: a TypeError
 
     def __iter__(self):
         """The rest of this epoch's batches; once they are all consumed, the epoch counts as done."""

@@ -19,9 +19,8 @@ from .errors import UserError
 
 def is_shard_stream(dataset) -> bool:
     """`shards` and `read`, and no index: a data set with `__getitem__` is read by index, whatever else it has."""
-    if not (hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))):
-        return False
-    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
+    indexed = hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset)
+    return hasattr(dataset, "shards") and callable(getattr(dataset, "read", None)) and not indexed
 
 
 def is_stream(dataset) -> bool:
