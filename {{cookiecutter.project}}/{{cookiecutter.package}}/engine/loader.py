@@ -545,8 +545,7 @@ class EvalStream(IterableDataset):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self):
-        worker, workers = shard_plan.this_worker()
-        return shard_plan.records(self.dataset, self.rank * workers + worker, self.world_size * workers)
+        return shard_plan.records(self.dataset, self.rank, self.world_size)
 
 
 {% endif %}
