@@ -60,7 +60,7 @@ class CentreBox:
         crop_h, crop_w = self.size
         if crop_h > new_h or crop_w > new_w:
             return None  # CenterCrop would pad: the whole transform runs, as without data.decode
-        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+        top, left = round((new_h - crop_h) / 2), round((new_w - crop_w) / 2)  # CenterCrop's (round gives an int)
         fy, fx = height / new_h, width / new_w
         return top * fy, left * fx, crop_h * fy, crop_w * fx
 
@@ -71,10 +71,11 @@ def crop_plan(transform):
     for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
     a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
     steps = list(transform.transforms) if type(transform) is v2.Compose else []
+    types = [type(t) for t in steps]
     public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
-    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
+    if public and types[:2] == [v2.ToImage, v2.RandomResizedCrop]:
         return RandomBox(steps[1]), steps[2:]
-    if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
+    if types[:3] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
         if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
             return CentreBox(steps[1], steps[2]), steps[3:]
     return None
@@ -177,8 +178,8 @@ def gpu_steps(transform, plan):
     """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
     (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
     one line: a step of another kind would run in the main process, off the sample's seeded generator."""
-    crop, rest = plan if plan is not None else (None, None)
-    if crop is not None and (not rest or (len(rest) == 1 and type(rest[0]) is v2.RandomHorizontalFlip)):
+    rest = plan[1] if plan is not None else None
+    if rest is not None and [type(t) for t in rest] in ([], [v2.RandomHorizontalFlip]):
         return rest[0] if rest else None
     steps = transform.transforms if type(transform) is v2.Compose else [transform]
     names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
