@@ -10,7 +10,6 @@ worker's RNG, its *stream* `i % W`, of which the loop keeps the last one it cons
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -48,9 +47,7 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed."""
     workers = usable_cpus() if cfg.num_workers == "auto" else cfg.num_workers
     prefetch = cfg.prefetch_factor
-    pin = cfg.pin_memory
-    if pin == "auto":
-        pin = device_type == "cuda"
+    pin = device_type == "cuda" if cfg.pin_memory == "auto" else cfg.pin_memory
     if pin and device_type != "cuda":
         log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
         pin = False
@@ -164,9 +161,8 @@ class SeededBatches(torch.utils.data.Dataset):
             self.seeding.seed(rng.index_seed(base, index))
             return self.dataset[index]
 
-        # in the main process (num_workers=0) its RNG is put back afterwards, untouched by the data
-        make_all = functools.partial(failures.fetch_guarded, self.dataset, batch, self.skip, fetch=make)
-        return self.seeding.batch(make_all, keep=get_worker_info() is None)
+        keep = get_worker_info() is None  # in the main process (num_workers=0) its RNG is put back, untouched
+        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make), keep)
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -232,6 +228,7 @@ def for_the_queue(t: torch.Tensor):
     return t.share_memory_()
 
 
+@dataclass
 class CollateWithSnapshot:
     """Runs the real collate_fn, then, in a worker, captures the worker's RNG (after any RNG the collate used).
 
@@ -242,8 +239,8 @@ class CollateWithSnapshot:
     wait. Here it fails as an exception the main process receives in the batch's place. Small tensors (labels)
     go by value instead (InlineTensor)."""
 
-    def __init__(self, collate_fn, capture_rng: bool = True):
-        self.collate_fn, self.capture_rng = collate_fn, capture_rng
+    collate_fn: object
+    capture_rng: bool
 
     def __call__(self, samples):
         if samples.failed is not None:
