@@ -54,8 +54,7 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     persistent, timeout = cfg.persistent_workers, cfg.timeout
     if workers == 0:
         # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
-        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch))
-        ignored = [k for k, v in given if v]
+        ignored = [k for k in ("persistent_workers", "prefetch_factor") if getattr(cfg, k)]
         if ignored:
             log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
         persistent, prefetch, timeout = False, None, 0.0
@@ -528,8 +527,8 @@ class TrainLoader(EpochLoader):
             self.generator.manual_seed(reseed)
         # the next epoch's workers start from these streams (None: fresh)
         same = not changed and reseed is None and state["num_workers"] == self.settings.num_workers
-        saved = state["worker_streams"] if same else None
-        self.streams = [rng.from_saved(s) for s in saved] if saved else None
+        streams = state["worker_streams"]
+        self.streams = [rng.from_saved(s) for s in streams] if same and streams else None
         self.reuse = False  # workers already running (a loader used before) carry other streams
 
 

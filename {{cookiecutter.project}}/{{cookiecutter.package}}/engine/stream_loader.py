@@ -87,14 +87,11 @@ class ReaderStream(IterableDataset):
         samples, skipped, ends, state = [], [], {}, None
         with rng.kept(get_worker_info() is None, cuda=False):  # num_workers=0: the main process's RNG stays the loop's
             for bad, shard, index, item in records:
-                if bad:
-                    skipped.append(item)
-                    if len(skipped) >= self.batch_size and not samples:
-                        raise failures.BadSample(
-                            f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
-                        )
-                else:
-                    samples.append(item)
+                (skipped if bad else samples).append(item)
+                if len(skipped) >= self.batch_size and not samples:
+                    raise failures.BadSample(
+                        f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
+                    )
                 ends[shard] = index + 1  # a plain stream's under None: its records read
                 if len(samples) == self.batch_size:
                     break
