@@ -240,10 +240,6 @@ class EncodedBatch:
         text = f"{len(self.at)} JPEG files {self.data.nbytes / 2**20:.2f} MiB"
         return text if self.pixels is None else text + " + " + "x".join(map(str, self.pixels.shape)) + " uint8"
 
-    def files(self) -> list[torch.Tensor]:
-        """The JPEG files, each a 1-D view of `data`: the list decode_jpeg decodes in one call."""
-        return list(self.data.split(self.lengths))
-
     def to_images(self, device: torch.device) -> torch.Tensor:
         """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each
         box cut, resized by the resize the CPU path uses and flipped where drawn, the worker-decoded images copied
@@ -251,7 +247,8 @@ class EncodedBatch:
         crop = self.crop
         out = torch.empty((self.size, 3, *crop.size), dtype=torch.uint8, device=device)
         try:
-            images = decode_jpeg(self.files(), mode=ImageReadMode.RGB, device=device)
+            # the files, each a 1-D view of `data`, decoded in one call
+            images = decode_jpeg(list(self.data.split(self.lengths)), mode=ImageReadMode.RGB, device=device)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # a file that passed PIL's header read but not the decoder, for the whole batch
