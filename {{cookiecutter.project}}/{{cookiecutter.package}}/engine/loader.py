@@ -280,8 +280,8 @@ class GuardedDataLoader(DataLoader):
     Workers start in `iter()`: every epoch's, or the first one's only when they are persistent."""
 
     def __init__(self, dataset, settings: LoaderSettings, start_guard=contextlib.nullcontext, **kwargs):
-        given = {k: v for k, v in asdict(settings).items() if k != "batch_size"}
-        super().__init__(dataset, **{**given, **kwargs})
+        # the batches are the caller's (batch_sampler, or batch_size in kwargs): 1 is DataLoader's own default
+        super().__init__(dataset, **{**asdict(settings), "batch_size": 1, **kwargs})
         self.start_guard = start_guard
 
     def __iter__(self):
@@ -537,7 +537,7 @@ class EvalStream(IterableDataset):
     """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
     readers in their own order, whole; a plain stream splits itself."""
 
-    def __init__(self, dataset, rank: int = 0, world_size: int = 1):
+    def __init__(self, dataset, rank: int, world_size: int):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self):
