@@ -238,7 +238,7 @@ class EncodedBatch:
     def describe(self) -> str:
         """`60 JPEG files 5.12 MiB + 4x3x64x64 uint8`: the batch for the prefetch plan's log line."""
         text = f"{len(self.at)} JPEG files {self.data.nbytes / 2**20:.2f} MiB"
-        return text if self.pixels is None else text + " + " + "x".join(map(str, self.pixels.shape)) + " uint8"
+        return text if self.pixels is None else f"{text} + {'x'.join(map(str, self.pixels.shape))} uint8"
 
     def to_images(self, device: torch.device) -> torch.Tensor:
         """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each

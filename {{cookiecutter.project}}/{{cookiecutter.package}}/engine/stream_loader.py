@@ -206,6 +206,11 @@ class StreamLoader(EpochLoader):
         self.batches_per_epoch: int | None = None  # None: a stream without sizes, whose epoch ends where it does
         self.at_epoch_end = False  # the batch just consumed is the epoch's last
         self._plan()
+        self.loader = GuardedDataLoader(
+            self.stream, settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
+            worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
 
     def worker_due(self) -> int:
         """The worker the loop waits on next (a stall names it)."""
@@ -234,12 +239,6 @@ class StreamLoader(EpochLoader):
     def begin(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
         self.stream.control.copy_(torch.cat([torch.tensor([self.epoch, self.first]), self.done]))
-        if self.loader is None:
-            self.loader = GuardedDataLoader(
-                self.stream, self.settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
-                worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
-                generator=torch.Generator().manual_seed(self.seed),
-            )  # fmt: skip
         return iter(self.loader)
 
     def consume(self, items):
