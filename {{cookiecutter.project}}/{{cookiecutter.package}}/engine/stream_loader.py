@@ -105,7 +105,8 @@ class ReaderStream(IterableDataset):
         return batch, note
 
     def _records(self, epoch: int, reader: int, readers: int, consumed: list[int]):
-        """(bad, shard, index, sample or, bad, its error line) of each record this reader reads this epoch."""
+        """(bad, shard, index, item) of each record this reader reads this epoch: the sample, or a bad record's
+        error line."""
         if self.shards:
             for shard in shard_plan.reader_shards(self.seed, epoch, self.sizes, len(consumed), readers)[reader]:
                 yield from self._read(epoch, shard, consumed[shard])
