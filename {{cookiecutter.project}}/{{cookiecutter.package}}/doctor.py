@@ -83,8 +83,8 @@ class Probe(Dataset):
 {% if cookiecutter.with_streams == "yes" %}
 
     def __iter__(self):
-        worker, workers = shard_plan.this_worker()
-        records = itertools.islice(shard_plan.records(self.dataset, worker, workers), max(self.count // workers, 1))
+        workers = shard_plan.this_worker()[1]
+        records = itertools.islice(shard_plan.records(self.dataset), max(self.count // workers, 1))
         while (began := time.time()) and (item := next(records, None)) is not None:  # began: before each read
             self.times.append((began, time.time() - began))
             yield item
