@@ -56,14 +56,14 @@ def join(device: torch.device, stop: StopRequest | None = None) -> World:
     The group joined before the run's checks (`join_early`) is the run's."""
 {% endif %}
     world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
-    if world_size > 1 and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), stop)
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 {% endif %}
         return World()
+    if dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), stop)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
