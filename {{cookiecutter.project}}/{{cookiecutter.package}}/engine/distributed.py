@@ -107,13 +107,13 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss, undone) -> None:
             throwaway_loss().backward()
 
 
-def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
+def all_reduce(tensor: torch.Tensor, world: World | None, op=dist.ReduceOp.SUM) -> list[float]:
     """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
     read. The read stays inside the grace window: with NCCL it is where a rank waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with world.waiting():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
+        dist.all_reduce(tensor, op=op)
         return tensor.tolist()
 
 
