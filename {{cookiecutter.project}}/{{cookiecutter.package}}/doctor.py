@@ -50,6 +50,7 @@ log = logging.getLogger("doctor")
 MiB = 2**20
 MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
 START_SHARE = 0.05  # an epoch start costing more than this share of an epoch is worth persistent workers
+PSS_EVERY_S = 0.2  # PeakPss's shortest wait between readings
 SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")  # into doctor.json
 
 
@@ -103,17 +104,17 @@ class PeakPss(threading.Thread):
     """Polls monitor.pss_mib() until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time
     per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
 
-    def __init__(self, every_s: float = 0.2):
+    def __init__(self):
         super().__init__(daemon=True)
-        self.every_s, self.peak, self.stop = every_s, 0.0, threading.Event()
+        self.peak, self.stop = 0.0, threading.Event()
         self.start()
 
     def run(self) -> None:
-        wait = self.every_s
+        wait = PSS_EVERY_S
         while not self.stop.wait(wait):
             began = time.perf_counter()
             self.peak = max(self.peak, monitor.pss_mib())
-            wait = max(self.every_s, 10 * (time.perf_counter() - began))
+            wait = max(PSS_EVERY_S, 10 * (time.perf_counter() - began))
 
     def result(self) -> float:
         """Stops polling: the peak, a last reading included."""
@@ -122,10 +123,10 @@ class PeakPss(threading.Thread):
         return max(self.peak, monitor.pss_mib())
 
 
-def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
-    """Bytes of batches in shared memory once they stop growing (or reach what is expected)."""
+def wait_for_queue(expected_bytes: int) -> int:
+    """Bytes of batches in shared memory once they stop growing (or reach what is expected), waiting 5 s at most."""
     pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
-    best, steady_since, deadline = 0, time.time(), time.time() + timeout_s
+    best, steady_since, deadline = 0, time.time(), time.time() + 5
     while time.time() < deadline:
         now = monitor.shared_batches(pids)
         if now > best:
