@@ -69,11 +69,9 @@ def setup(cfg) -> None:
     if "mlflow" in cfg.get("logger", {}).get("use", ()):
         # every HTTP request of MLflow's bounded, by the variables it reads (its default retries with backoff can take
         # minutes against a dead server); a value you exported stays
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(cfg.logger.timeout_s))))
-        changes += [
-            f"{name}={os.environ[name]}" for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-        ]
+        timeout = str(max(1, round(cfg.logger.timeout_s)))
+        bounds = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": timeout}
+        changes += [f"{name}={os.environ.setdefault(name, value)}" for name, value in bounds.items()]
 {% endif %}
     log.info("process: %s", ", ".join(changes))
 
