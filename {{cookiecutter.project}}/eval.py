@@ -79,7 +79,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
         raise UserError(f"eval: split={cfg.split!r} is not a dataset of the data config; it has {', '.join(splits)}")
 
     device = pick_device(cfg.device)
-    model = parts.model(cfg)
+    model = parts.model(cfg.model)
     use_ema = cfg.ema is not False and ckpt.get("ema") is not None  # the weights the run's validation judged
     weights = ckpt["ema"] if use_ema else ckpt["model"]
     if odd := checkpoint.misfit(model.state_dict(), weights):  # names and shapes, checked before the load
@@ -96,18 +96,18 @@ def evaluate_checkpoint(cfg) -> dict | None:
                 "may differ from the run's in their last digits", resume.written_by(ckpt), world.world_size,
             )  # fmt: skip
         model.to(device)
-        dataset = parts.data_set(cfg, cfg.split)
-        collate = parts.collate(cfg, dataset)
+        dataset = parts.data_set(cfg.data, cfg.split)
+        collate = parts.collate(cfg.data, dataset)
         settings = resolve_settings(cfg.loader, device.type)
         loader = eval_loader(
             dataset, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker,
             collate_fn=collate, start_guard=StopRequest.starting_workers,
         )  # fmt: skip
         channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
-        prepare = parts.prepare(cfg, device, channels_last)  # uint8 -> normalized floats, as in training
+        prepare = parts.prepare(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        task = parts.task(cfg)
+        task = parts.build(cfg.task, "task")
         metrics = evaluate(task, model, loader, device, world, prepare)  # summed over the ranks
     finally:
         distributed.leave(world)

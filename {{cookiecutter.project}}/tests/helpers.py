@@ -192,7 +192,8 @@ def loader_settings(
     batch_size: int = 16, workers: int = 2, persistent: bool = True, prefetch: int = 2, pin: bool = False
 ) -> LoaderSettings:
     """LoaderSettings as resolve_settings() would give them for `workers` (no prefetch nor persistence at 0)."""
-    return LoaderSettings(batch_size, workers, prefetch if workers else None, pin, persistent and workers > 0, 0.0)
+    settings = LoaderSettings(batch_size, workers, prefetch, pin, persistent, 0.0)
+    return settings if workers else settings.in_main()
 
 
 def end_workers(loader) -> None:

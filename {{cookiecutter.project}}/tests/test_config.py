@@ -229,6 +229,20 @@ def test_check_passes_every_shipped_choice(tmp_path):
         check(compose_cfg("data=cifar10"), {}, ["data=cifar10"])
 
 
+def test_open_groups_check_the_loop_keys_always_and_the_shipped_keys_with_a_shipped_target():
+    """schema.py's open groups (preflight.open_group): a `_target_` left unset is named; the keys the loop reads are
+    checked whatever the target, the shipped targets' keys only with one of them (a data set of yours may mean
+    otherwise)."""
+    for key in ("model._target_", "data.val._target_"):
+        with pytest.raises(UserError, match=f"^{re.escape(key)} is not set: the {key.split('.')[0]} group needs it"):
+            preflight.check_keys(compose_cfg(f"{key}=null"))
+    preflight.check_keys(compose_cfg(*RNG_DATA, "data.image_size=0"))  # a key of the shipped data sets, not yours
+    with pytest.raises(UserError, match="data.image_size must be an integer >= 1, got 0"):  # control: theirs
+        preflight.check_keys(compose_cfg("data.image_size=0"))
+    with pytest.raises(UserError, match="data.on_bad_sample must be error or skip, got 'maybe'"):  # the loop's
+        preflight.check_keys(compose_cfg(*RNG_DATA, "data.on_bad_sample=maybe"))
+
+
 def check(cfg, choices, overrides):
     """What train.py checks before a run (engine/preflight.py), on a run folder that is never made."""
     try:

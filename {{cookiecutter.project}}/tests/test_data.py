@@ -179,8 +179,8 @@ def test_the_box_is_the_transforms_and_a_large_photo_decodes_at_a_smaller_scale(
     data = (jpegs / "a" / "0-large.jpg").read_bytes()
     for out, wanted in ((64, 8), (200, 4), (400, 2), (700, 1)):  # a 1200 px box: 1/8 holds it at 150 px, 1/4 at 300
         with Image.open(jpegs / "a" / "0-large.jpg") as image:
-            pixels, scale = train.reader.region(data, image, (0, 100, 1200, 1200), [out, out])
-        assert scale == wanted and tuple(pixels.shape) == (3, 1200 // scale, 1200 // scale), out
+            pixels = train.reader.region(data, image, (0, 100, 1200, 1200), [out, out])
+        assert tuple(pixels.shape) == (3, 1200 // wanted, 1200 // wanted), out  # decoded at 1/wanted
 
 
 def test_small_photos_grayscale_cmyk_exif_and_16_bit_png_come_out_as_pil_converts_them(jpegs, tmp_path):
@@ -363,7 +363,7 @@ def test_a_data_set_read_in_order_is_refused_in_one_line(tmp_path):
     assert "streams are not part of this project" in lines[0]
     assert not (tmp_path / "run").exists()
     # the check refuses a data set read in order, not any data set that is not the project's own
-    assert parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "builtins.list"}}}), "val") == []
+    assert parts.data_set(OmegaConf.create({"val": {"_target_": "builtins.list"}}), "val") == []
     with pytest.raises(UserError, match=r"^data.val: Records is an IterableDataset"):
-        parts.data_set(OmegaConf.create({"data": {"val": {"_target_": "tests.test_data.Records"}}}), "val")
+        parts.data_set(OmegaConf.create({"val": {"_target_": "tests.test_data.Records"}}), "val")
 {% endif %}

@@ -12,10 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import checkpoint, fsdp
@@ -402,3 +404,21 @@ def test_sharded_metadata_that_would_run_code_is_refused(tmp_path):
     subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({str(save / '.metadata')!r}, 'rb'))"],
                    cwd=tmp_path, check=True)  # fmt: skip
     assert (tmp_path / "pwned").exists()
+
+
+def test_a_sharded_save_read_whole_in_one_process_warns_of_nothing(tmp_path):
+    """eval.py, init_from and export read a sharded save in one process: DCP's note that it loads without a process
+    group is silenced by where it comes from (its module), not by its words."""
+    save = tmp_path / "last.pth"
+    dcp.save({"model.weight": torch.arange(6.0)}, checkpoint_id=save, no_dist=True)
+    torch.save({"format": 1, "ema": None}, save / "run.pth")
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        whole = checkpoint.read(save, "test", "a save", whole=True)
+    assert torch.equal(whole["model"]["weight"], torch.arange(6.0))
+    assert not held, [str(w.message) for w in held]
+    # the control: the same load without the filter warns
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        dcp.load({"model.weight": torch.empty(6)}, checkpoint_id=save, no_dist=True)
+    assert any(issubclass(w.category, UserWarning) for w in held)

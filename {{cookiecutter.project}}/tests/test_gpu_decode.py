@@ -76,7 +76,8 @@ def test_a_jpeg_sample_is_its_bytes_with_the_box_and_flip_the_cpu_path_draws(pho
             drawn = train_list.transforms[1].make_params([image])
         flip = bool(torch.rand(1) < 0.5)
         assert isinstance(sample, EncodedImage) and torch.equal(sample.data, file)
-        assert sample.box == (drawn["top"], drawn["left"], drawn["height"], drawn["width"]) and sample.flip == flip
+        top, left = drawn["top"], drawn["left"]
+        assert sample.box == (top, left, top + drawn["height"], left + drawn["width"]) and sample.flip == flip
         flips.add(sample.flip)
         boxes.add(sample.box)
     assert flips == {True, False} and len(boxes) == 10
@@ -119,7 +120,8 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
         for _ in range(2):  # two epochs
             for batch in loader:
                 if collate_fn is not None and isinstance(batch[0], EncodedBatch):
-                    assert {f.numel() for f in batch[0].files()} <= lengths and batch[1].dtype == torch.int64
+                    assert set(batch[0].lengths) <= lengths and sum(batch[0].lengths) == batch[0].data.numel()
+                    assert batch[1].dtype == torch.int64
                     assert memory.batch_bytes(batch) == batch[0].nbytes + batch[1].nbytes
                 out.append(prepare(batch)[0].clone())
                 if stop is not None and len(out) == stop:
@@ -141,7 +143,7 @@ def test_the_collate_keeps_the_files_a_list_for_any_worker_count_and_on_resume(p
     jpg = [i for i, p in enumerate(gpu.paths) if p.endswith(".jpg")]
     batch = gpu.collate_fn([gpu[i] for i in [jpg[0], png, jpg[1]]])
     assert isinstance(batch[0], EncodedBatch) and batch[0].at == [0, 2] and batch[0].pixels.shape == (1, 3, 32, 32)
-    assert [f.numel() for f in batch[0].files()] == [len(gpu.read(jpg[0])), len(gpu.read(jpg[1]))]
+    assert batch[0].lengths == [len(gpu.read(jpg[0])), len(gpu.read(jpg[1]))]
     assert "2 JPEG files" in memory.layout(batch) and "1x3x32x32 uint8" in memory.layout(batch)
     stacked = gpu.collate_fn([gpu[png], gpu[png]])
     assert isinstance(stacked[0], torch.Tensor) and stacked[0].shape == (2, 3, 32, 32)
@@ -172,12 +174,10 @@ def test_what_the_device_cannot_finish_is_refused_in_one_line(photos):
         CropDecoder(transform, "gpu")
     tv = ImageFiles(photos, crop_list(32), decode="torchvision")
     gpu = on_gpu_reader(tv, crop_list(32))
-    own = OmegaConf.create(
-        {"data": {"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}}}
-    )
+    own = OmegaConf.create({"collate": {"_target_": "tests.test_gpu_decode.collate_and_ask", "_partial_": True}})
     with pytest.raises(UserError, match=r"^data.collate is set, and ImageFiles collates its batches itself \(data"):
         parts.collate(own, gpu)
-    none = OmegaConf.create({"data": {}})
+    none = OmegaConf.create({})
     assert parts.collate(none, gpu) == gpu.reader.collate and parts.collate(none, tv) is None
     assert parts.collate(own, tv).func.__name__ == "collate_and_ask"  # yours, where the data set names none
     with pytest.raises(UserError, match=f"^{ON_THE_CPU}$"):

@@ -24,7 +24,7 @@ from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, s
 
 def built_optimizer(optim: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer a run builds (parts.optimizer) from the optim config `optim`."""
-    return parts.optimizer(OmegaConf.create({"optim": optim}), model)
+    return parts.optimizer(OmegaConf.create(optim), model)
 
 
 BASE = [*RNG_DATA, "+data.val.draws=false", "epochs=2", "loader=balanced", "loader.num_workers=2"]

@@ -15,6 +15,7 @@ from {{ cookiecutter.package }}.engine.loader import (
     GuardedDataLoader,
     InlineTensor,
     TrainLoader,
+    for_the_queue,
 )
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from tests.datasets import IndexedDraws, RngDrawingDataset, SometimesDraws, collate_with_numpy_draw
@@ -138,7 +139,8 @@ def test_small_tensors_travel_by_value_and_arrive_as_they_left():
     for t in small:
         back = pickle.loads(ForkingPickler.dumps(InlineTensor(t)))
         assert torch.equal(back, t) and back.dtype == t.dtype and back.shape == t.shape and not back.is_shared()
-    assert not InlineTensor.fits(torch.zeros(INLINE_BYTES + 1, dtype=torch.uint8))
+    assert all(isinstance(for_the_queue(t), InlineTensor) for t in small)
+    assert not isinstance(for_the_queue(torch.zeros(INLINE_BYTES + 1, dtype=torch.uint8)), InlineTensor)
     loader = TrainLoader(RngDrawingDataset(32, image_size=64), loader_settings(8, 2), seed=1)
     for images, labels in loader:  # 8 x 3 x 64 x 64 floats: 384 KiB
         assert images.is_shared() and not labels.is_shared() and labels.dtype == torch.int64
@@ -222,7 +224,7 @@ def test_workers_start_with_sigterm_blocked_until_their_worker_init():
     """Between a worker's fork and its worker_init_fn, PyTorch's handler lets a SIGTERM from anyone but the parent kill
     it: StopRequest.starting_workers keeps it blocked there, and leaves this process's own mask as it was."""
     for guard, blocked in ((StopRequest.starting_workers, True), (contextlib.nullcontext, False)):  # and the control
-        loader = GuardedDataLoader(MaskAtInit(), batch_size=None, num_workers=1, worker_init_fn=record_mask,
-                                   start_guard=guard)  # fmt: skip
+        settings = loader_settings(workers=1, persistent=False)
+        loader = GuardedDataLoader(MaskAtInit(), settings, guard, batch_size=None, worker_init_fn=record_mask)
         assert list(loader) == [blocked, blocked], guard
         assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

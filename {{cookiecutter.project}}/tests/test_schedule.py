@@ -43,8 +43,7 @@ def test_scheduler_steps_the_optimizer_and_round_trips():
 
 def lr_after(schedule_cfg, steps: int) -> float:
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
-    cfg = OmegaConf.create({"schedule": schedule_cfg})
-    scheduler = schedule(cfg, optimizer, total_steps=100)  # the planned epochs'
+    scheduler = schedule(OmegaConf.create(schedule_cfg), optimizer, total_steps=100)  # the planned epochs'
     for _ in range(steps):
         optimizer.step()
         scheduler.step()

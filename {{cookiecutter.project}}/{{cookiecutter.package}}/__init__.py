@@ -6,7 +6,7 @@ them are listed in the README's "Layout" section.
 
 What these files use of the engine, its public surface (the rest of `engine/` may change without notice):
 - `engine.errors`: UserError, one `error:` line and exit code 2;
-- `engine.rng`: seeding, `kept`; `engine.device`: a batch's tensors, `to_device`;
+- `engine.rng`: seeding, `kept`; `engine.device`: a batch's tensors and parts, `to_device`;
 - `engine.data_check`: a data set's first samples, its classes checked; `engine.files`: durable writes;
 - `engine.schema`: the rules for a config value, `flatten`;
 {% if cookiecutter.with_photos == "yes" %}

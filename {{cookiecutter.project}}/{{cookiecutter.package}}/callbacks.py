@@ -111,8 +111,8 @@ class HParams:
         # each key as a number, bool or word; lists and None as words (what the HParams tab takes)
         config = flatten(OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True))
         config = {k: v if isinstance(v, (int, float, bool, str)) else str(v) for k, v in config.items() if v != {}}
-        figures = {k: v for k, v in self.last.items() if k == "train_loss" or k.startswith("val_")}
-        run.runlog.hparams(config, {f"hparams/{k}": v for k, v in figures.items()})
+        figures = {f"hparams/{k}": v for k, v in self.last.items() if k == "train_loss" or k.startswith("val_")}
+        run.runlog.hparams(config, figures)
 
 
 PALETTE = torch.tensor([[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],

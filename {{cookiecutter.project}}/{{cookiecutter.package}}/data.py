@@ -56,8 +56,8 @@ class ImageFiles(datasets.ImageFolder):
             raise UserError(
                 f"no images found under {str(root)!r} ({e}): put one subfolder of images per class there"
             ) from None
-        self.paths = np.array([path for path, _ in self.samples])
-        self.labels = np.array([label for _, label in self.samples], dtype=np.int64)
+        paths, labels = zip(*self.samples)  # ImageFolder refused an empty folder
+        self.paths, self.labels = np.array(paths), np.array(labels, dtype=np.int64)
         self.samples = self.imgs = self.targets = None  # drop the per-file Python objects
 {% if cookiecutter.with_photos == "yes" %}
         self.reader = CropDecoder(transform, decode)
@@ -148,7 +148,8 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
                 "delete that folder or set data.root to a new one"
             )
         return
-    if masks and holds_pairs(root):  # your own image/mask pairs: read as they are, nothing drawn into them
+    # a split's images/ and masks/ folders (SegmentationFolder's layout): your own pairs, read as they are
+    if masks and any((root / s / "images").is_dir() and (root / s / "masks").is_dir() for s in ("train", "val")):
         return
     if root.exists() and any(root.iterdir()):
         raise UserError(
@@ -179,11 +180,6 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
         shutil.rmtree(tmp, ignore_errors=True)
         if not (root / "shapes.json").exists():
             raise
-
-
-def holds_pairs(root: Path) -> bool:
-    """`root` holds a split's images/ and masks/ folders (SegmentationFolder's layout): data of your own."""
-    return any((root / s / "images").is_dir() and (root / s / "masks").is_dir() for s in ("train", "val"))
 
 
 def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:

@@ -50,6 +50,7 @@ log = logging.getLogger("doctor")
 MiB = 2**20
 MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
 START_SHARE = 0.05  # an epoch start costing more than this share of an epoch is worth persistent workers
+PSS_EVERY_S = 0.2  # PeakPss's shortest wait between readings
 SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")  # into doctor.json
 
 
@@ -57,13 +58,13 @@ class Probe(Dataset):
     """The part of the data set a profile reads, each item timed in the process that makes it: `count` evenly spaced
 {% if cookiecutter.with_streams == "yes" %}
     items, or a stream's first `count` records (a shard stream's shards split over the workers, any other stream
-    splitting itself). `collate`: the run's (parts.collate), plus the worker's first-item figures riding along."""
+    splitting itself). `collate`: the run's, plus the worker's first-item figures riding along."""
 {% else %}
-    items. `collate`: the run's (parts.collate), plus the worker's first-item figures riding along."""
+    items. `collate`: the run's, plus the worker's first-item figures riding along."""
 {% endif %}
 
-    def __init__(self, dataset, count: int, collate=None):
-        self.dataset, self.count, self.collate_fn = dataset, count, collate or default_collate
+    def __init__(self, dataset, count: int, collate):
+        self.dataset, self.count, self.collate_fn = dataset, count, collate
         self.times: list[tuple[float, float]] = []  # each item made in this process: (time.time() it began, seconds)
 {% if cookiecutter.with_streams == "yes" %}
         size = 0 if shard_plan.is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
@@ -83,8 +84,8 @@ class Probe(Dataset):
 {% if cookiecutter.with_streams == "yes" %}
 
     def __iter__(self):
-        worker, workers = shard_plan.this_worker()
-        records = itertools.islice(shard_plan.records(self.dataset, worker, workers), max(self.count // workers, 1))
+        workers = shard_plan.this_worker()[1]
+        records = itertools.islice(shard_plan.records(self.dataset), max(self.count // workers, 1))
         while (began := time.time()) and (item := next(records, None)) is not None:  # began: before each read
             self.times.append((began, time.time() - began))
             yield item
@@ -103,17 +104,17 @@ class PeakPss(threading.Thread):
     """Polls monitor.pss_mib() until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time
     per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
 
-    def __init__(self, every_s: float = 0.2):
+    def __init__(self):
         super().__init__(daemon=True)
-        self.every_s, self.peak, self.stop = every_s, 0.0, threading.Event()
+        self.peak, self.stop = 0.0, threading.Event()
         self.start()
 
     def run(self) -> None:
-        wait = self.every_s
+        wait = PSS_EVERY_S
         while not self.stop.wait(wait):
             began = time.perf_counter()
             self.peak = max(self.peak, monitor.pss_mib())
-            wait = max(self.every_s, 10 * (time.perf_counter() - began))
+            wait = max(PSS_EVERY_S, 10 * (time.perf_counter() - began))
 
     def result(self) -> float:
         """Stops polling: the peak, a last reading included."""
@@ -122,10 +123,10 @@ class PeakPss(threading.Thread):
         return max(self.peak, monitor.pss_mib())
 
 
-def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
-    """Bytes of batches in shared memory once they stop growing (or reach what is expected)."""
+def wait_for_queue(expected_bytes: int) -> int:
+    """Bytes of batches in shared memory once they stop growing (or reach what is expected), waiting 5 s at most."""
     pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
-    best, steady_since, deadline = 0, time.time(), time.time() + timeout_s
+    best, steady_since, deadline = 0, time.time(), time.time() + 5
     while time.time() < deadline:
         now = monitor.shared_batches(pids)
         if now > best:
@@ -136,7 +137,7 @@ def wait_for_queue(expected_bytes: int, timeout_s: float = 5.0) -> int:
     return best
 
 
-def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate=None) -> dict:
+def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate) -> dict:
     """One profile, fitted and built as train.py builds it, timed over two epochs of a part of the data: enough
     batches that the queue turns over several times, few enough to stay quick."""
     settings = resolve_settings(loader_cfg, device.type)
@@ -172,7 +173,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
             result["worker_start_s"] = max((began - asked for _, began, _ in workers.values()), default=None)
             result["dataset_init_s"] = max((slower for *_, slower in workers.values()), default=None)
     span = arrivals[-1] - arrivals[0]  # epoch 2 after its first batch
-    result["batches_per_s"] = (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
+    result["batches_per_s"] = (len(arrivals) - 1) / span if span > 0 else None  # None: one batch, or no time
     result["peak_pss_mib"] = peak.result()
     del loader, probe
     gc.collect()  # the DataLoader iterator shuts its workers down when collected: wait for them to be gone
@@ -185,10 +186,10 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
 def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
     """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
-        model, task = parts.model(cfg).to(device), parts.task(cfg)
+        model, task = parts.model(cfg.model).to(device), parts.build(cfg.task, "task")
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
-        batch = (collate or default_collate)([samples[i % len(samples)] for i in range(batch_size)])
-    batch = parts.prepare(cfg, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
+        batch = collate([samples[i % len(samples)] for i in range(batch_size)])
+    batch = parts.prepare(cfg.data, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # the device done with what was asked
     for i in range(steps + 2):  # two warm-up steps, then the timed ones
         if i == 2:
@@ -197,7 +198,7 @@ def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, 
         model.zero_grad(set_to_none=True)
         split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
     sync()
-    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg, model))
+    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg.optim, model))
 
 
 def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -286,30 +287,25 @@ def table(results: list[dict]) -> str:
     """One row a profile, the columns of COLUMNS aligned; a refused profile's row says why instead."""
     rows = [[h for _, h, _ in COLUMNS]]
     rows += [["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in results]
-    refused = [None] + [r.get("refused") for r in results]
-    measured = [row for row, no in zip(rows, refused, strict=True) if no is None]
-    widths = [max(len(row[i]) for row in measured) for i in range(len(COLUMNS))]
-    lines = []
-    for row, no in zip(rows, refused, strict=True):
-        cells = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
-        lines.append(row[0].ljust(widths[0]) + "  " + (cells if no is None else f"refused: {no}"))
-    return "\n".join(lines)
+    rows = [(row, r.get("refused")) for row, r in zip(rows, [{}, *results], strict=True)]
+    widths = [max(len(row[i]) for row, no in rows if no is None) for i in range(len(COLUMNS))]
+    cells = ("  ".join(map(str.rjust, row[1:], widths[1:])) if no is None else f"refused: {no}" for row, no in rows)
+    return "\n".join(row[0].ljust(widths[0]) + "  " + line for (row, _), line in zip(rows, cells))
 
 
 def diagnose(cfg) -> dict:
     """Every profile of conf/loader/ measured, the model timed and sized, doctor.json written, the table printed."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    device = pick_device(cfg.device)
+    hydra_cfg, device = HydraConfig.get(), pick_device(cfg.device)
     rng.seed_everything(cfg.seed)
-    current = HydraConfig.get().runtime.choices.get("loader", "balanced")
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("loader=")]
+    run_dir, current = Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices.get("loader", "balanced")
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("loader=")]
     available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
     space = memory.shm_space()  # (free, size) of where the batches in flight live, or None (memory.py)
-    shm_free, shm_size = (None, None) if space is None else (space[0] / MiB, space[1] / MiB)
+    shm_free, shm_size = (None, None) if space is None else (n / MiB for n in space)
     began = time.perf_counter()
-    train_set = parts.data_set(cfg, "train")
+    train_set = parts.data_set(cfg.data, "train")
     build_s = time.perf_counter() - began
-    results, collate = [], parts.collate(cfg, train_set)  # the batches as train.py collates them
+    results, collate = [], parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
     for name in GlobalHydra.instance().config_loader().get_group_options("loader"):
         profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
         log.info("measuring loader=%s", name)

@@ -160,6 +160,7 @@ class ShardDataset(Dataset):
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # sample number of each shard's first sample
         self.shard = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
         flat = {k: [v for s in shards for v in s[k]] for k in ("offsets", "sizes", "labels", "keys")}
+        # int64 whatever numpy's default integer is (int32 on Windows before NumPy 2): offsets past 2 GiB
         self.offset, self.size, self.label = (np.array(flat[k], dtype=np.int64) for k in ("offsets", "sizes", "labels"))
         self.key = np.array(flat["keys"])  # member names, for a bad sample's line
         del index, shards, flat  # the per-sample Python lists go before any worker forks

@@ -45,7 +45,7 @@ class ShardStream(IterableDataset):
             yield self.transform(sample) if self.transform is not None else sample
 
     def __iter__(self) -> Iterator:
-        return shard_plan.records(self, *shard_plan.this_worker())
+        return shard_plan.records(self)
 
 
 class JsonLines(ShardStream):

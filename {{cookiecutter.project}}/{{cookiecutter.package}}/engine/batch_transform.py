@@ -9,6 +9,8 @@ and on training batches only. A transform drawing from the CUDA generator is not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -17,9 +19,11 @@ from . import rng
 SALT = 0x6D6978  # keeps these draws apart from the data's own per-batch seeding (rng_mode=per_sample)
 
 
+@dataclass
 class SeededBatchTransform:
-    def __init__(self, transform, seed: int, rank: int):
-        self.transform, self.seed, self.rank = transform, seed, rank
+    transform: object
+    seed: int
+    rank: int
 
     def __call__(self, batch, epoch: int, number: int):
         key = np.random.SeedSequence([self.seed, self.rank, epoch, number, SALT]).generate_state(2, np.uint32)

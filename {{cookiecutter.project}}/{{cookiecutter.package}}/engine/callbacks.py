@@ -33,9 +33,9 @@ def stateful(obj) -> bool:
 class Callbacks:
     """The run's callbacks by name (`named`), in the config's order (`cfg.callbacks`)."""
 
-    def __init__(self, cfg):
-        nodes = cfg.get("callbacks") or {}
-        self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items() if node is not None}
+    def __init__(self, nodes):
+        nodes = {name: node for name, node in (nodes or {}).items() if node is not None}
+        self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items()}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
         self.stopper: str | None = None  # that callback's name
 

@@ -19,13 +19,9 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
     samples, first_error = [], None
 {% if cookiecutter.with_streams == "yes" %}
     stream = shard_plan.is_stream(dataset)
-    if stream:  # a stream's first records, in its own order
-        reads = [lambda: shard_plan.first_records(dataset, count)]
-    else:
-        reads = ((lambda index=index: [dataset[index]]) for index in range(min(count + SPARE, len(dataset))))
-    for read in reads:
-        try:
-            samples += read()
+    for index in [None] if stream else range(min(count + SPARE, len(dataset))):
+        try:  # a stream's first records, in its own order, in one read
+            samples += shard_plan.first_records(dataset, count) if stream else [dataset[index]]
 {% else %}
     for index in range(min(count + SPARE, len(dataset))):
         try:

@@ -13,7 +13,6 @@ what data.decode=torchvision makes.
 from __future__ import annotations
 
 import io
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from .errors import UserError
+from .schema import DECODERS, one_of
 
-DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode
 JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after the first, which PIL opens as frame 0
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
@@ -61,7 +60,7 @@ class CentreBox:
         crop_h, crop_w = self.size
         if crop_h > new_h or crop_w > new_w:
             return None  # CenterCrop would pad: the whole transform runs, as without data.decode
-        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+        top, left = round((new_h - crop_h) / 2), round((new_w - crop_w) / 2)  # CenterCrop's (round gives an int)
         fy, fx = height / new_h, width / new_w
         return top * fy, left * fx, crop_h * fy, crop_w * fx
 
@@ -72,10 +71,11 @@ def crop_plan(transform):
     for any other transform, which then gets the whole image as ImageFolder gives it. Exact types, not subclasses:
     a subclass of yours may crop otherwise (and before torchvision 0.21 a random crop is not drawn ahead)."""
     steps = list(transform.transforms) if type(transform) is v2.Compose else []
+    types = [type(t) for t in steps]
     public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
-    if public and len(steps) >= 2 and type(steps[0]) is v2.ToImage and type(steps[1]) is v2.RandomResizedCrop:
+    if public and types[:2] == [v2.ToImage, v2.RandomResizedCrop]:
         return RandomBox(steps[1]), steps[2:]
-    if len(steps) >= 3 and [type(t) for t in steps[:3]] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
+    if types[:3] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
         if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
             return CentreBox(steps[1], steps[2]), steps[3:]
     return None
@@ -102,8 +102,8 @@ class CropDecoder:
     """
 
     def __init__(self, transform, decode: str = "auto"):
-        if decode not in DECODERS:  # from code outside Hydra: the schema refuses such a word in a config
-            raise UserError(f"data.decode must be {', '.join(DECODERS[:-1])} or {DECODERS[-1]}, got {decode!r}")
+        if wanted := one_of(*DECODERS)(decode):  # from code outside Hydra: the schema refuses it in a config
+            raise UserError(f"data.decode must be {wanted}, got {decode!r}")
         self.transform, self.decode = transform, decode
         self.plan = None if decode == "pil" or transform is None else crop_plan(transform)
         self.flip = gpu_steps(transform, self.plan) if decode == "gpu" else None  # the flip step, if any
@@ -119,19 +119,17 @@ class CropDecoder:
             if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
                 # the box as the CPU path cuts it at full size, the flip drawn after it as RandomHorizontalFlip draws
                 # it (`torch.rand(1) >= p`: not flipped)
-                y0, x0, y1, x1 = cut(box, 1, image.size)
                 flip = self.flip is not None and bool(torch.rand(1) < self.flip.p)
-                file = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return EncodedImage(file, (y0, x0, y1 - y0, x1 - x0), flip)
-            pixels, _ = self.region(data, image, box, crop.size)
+                return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), cut(box, 1, image.size), flip)
+            pixels = self.region(data, image, box, crop.size)
         out = resize(pixels, crop.size, crop.interpolation, antialias=crop.antialias)  # resized_crop's own resize
         out = tv_tensors.Image(out.contiguous())  # what ToImage + the crop hand on: a (C, H, W) uint8 Image
         for step in rest:
             out = step(out)
         return out
 
-    def region(self, data: bytes, image: Image.Image, box, size) -> tuple[torch.Tensor, int]:
-        """The box's pixels as a (3, h, w) uint8 tensor, and the scale they were decoded at (1, 2, 4 or 8)."""
+    def region(self, data: bytes, image: Image.Image, box, size) -> torch.Tensor:
+        """The box's pixels as a (3, h, w) uint8 tensor, decoded at scale 1, 2, 4 or 8 (h and w say which)."""
         _, _, height, width = box
         fits = (s for s in SCALES if height / s >= size[0] and width / s >= size[1])
         scale = 1 if self.decode == "torchvision" else next(fits, 1)  # torchvision: decoded whole
@@ -142,7 +140,7 @@ class CropDecoder:
                 pass  # PIL decodes it below and raises its own words for a broken file, as with data.decode=pil
             else:
                 y0, x0, y1, x1 = cut(box, 1, image.size)
-                return pixels[:, y0:y1, x0:x1], 1  # the view RandomResizedCrop's own crop takes
+                return pixels[:, y0:y1, x0:x1]  # the view RandomResizedCrop's own crop takes
         if scale > 1 and image.draft(image.mode, (image.width // scale, image.height // scale)) is None:
             scale = 1  # PIL could not draft this file: decoded whole
         y0, x0, y1, x1 = cut(box, scale, image.size)  # the size after the draft: the scaled image's
@@ -150,7 +148,7 @@ class CropDecoder:
         # of a 2,048 x 1,536 photo, a fifth of the decode's own time); an RGB file is not converted: convert("RGB")
         # would only copy it again
         part = image.crop((x0, y0, x1, y1))
-        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB")), scale
+        return pil_to_tensor(part if part.mode == "RGB" else part.convert("RGB"))
 
     def collate(self, samples: list) -> list:
         """data.decode=gpu's collate of `(image, label)` samples: the images become one `EncodedBatch`; the labels,
@@ -172,17 +170,16 @@ class CropDecoder:
             for t in (data, pixels):
                 if t is not None:
                     t.share_memory_()
-        ends = list(itertools.accumulate(f.data.numel() for f in files))
-        boxes, flips = [f.box for f in files], [f.flip for f in files]
-        return EncodedBatch(data, ends, boxes, flips, at, self.plan[0], pixels, len(images))
+        lengths, boxes, flips = [f.data.numel() for f in files], [f.box for f in files], [f.flip for f in files]
+        return EncodedBatch(data, lengths, boxes, flips, at, self.plan[0], pixels, len(images))
 
 
 def gpu_steps(transform, plan):
     """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
     (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
     one line: a step of another kind would run in the main process, off the sample's seeded generator."""
-    crop, rest = plan if plan is not None else (None, None)
-    if crop is not None and (not rest or (len(rest) == 1 and type(rest[0]) is v2.RandomHorizontalFlip)):
+    rest = plan[1] if plan is not None else None
+    if rest is not None and [type(t) for t in rest] in ([], [v2.RandomHorizontalFlip]):
         return rest[0] if rest else None
     steps = transform.transforms if type(transform) is v2.Compose else [transform]
     names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
@@ -206,8 +203,8 @@ def cut(box, scale: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
 
 @dataclass
 class EncodedImage:
-    """One JPEG sample as a worker makes it: the file's bytes (uint8, 1-D), its box (top, left, height, width, in
-    the file's pixels) and whether it is flipped."""
+    """One JPEG sample as a worker makes it: the file's bytes (uint8, 1-D), its box (`cut`'s top, left, bottom,
+    right, in the file's pixels) and whether it is flipped."""
 
     data: torch.Tensor
     box: tuple[int, int, int, int]
@@ -216,13 +213,13 @@ class EncodedImage:
 
 @dataclass
 class EncodedBatch:
-    """A batch's images on the host: the JPEG files one after the other in `data` (file k is
-    `data[ends[k - 1]:ends[k]]`), with their boxes, flips and places in the batch (`at`), and the crop step's box
+    """A batch's images on the host: the JPEG files one after the other in `data` (`lengths`: how many bytes
+    each), with their boxes, flips and places in the batch (`at`), and the crop step's box
     (`RandomBox` or `CentreBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
     the images a worker decoded itself, stacked (uint8 (M, 3, H, W)), for the other places, or is None."""
 
     data: torch.Tensor
-    ends: list[int]
+    lengths: list[int]
     boxes: list[tuple[int, int, int, int]]
     flips: list[bool]
     at: list[int]
@@ -241,11 +238,7 @@ class EncodedBatch:
     def describe(self) -> str:
         """`60 JPEG files 5.12 MiB + 4x3x64x64 uint8`: the batch for the prefetch plan's log line."""
         text = f"{len(self.at)} JPEG files {self.data.nbytes / 2**20:.2f} MiB"
-        return text if self.pixels is None else text + " + " + "x".join(map(str, self.pixels.shape)) + " uint8"
-
-    def files(self) -> list[torch.Tensor]:
-        """The JPEG files, each a 1-D view of `data`: the list decode_jpeg decodes in one call."""
-        return [self.data[a:b] for a, b in zip([0, *self.ends[:-1]], self.ends, strict=True)]
+        return text if self.pixels is None else f"{text} + {'x'.join(map(str, self.pixels.shape))} uint8"
 
     def to_images(self, device: torch.device) -> torch.Tensor:
         """The batch as uint8 (N, 3, H, W) on `device`: the files decoded there in one call (nvJPEG on CUDA), each
@@ -254,7 +247,8 @@ class EncodedBatch:
         crop = self.crop
         out = torch.empty((self.size, 3, *crop.size), dtype=torch.uint8, device=device)
         try:
-            images = decode_jpeg(self.files(), mode=ImageReadMode.RGB, device=device)
+            # the files, each a 1-D view of `data`, decoded in one call
+            images = decode_jpeg(list(self.data.split(self.lengths)), mode=ImageReadMode.RGB, device=device)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # a file that passed PIL's header read but not the decoder, for the whole batch
@@ -262,8 +256,8 @@ class EncodedBatch:
                 f"data.decode=gpu: a JPEG file of this batch does not decode on {device} ({str(e).splitlines()[0]}):"
                 " data.decode=auto decodes in the workers, where data.on_bad_sample names the file or skips it"
             ) from None
-        for place, image, (top, left, height, width), flip in zip(self.at, images, self.boxes, self.flips, strict=True):
-            part = image[:, top : top + height, left : left + width]  # the view the CPU path cuts
+        for place, image, (y0, x0, y1, x1), flip in zip(self.at, images, self.boxes, self.flips, strict=True):
+            part = image[:, y0:y1, x0:x1]  # the view the CPU path cuts
             part = resize(part, crop.size, crop.interpolation, antialias=crop.antialias)
             out[place] = part.flip(-1) if flip else part  # RandomHorizontalFlip's own flip of an image
         if self.pixels is not None:

@@ -131,9 +131,10 @@ class Normalize:
         device: torch.device | str = "cpu",
         channels_last: bool = False,
     ):
-        shape = (1, -1, 1, 1)
-        self.mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32, device=device).view(shape)
-        self.std = None if std is None else torch.tensor(list(std), dtype=torch.float32, device=device).view(shape)
+        self.mean, self.std = (
+            None if v is None else torch.tensor(list(v), dtype=torch.float32, device=device).view(1, -1, 1, 1)
+            for v in (mean, std)
+        )
         self.channels_last = channels_last
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,14 +56,14 @@ def join(device: torch.device, stop: StopRequest | None = None) -> World:
     The group joined before the run's checks (`join_early`) is the run's."""
 {% endif %}
     world_size, backend = int(os.environ.get("WORLD_SIZE", "1")), "nccl" if device.type == "cuda" else "gloo"
-    if world_size > 1 and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), stop)
     if world_size == 1:
 {% if cookiecutter.with_fsdp == "yes" %}
         if group_of_one and not dist.is_initialized():
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 {% endif %}
         return World()
+    if dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), stop)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
@@ -107,13 +107,13 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss, undone) -> None:
             throwaway_loss().backward()
 
 
-def all_reduce(tensor: torch.Tensor, world: World | None, op=None) -> list[float]:
+def all_reduce(tensor: torch.Tensor, world: World | None, op=dist.ReduceOp.SUM) -> list[float]:
     """Element-wise sum (or `op`) over ranks of a 1-d tensor (in place), read to the host; in one process, just the
     read. The read stays inside the grace window: with NCCL it is where a rank waits for its peers."""
     if world is None or not world.distributed:
         return tensor.tolist()
     with world.waiting():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
+        dist.all_reduce(tensor, op=op)
         return tensor.tolist()
 
 

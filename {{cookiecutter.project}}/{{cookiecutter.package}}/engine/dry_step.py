@@ -41,21 +41,25 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
             "the same model and data"
         )
     device, target, unexact = pick_device(cfg.device), cfg.task._target_, []
+
+    def named(method: str, split: str):  # an error inside the task or model: one line naming where
+        return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
+
     with undone(model, optimizer):
         # from shallow copies: a data set that opens its files on first use does so on the copy, not for the workers
         train_set, val_set = copy.copy(problem.train_set), copy.copy(problem.val_set)
-        batch = two_prepared(cfg, train_set, problem.collate, problem.prepare, device, "training")
-        transform = parts.batch_transform(cfg)
+        batch = two_prepared(cfg.data, train_set, problem.collate, problem.prepare, device, "training")
+        transform = parts.batch_transform(cfg.data)
         if transform is not None:
-            with parts.stage(cfg, "data.batch_transform", "on 2 training samples"):
+            with parts.stage("data.batch_transform", cfg.data.batch_transform, "on 2 training samples"):
                 batch = transform(batch)
-        with _named(cfg, target, "loss", "training"), Kernels(cfg.deterministic, unexact):
+        with named("loss", "training"), Kernels(cfg.deterministic, unexact):
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
-            fast_forward(parts.schedule(cfg, optimizer, 100), 1)
-        batch = two_prepared(cfg, val_set, problem.collate, problem.prepare, device, "validation")
-        with torch.no_grad(), _named(cfg, target, "metrics", "validation"), Kernels(cfg.deterministic, unexact):
+            fast_forward(parts.schedule(cfg.schedule, optimizer, 100), 1)
+        batch = two_prepared(cfg.data, val_set, problem.collate, problem.prepare, device, "validation")
+        with torch.no_grad(), named("metrics", "validation"), Kernels(cfg.deterministic, unexact):
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
         if unexact and cfg.deterministic is True:
@@ -66,7 +70,7 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
             )
         if hasattr(task, "compute"):  # the names reported are those compute() gives, as validation will have them
             totals = {k: torch.as_tensor(metrics[k]).detach().double().cpu() for k in names}
-            with _named(cfg, target, "compute", "validation"):
+            with named("compute", "validation"):
                 names = list(report(task, totals, target))
     reported = ["train_loss"] + [f"val_{name}" for name in names if name != "count"]
     if cfg.checkpoint.monitor not in reported:
@@ -139,16 +143,17 @@ class Kernels(TorchFunctionMode):
         return result
 
 
-def _named(cfg, target: str, method: str, split: str):
-    """An error inside the task or model: one line naming where."""
-    return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
-
-
-def two_prepared(cfg, dataset, collate, prepare, device: torch.device, split: str):
+def two_prepared(data, dataset, collate, prepare, device: torch.device, split: str):
     """A batch of two samples of `split` prepared as the run prepares its batches (`collate`, then `prepare` on
-    `device`), each stage in `parts.stage`."""
-    name, where = "data.train" if split == "training" else "data.val", f"on 2 {split} samples"
-    samples = first_samples(dataset, name)
-    with parts.stage(cfg, name if getattr(dataset, "collate_fn", None) is not None else "data.collate", where):
+    `device`), each stage in `parts.stage`; `data`: the run's data config."""
+    name, where = "train" if split == "training" else "val", f"on 2 {split} samples"
+    samples = first_samples(dataset, f"data.{name}")
+    if getattr(dataset, "collate_fn", None) is None:
+        name = "collate"
+    with parts.stage(f"data.{name}", data.get(name), where):
         batch = (collate or default_collate)(samples)
-    return prepare(to_device(batch, device, non_blocking=False), lambda key: parts.stage(cfg, key, where))
+
+    def stage(key: str):  # a stage of `prepare`: data.decode, data.normalize
+        return parts.stage(key, data.get(key.removeprefix("data.")), where)
+
+    return prepare(to_device(batch, device, non_blocking=False), stage)

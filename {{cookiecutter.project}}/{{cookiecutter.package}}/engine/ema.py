@@ -34,16 +34,14 @@ class EMA:
         ours, theirs = self.model.state_dict(), model.state_dict()
         floats = [k for k, v in ours.items() if v.is_floating_point()]
 {% if cookiecutter.with_fsdp == "yes" %}
-        kinds = {type(ours[k]) for k in floats}  # FSDP: DTensor weights and plain buffers, averaged apart
-        self.floats = [
-            ([ours[k] for k in floats if type(ours[k]) is kind], [theirs[k] for k in floats if type(ours[k]) is kind])
-            for kind in sorted(kinds, key=lambda kind: kind.__name__)
-        ]
+        # FSDP: DTensor weights and plain buffers, averaged apart; each (ours, theirs) in the same order
+        kinds = sorted({type(ours[k]) for k in floats}, key=lambda kind: kind.__name__)
+        self.floats = [tuple([d[k] for k in floats if type(ours[k]) is kind] for d in (ours, theirs)) for kind in kinds]
 {% else %}
-        self.floats = [([ours[k] for k in floats], [theirs[k] for k in floats])]
+        self.floats = [tuple([d[k] for k in floats] for d in (ours, theirs))]  # (ours, theirs), in the same order
 {% endif %}
         others = [k for k, v in ours.items() if not v.is_floating_point()]
-        self.others = ([ours[k] for k in others], [theirs[k] for k in others])
+        self.others = tuple([d[k] for k in others] for d in (ours, theirs))
 
     @torch.no_grad()
     def update(self) -> None:

@@ -10,7 +10,6 @@ worker's RNG, its *stream* `i % W`, of which the loop keeps the last one it cons
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -47,24 +46,19 @@ def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     """Settle a loader profile's `auto` values; combinations that cannot apply are adjusted and said so. The ranges of
     its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed."""
     workers = usable_cpus() if cfg.num_workers == "auto" else cfg.num_workers
-    prefetch = cfg.prefetch_factor
-    pin = cfg.pin_memory
-    if pin == "auto":
-        pin = device_type == "cuda"
+    pin = device_type == "cuda" if cfg.pin_memory == "auto" else cfg.pin_memory
     if pin and device_type != "cuda":
         log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
         pin = False
-    persistent, timeout = cfg.persistent_workers, cfg.timeout
-    if workers == 0:
-        # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
-        given = (("persistent_workers", persistent), ("prefetch_factor", prefetch))
-        ignored = [k for k, v in given if v]
-        if ignored:
-            log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
-        persistent, prefetch, timeout = False, None, 0.0
-    elif prefetch is None:
-        prefetch = 2  # PyTorch's own default
-    return LoaderSettings(cfg.batch_size, workers, prefetch, pin, persistent, float(timeout))
+    prefetch = 2 if cfg.prefetch_factor is None else cfg.prefetch_factor  # null: PyTorch's own default
+    settings = LoaderSettings(cfg.batch_size, workers, prefetch, pin, cfg.persistent_workers, float(cfg.timeout))
+    if workers:
+        return settings
+    # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
+    ignored = [k for k in ("persistent_workers", "prefetch_factor") if cfg[k]]
+    if ignored:
+        log.warning("loader: num_workers=0 loads in the main process; ignoring %s", ", ".join(ignored))
+    return settings.in_main()
 
 
 class EpochBatchSampler(Sampler):
@@ -102,7 +96,7 @@ class EpochBatchSampler(Sampler):
     def permutation(self) -> np.ndarray:
         """The epoch's order of all samples, the same on every rank."""
         if self.order_fn is None:
-            seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1)
+            seed = rng.epoch_base(self.seed, self.epoch) >> 1
             return torch.randperm(self.size, generator=torch.Generator().manual_seed(seed)).numpy()
         order = np.asarray(self.order_fn(self.seed, self.epoch))
         if order.shape != (self.size,) or not np.array_equal(np.sort(order), np.arange(self.size)):
@@ -164,9 +158,8 @@ class SeededBatches(torch.utils.data.Dataset):
             self.seeding.seed(rng.index_seed(base, index))
             return self.dataset[index]
 
-        # in the main process (num_workers=0) its RNG is put back afterwards, untouched by the data
-        make_all = functools.partial(failures.fetch_guarded, self.dataset, batch, self.skip, fetch=make)
-        return self.seeding.batch(make_all, keep=get_worker_info() is None)
+        keep = get_worker_info() is None  # in the main process (num_workers=0) its RNG is put back, untouched
+        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make), keep)
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -206,18 +199,12 @@ class BatchNote:
 INLINE_BYTES = 4 * 1024
 
 
+@dataclass
 class InlineTensor:
     """A small tensor pickled by value (its bytes), so the worker queue's pickler does not move it to shared
     memory; it arrives in the main process as a plain tensor again."""
 
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    @staticmethod
-    def fits(t: torch.Tensor) -> bool:
-        return 0 < t.nbytes <= INLINE_BYTES and t.is_contiguous() and t.layout == torch.strided and not t.is_quantized
+    tensor: torch.Tensor
 
     def __reduce__(self):
         t = self.tensor.detach()
@@ -225,15 +212,20 @@ class InlineTensor:
 
 
 def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 def for_the_queue(t: torch.Tensor):
+    """A worker's batch tensor as it goes on the queue: a small one by value (InlineTensor), a larger one moved
+    to shared memory here (CollateWithSnapshot says why); one on a device as it is."""
     if t.device.type != "cpu":
         return t
-    return InlineTensor(t) if InlineTensor.fits(t) else t.share_memory_()
+    if 0 < t.nbytes <= INLINE_BYTES and t.is_contiguous() and t.layout == torch.strided and not t.is_quantized:
+        return InlineTensor(t)
+    return t.share_memory_()
 
 
+@dataclass
 class CollateWithSnapshot:
     """Runs the real collate_fn, then, in a worker, captures the worker's RNG (after any RNG the collate used).
 
@@ -244,14 +236,14 @@ class CollateWithSnapshot:
     wait. Here it fails as an exception the main process receives in the batch's place. Small tensors (labels)
     go by value instead (InlineTensor)."""
 
-    def __init__(self, collate_fn, capture_rng: bool = True):
-        self.collate_fn, self.capture_rng = collate_fn, capture_rng
+    collate_fn: object
+    capture_rng: bool
 
     def __call__(self, samples):
-        if getattr(samples, "failed", None) is not None:
+        if samples.failed is not None:
             return None, BatchNote(failed=samples.failed)
         batch = self.collate_fn(list(samples))
-        note, info = BatchNote(skipped=getattr(samples, "skipped", [])), get_worker_info()
+        note, info = BatchNote(skipped=samples.skipped), get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, note
         note.pid, note.base_seed = os.getpid(), info.seed - info.id
@@ -265,7 +257,7 @@ class SeedWorker:
     stream `(worker_id + rotation) % W` of the given streams. With `stack_dir`, the worker writes its Python
     stack there when a stall is reported (failures.arm_stack_dump)."""
 
-    def __init__(self, streams=None, rotation: int = 0, worker_init=None, stack_dir: str | None = None):
+    def __init__(self, streams: list | None, rotation: int, worker_init, stack_dir: str | None):
         self.streams = None if streams is None else list(streams)  # as they stand now: the loader's list runs on
         self.rotation, self.worker_init, self.stack_dir = rotation, worker_init, stack_dir
 
@@ -285,9 +277,9 @@ class GuardedDataLoader(DataLoader):
     `StopRequest.starting_workers`, which keeps a SIGTERM away from a worker until its worker_init_fn shields it.
     Workers start in `iter()`: every epoch's, or the first one's only when they are persistent."""
 
-    def __init__(self, dataset, settings: LoaderSettings | None = None, start_guard=contextlib.nullcontext, **kwargs):
-        given = {} if settings is None else {k: v for k, v in asdict(settings).items() if k != "batch_size"}
-        super().__init__(dataset, **{**given, **kwargs})
+    def __init__(self, dataset, settings: LoaderSettings, start_guard=contextlib.nullcontext, **kwargs):
+        # the batches are the caller's (batch_sampler, or batch_size in kwargs): 1 is DataLoader's own default
+        super().__init__(dataset, **{**asdict(settings), "batch_size": 1, **kwargs})
         self.start_guard = start_guard
 
     def __iter__(self):
@@ -338,7 +330,7 @@ class EpochLoader:
         return self.settings.batch_size * self.world_size
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.position
+        return self.batches_per_epoch - self.position  # a stream without sizes (None) has none: a TypeError
 
     def __iter__(self):
         """The rest of this epoch's batches; once they are all consumed, the epoch counts as done."""
@@ -367,9 +359,9 @@ class EpochLoader:
 
         Only with persistent workers: they are alive during validation anyway, and what they queue is within the
         prefetch plan (non-persistent profiles keep their promise to free memory between epochs). Nothing is
-        consumed, so the position and the state stay as they are."""
-        s = self.settings
-        if self._early is None and not self.position and s.persistent_workers and s.num_workers:
+        consumed, so the position and the state stay as they are. (Persistent workers are never zero: the
+        DataLoader refuses persistent_workers without workers, and resolve_settings turns it off there.)"""
+        if self._early is None and not self.position and self.settings.persistent_workers:
             self._early = self.begin()
 
     def progress(self) -> dict:
@@ -443,7 +435,6 @@ class TrainLoader(EpochLoader):
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if self.rank == 0 else int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
-        self.before = self.generator.get_state()  # as the last iterator began to draw a base seed
         self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
         self.streams: list | None = None
         self.rotation = 0
@@ -474,7 +465,7 @@ class TrainLoader(EpochLoader):
     def begin(self):
         """The iterator of this epoch's batches from `position` on, on new workers where the class docstring says."""
         start, workers, persistent = self.position, self.settings.num_workers, self.settings.persistent_workers
-        self.before = self.generator.get_state()
+        self.before = self.generator.get_state()  # as this iterator begins to draw a base seed
         self.sampler.set_epoch(self.epoch, start)
         if start and workers:
             self.rotation, self.reuse = start % workers, False
@@ -517,8 +508,7 @@ class TrainLoader(EpochLoader):
         if self.rng_mode == "per_worker" and reseed is None:
             must_match += ["num_workers", "persistent_workers"]
         state = {"global_batch": state["batch_size"] * state["world_size"], **state}  # older checkpoints: derived
-        mine = {k: v for k, v in self.state_dict().items() if k in must_match}
-        changed = [f"{k} {state[k]} -> {v}" for k, v in mine.items() if state[k] != v]
+        changed = [f"{k} {state[k]} -> {v}" for k, v in self.state_dict().items() if k in must_match and state[k] != v]
         if changed:
             what = ", ".join(changed)
             if strict:
@@ -535,8 +525,8 @@ class TrainLoader(EpochLoader):
             self.generator.manual_seed(reseed)
         # the next epoch's workers start from these streams (None: fresh)
         same = not changed and reseed is None and state["num_workers"] == self.settings.num_workers
-        saved = state["worker_streams"] if same else None
-        self.streams = [rng.from_saved(s) for s in saved] if saved else None
+        streams = state["worker_streams"]
+        self.streams = [rng.from_saved(s) for s in streams] if same and streams else None
         self.reuse = False  # workers already running (a loader used before) carry other streams
 
 
@@ -545,12 +535,11 @@ class EvalStream(IterableDataset):
     """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
     readers in their own order, whole; a plain stream splits itself."""
 
-    def __init__(self, dataset, rank: int = 0, world_size: int = 1):
+    def __init__(self, dataset, rank: int, world_size: int):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self):
-        worker, workers = shard_plan.this_worker()
-        return shard_plan.records(self.dataset, self.rank * workers + worker, self.world_size * workers)
+        return shard_plan.records(self.dataset, self.rank, self.world_size)
 
 
 {% endif %}

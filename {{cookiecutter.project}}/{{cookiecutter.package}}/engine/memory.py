@@ -43,6 +43,11 @@ class LoaderSettings:
     persistent_workers: bool
     timeout: float
 
+    def in_main(self) -> LoaderSettings:
+        """These settings with the main process loading (num_workers=0): prefetch, persistent workers and the workers'
+        timeout do not apply (DataLoader refuses the first two without workers)."""
+        return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
+
 
 def leaves(batch, key=None):
     """(its dict key or None, leaf) for every tensor and numpy array{% if cookiecutter.with_photos == "yes" %} (and decode.EncodedBatch){% endif %} in a batch, however
@@ -217,7 +222,7 @@ def fit(settings: LoaderSettings, batch: int, max_mib=None, on_budget="adjust", 
         candidates = [replace(was, prefetch_factor=p) for p in range(was.prefetch_factor - 1, 0, -1)]
         candidates += [replace(was, num_workers=w, prefetch_factor=1) for w in range(was.num_workers - 1, 0, -1)]
         if limit == "budget":  # down to no workers if need be
-            candidates.append(replace(was, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0))
+            candidates.append(was.in_main())
         settings = next((c for c in candidates if need(Plan(c, batch)) <= most), None)
         if settings is None:
             raise UserError(f"loader: {over}; even one worker with one batch ahead does not fit: {todo}")

@@ -1,7 +1,8 @@
 """The optimizer from `conf/optim/`, and the knobs the loop applies around it.
 
 `conf/optim/*.yaml` names any optimizer class (`_partial_: true`; the parameters come from here). Its keys
-`grad_clip`, `decay_norm_and_bias` and `param_groups` (docs/config.md) are the loop's, taken out before it is built.
+`grad_clip`, `decay_norm_and_bias` and `param_groups` (docs/config.md) are the loop's (schema.py's optim group,
+LOOP_KEYS), taken out before it is built.
 The schedule scales each group's own lr, and the groups travel in the optimizer's state_dict, so a resume is exact.
 """
 
@@ -15,8 +16,6 @@ from torch.distributed.tensor import DTensor
 {% endif %}
 
 from .errors import UserError
-
-LOOP_KEYS = ("grad_clip", "decay_norm_and_bias", "param_groups")  # read by the loop; the optimizer never sees them
 
 
 def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:

@@ -1,5 +1,6 @@
 """The parts of a run, built from its config in one place: the model, the data sets, their collate, the batches'
-preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the task, the optimizer and the LR schedule.
+preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the optimizer and the LR schedule, each from its own
+config node (not the whole config: a part reads only its keys); the task and callbacks through `build`.
 
 train.py's run (run.py), the dry step{% if cookiecutter.with_doctor == "yes" %}, eval.py and the doctor{% else %} and eval.py{% endif %} all build through these functions, so a class of
 yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
@@ -16,7 +17,8 @@ from omegaconf import OmegaConf
 
 from .device import PrepareBatch, input_transform
 from .errors import UserError, reason
-from .optim import LOOP_KEYS, parameter_groups
+from .optim import parameter_groups
+from .schema import LOOP_KEYS
 
 
 @contextlib.contextmanager
@@ -32,10 +34,10 @@ def one_line(what: str):
         raise cause or UserError(f"{what}: {reason(e)}") from None
 
 
-def stage(cfg, key: str, where: str):
-    """One stage of preparing the batches (or the model), its failure one line naming `key` as this run sets it: with
-    its `_target_` (`data.collate (text.pad_batch)`), its value (`channels_last=true`), or as not set (the default)."""
-    node = OmegaConf.select(cfg, key, default=None)
+def stage(key: str, node, where: str):
+    """One stage of preparing the batches (or the model), its failure one line naming `key` with `node`, its value in
+    this run's config: with its `_target_` (`data.collate (text.pad_batch)`), its value (`channels_last=true`), or as
+    not set (the default)."""
     if OmegaConf.is_dict(node):
         key = f"{key} ({node.get('_target_')})"
     elif node is None:
@@ -52,33 +54,29 @@ def build(node, key: str, *args):
         return built(*args) if args else built
 
 
-def model(cfg, device: torch.device | None = None) -> torch.nn.Module:
-    """`model`: on the CPU as its class makes it, or on `device`, channels-last when `channels_last` is on."""
-    built = build(cfg.model, "model")
+def model(node, device: torch.device | None = None, channels_last: bool = False) -> torch.nn.Module:
+    """`model` (its config `node`): on the CPU as its class makes it, or on `device`, channels-last when
+    `channels_last` is on."""
+    built = build(node, "model")
     if not isinstance(built, torch.nn.Module):
-        raise UserError(f"model: {cfg.model._target_} built a {type(built).__name__}, not a torch.nn.Module")
+        raise UserError(f"model: {node._target_} built a {type(built).__name__}, not a torch.nn.Module")
     if device is None:
         return built
     built = built.to(device)
-    if cfg.channels_last:
-        with stage(cfg, "channels_last", f"on model {cfg.model._target_}"):
+    if channels_last:
+        with stage("channels_last", True, f"on model {node._target_}"):
             built = built.to(memory_format=torch.channels_last)
     return built
 
 
-def task(cfg):
-    """`task`: its loss(model, batch) and metrics(model, batch) are all the run knows of the problem."""
-    return build(cfg.task, "task")
-
-
-def data_set(cfg, split: str):
+def data_set(data, split: str):
 {% if cookiecutter.with_streams == "yes" %}
     """The data set of `data.<split>` (train, val, or another node of the data config)."""
-    return build(cfg.data[split], f"data.{split}")
+    return build(data[split], f"data.{split}")
 {% else %}
     """The data set of `data.<split>` (train, val, or another node of the data config): an indexed one, since a
     data set read in order (torch's IterableDataset) is not one this project trains or evaluates on."""
-    built = build(cfg.data[split], f"data.{split}")
+    built = build(data[split], f"data.{split}")
     if isinstance(built, torch.utils.data.IterableDataset):
         raise UserError(
             f"data.{split}: {type(built).__name__} is an IterableDataset, read in order: streams are not part of this "
@@ -88,13 +86,13 @@ def data_set(cfg, split: str):
 {% endif %}
 
 
-def collate(cfg, dataset):
+def collate(data, dataset):
     """The loaders' collate for `dataset`: `data.collate` built; else the one `dataset` names as its `collate_fn`{% if cookiecutter.with_photos == "yes" %} (as
     data.decode=gpu's do); else None, torch's default_collate. Both at once: refused, only you know which fits."""
 {% else %};
     else None, torch's default_collate. Both at once: refused, only you know which the samples are made for."""
 {% endif %}
-    node, own = cfg.data.get("collate"), getattr(dataset, "collate_fn", None)
+    node, own = data.get("collate"), getattr(dataset, "collate_fn", None)
     if node is not None and own is not None:
         raise UserError(
 {% if cookiecutter.with_photos == "yes" %}
@@ -109,34 +107,35 @@ def collate(cfg, dataset):
     return own if own is not None or node is None else build(node, "data.collate")
 
 
-def prepare(cfg, device: torch.device, channels_last: bool | None = None) -> PrepareBatch:
-    """What turns a batch on `device` into the model's input: data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize (uint8 images
-    to normalized floats). `channels_last`: the run's, unless given."""
-    return input_transform(cfg.data, device, cfg.channels_last if channels_last is None else channels_last)
+def prepare(data, device: torch.device, channels_last: bool) -> PrepareBatch:
+    """What turns a batch on `device` into the model's input, from the `data` config: data.input,{% if cookiecutter.with_photos == "yes" %} data.decode,{% endif +%}
+    data.normalize (uint8 images to normalized floats)."""
+    with stage("data.normalize", data.get("normalize"), "to build"):
+        return input_transform(data, device, channels_last)
 
 
-def batch_transform(cfg):
+def batch_transform(data):
     """`data.batch_transform` (MixUp, CutMix: training batches only, after `prepare`), or None."""
-    node = cfg.data.get("batch_transform")
+    node = data.get("batch_transform")
     return None if node is None else build(node, "data.batch_transform")
 
 
-def optimizer(cfg, net: torch.nn.Module) -> torch.optim.Optimizer:
+def optimizer(optim, net: torch.nn.Module) -> torch.optim.Optimizer:
     """`optim` over `net`'s parameters in their groups (optim.parameter_groups), built without the loop's keys."""
-    node = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if k not in LOOP_KEYS}
-    return build(OmegaConf.create(node), "optim", parameter_groups(net, cfg.optim))
+    node = {k: v for k, v in OmegaConf.to_container(optim, resolve=True).items() if k not in LOOP_KEYS}
+    return build(OmegaConf.create(node), "optim", parameter_groups(net, optim))
 
 
 {% if cookiecutter.with_streams == "yes" %}
-def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int | None):
+def schedule(node, optim: torch.optim.Optimizer, total_steps: int | None):
     """`schedule` over `total_steps` optimizer steps (None: a stream whose length shows as it ends)."""
 {% else %}
-def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int):
+def schedule(node, optim: torch.optim.Optimizer, total_steps: int):
     """`schedule` over `total_steps` optimizer steps."""
 {% endif %}
     # never over max_steps: a run stopped there and resumed must see the lr of the run that never stopped
-    factory = build(cfg.schedule, "schedule")
-    if cfg.schedule.get("total_steps") is not None:  # a schedule of its own length
+    factory = build(node, "schedule")
+    if node.get("total_steps") is not None:  # a schedule of its own length
         return factory(optim)
     try:
         takes_total = "total_steps" in inspect.signature(factory).parameters
@@ -145,7 +144,7 @@ def schedule(cfg, optim: torch.optim.Optimizer, total_steps: int):
 {% if cookiecutter.with_streams == "yes" %}
     if takes_total and total_steps is None:
         raise UserError(
-            f"schedule {cfg.schedule._target_} spans the run's steps, and a stream without sizes has no known "
+            f"schedule {node._target_} spans the run's steps, and a stream without sizes has no known "
             "epoch length: set schedule.total_steps, give the data set `sizes`, or use schedule=constant"
         )
 {% endif %}

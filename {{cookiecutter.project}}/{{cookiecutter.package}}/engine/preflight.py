@@ -28,7 +28,7 @@ from typing import NamedTuple
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -38,8 +38,7 @@ from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import UserError, reason
-from .optim import LOOP_KEYS
-from .schema import LOOP_OPEN_KEYS, OPEN_KEYS, Config, flatten
+from .schema import LOOP_KEYS, OPEN, SHIPPED, Config, Open, flatten
 
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
@@ -222,11 +221,10 @@ def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> st
         hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
         where = "Hydra's own config" if key.startswith("hydra.") else "the schema in schema.py"
         return f"unknown config key {key}{hint}: {where} has no such key"
-    options = getattr(e, "options", None)
-    missing = getattr(e, "missing_cfg_file", None)
-    if options and missing and "/" in missing:
+    if isinstance(e, MissingConfigException) and e.options:  # a group's option (its options listed) not found
+        missing, options = e.missing_cfg_file, ", ".join(sorted(e.options))
         group, _, choice = missing.rpartition("/")
-        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(options))}"
+        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {options}"
     if isinstance(e, OverrideParseException):
         return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
     # Hydra's first line and OmegaConf's reason under it (a value of the wrong type): the libraries' own words
@@ -241,19 +239,10 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
         OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # an interpolation to a key that is not there, a bad resolver
         raise UserError(f"config: {str(e).splitlines()[0]}") from None
-    unknown(cfg, Config, "")
+    walk(cfg, Config, "")
 {% if cookiecutter.with_tracking == "yes" %}
     tracking.check_packages(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
-    for name in (*TARGET_KEYS.values(), "data.val._target_"):
-        if OmegaConf.select(cfg, name, default=None) is None:
-            group = name.split(".")[0]
-            raise UserError(f"{name} is not set: the {group} group needs it (see conf/{group}/)")
-    shipped = {group for group, name in TARGET_KEYS.items() if str(OmegaConf.select(cfg, name)).startswith(SHIPPED)}
-    for name, rule in {**OPEN_KEYS, **LOOP_OPEN_KEYS}.items():  # the loop's keys whatever the group's target
-        value = OmegaConf.select(cfg, name, default=MISSING)
-        if value is not MISSING and (name in LOOP_OPEN_KEYS or name.split(".")[0] in shipped):
-            refuse_if(name, value, rule)
     added_data_keys(cfg, overrides or [])
     raw = OmegaConf.to_container(cfg, resolve=False)
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
@@ -261,12 +250,6 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
         if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
             raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
     targets(raw, "")
-
-
-# The `_target_` of each group whose keys depend on it (schema.py's open fields; data: its train data set's). A
-# group's keys in OPEN_KEYS are checked when its target is one this project ships: yours may mean otherwise.
-TARGET_KEYS = {"data": "data.train._target_", **{g: f"{g}._target_" for g in ("model", "optim", "task", "schedule")}}
-SHIPPED = (f"{__name__.split('.')[0]}.", "torch.optim.", "torchvision.")  # this package's, torch's optimizers
 
 
 def missing(cfg, choices: dict, overrides: list[str]) -> None:
@@ -287,9 +270,10 @@ def refuse_if(name: str, value, rule: Callable | None) -> None:
         raise UserError(f"{name} must be {wanted}, got {value!r}")
 
 
-def unknown(cfg, schema, prefix: str) -> None:
-    """Keys the schema does not have (Hydra refuses `loader.num_worker=3` but lets `+loader.num_worker=3` in), and
-    the range of each key it has."""
+def walk(cfg, schema, prefix: str) -> None:
+    """The config against the schema (schema.py), the one place of its keys' types and ranges: keys it does not have
+    (Hydra refuses `loader.num_worker=3` but lets `+loader.num_worker=3` in), the range of each key it has, and
+    the open groups' keys it describes."""
     known = {f.name: f for f in dataclasses.fields(schema)}
     for name in cfg:
         if name not in known:
@@ -298,22 +282,34 @@ def unknown(cfg, schema, prefix: str) -> None:
             raise UserError(f"unknown config key {prefix}{name}{hint}: the schema in schema.py has no such key")
     for f in known.values():
         if dataclasses.is_dataclass(f.type):  # a nested group: loader, checkpoint, ...
-            unknown(cfg[f.name], f.type, f"{prefix}{f.name}.")
-        elif "check" in f.metadata:
+            walk(cfg[f.name], f.type, f"{prefix}{f.name}.")
+        elif "open" in f.metadata:
+            open_group(cfg, prefix + f.name, f.metadata["open"])
+        else:  # a key(): its check
             refuse_if(prefix + f.name, cfg[f.name], f.metadata["check"])
 
 
-# data.* keys the loop reads itself (run.py), besides the data sets' own `${data.<key>}` values
-LOOP_DATA_KEYS = ("num_classes", "normalize", "collate", "batch_transform", "on_bad_sample", "input"{% if cookiecutter.with_streams == "yes" %}, "stream_resume"{% endif %})
+def open_group(cfg, name: str, group: Open) -> None:
+    """An open group's `_target_`s set, and its keys in range: the loop's whatever the target, the shipped targets'
+    when its target is one of them."""
+    for target in group.targets:
+        if OmegaConf.select(cfg, f"{name}.{target}", default=None) is None:
+            raise UserError(f"{name}.{target} is not set: the {name} group needs it (see conf/{name}/)")
+    shipped = str(OmegaConf.select(cfg, f"{name}.{group.targets[0]}")).startswith(SHIPPED)
+    for key, rule in [*group.loop.items(), *(group.shipped.items() if shipped else ())]:
+        value = OmegaConf.select(cfg, f"{name}.{key}", default=MISSING)
+        if value is not MISSING:
+            refuse_if(f"{name}.{key}", value, rule)
 
 
 def added_data_keys(cfg, overrides: list[str]) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
-    (`+data.per_clas=10`) that no node refers to would be silently ignored, so it is refused."""
+    (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
+    be silently ignored, so it is refused."""
     raw = str(OmegaConf.to_container(cfg.data, resolve=False))
     for override in overrides:
         found = re.match(r"\+{1,2}data\.(\w+)=", override)
-        if found and found[1] not in LOOP_DATA_KEYS and "${data." + found[1] + "}" not in raw:
+        if found and found[1] not in OPEN["data"].loop and "${data." + found[1] + "}" not in raw:
             close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
             hint = f" (did you mean data.{close[0]}?)" if close else ""
             raise UserError(

@@ -67,21 +67,15 @@ def setup(cfg) -> None:
         changes.append(f"deterministic kernels, CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}")
 {% if cookiecutter.with_tracking == "yes" %}
     if "mlflow" in cfg.get("logger", {}).get("use", ()):
-        changes += [f"{name}={value}" for name, value in bounded_mlflow(cfg.logger.timeout_s).items()]
+        # every HTTP request of MLflow's bounded, by the variables it reads (its default retries with backoff can take
+        # minutes against a dead server); a value you exported stays
+        timeout = str(max(1, round(cfg.logger.timeout_s)))
+        bounds = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": timeout}
+        changes += [f"{name}={os.environ.setdefault(name, value)}" for name, value in bounds.items()]
 {% endif %}
     log.info("process: %s", ", ".join(changes))
 
 
-{% if cookiecutter.with_tracking == "yes" %}
-def bounded_mlflow(timeout_s: float) -> dict:
-    """logger.use with mlflow: every HTTP request of MLflow's bounded, by the environment variables it reads (its
-    default retries with backoff can take minutes against a dead server); a value you exported stays."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(timeout_s))))
-    return {name: os.environ[name] for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-
-
-{% endif %}
 def keep_freed_memory(mmap: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
     of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead.{% if cookiecutter.with_fsdp == "yes" %} parallel=fsdp on the CPU

@@ -46,29 +46,37 @@ class Run:
     world: distributed.World
     device: torch.device
     stop: StopRequest
+    # the problem (`Problem`), built before the checks' dry step
+    model: torch.nn.Module  # the plain model: checkpoints, validation
+    optimizer: torch.optim.Optimizer
     task: object  # conf/task: loss(model, batch) and metrics(model, batch)
+    callbacks: Callbacks  # the `callbacks` config's, called at the loop's hooks (engine/callbacks.py)
+    train_set: object  # data.train as built (not wrapped): what a callback may read samples of
+    val_set: object
+    collate: object  # the loaders' collate (None: torch's default_collate)
+    prepare: object  # data.normalize on the device, for whole batches
+{% if cookiecutter.with_fsdp == "yes" %}
+    peak: object  # parallel=fsdp: fsdp.PeakMemory
+{% endif %}
+    # the loaders (`loaders`)
     train_loader: TrainLoader{% if cookiecutter.with_streams == "yes" %} | StreamLoader{% endif +%}
     val_loader: object
-    prepare: object  # data.normalize on the device, for whole batches
-    model: torch.nn.Module  # the plain model: checkpoints, validation
+    # what trains the model (`Training`)
     net: torch.nn.Module  # what the step calls: the model under DDP and torch.compile when on
-    optimizer: torch.optim.Optimizer
     scheduler: object  # conf/schedule, stepped once per optimizer step
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None  # autocast dtype, None = float32
     step: int  # optimizer steps done, over the whole run
-    runlog: RunLog
-    monitor: Monitor
-    checkpoints: checkpoint.CheckpointPolicy
     ema: EMA | None  # ema.decay: the averaged weights, what validation uses when on
     batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
     ddp: torch.nn.parallel.DistributedDataParallel | None  # the DDP module under torch.compile's wrapper, when on
+    # the records (`records`)
+    runlog: RunLog
+    monitor: Monitor
+    checkpoints: checkpoint.CheckpointPolicy
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
     carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
     meter: EpochMeter | None = None  # the epoch's running figures, which a mid-epoch checkpoint keeps
-    callbacks: Callbacks | None = None  # the `callbacks` config's, called at the loop's hooks (engine/callbacks.py)
-    train_set: object = None  # data.train as built (not wrapped): what a callback may read samples of
-    collate: object = None  # the loaders' collate (None: torch's default_collate)
 
     @property
     def evaluated(self) -> torch.nn.Module:
@@ -189,33 +197,34 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
 {% if cookiecutter.with_fsdp == "yes" %}
     if sharded:  # never whole on any rank (engine/fsdp.py); before the optimizer, which must hold the slices
         amp = amp_dtype(cfg.amp, device)
-        model = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
+        model = fsdp.build(lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
     else:
-        model = parts.model(cfg, device)
+        model = parts.model(cfg.model, device, cfg.channels_last)
     load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
 {% else %}
-    model = parts.model(cfg, device)
+    model = parts.model(cfg.model, device, cfg.channels_last)
 {% endif %}
     if cfg.init_from and not resuming:  # weights only; a resume brings its own weights and says so
         init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
-    optimizer = parts.optimizer(cfg, model)  # biases and norm weights without weight decay unless asked
-    task, callbacks = parts.task(cfg), Callbacks(cfg)  # before restore: a resume's draws from the RNG are the same
-    train_set, val_set = parts.data_set(cfg, "train"), parts.data_set(cfg, "val")
+    optimizer = parts.optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
+    # the task and callbacks before restore: a resume's draws from the RNG are the same
+    task = parts.build(cfg.task, "task")
+    callbacks = Callbacks(cfg.get("callbacks"))
+    train_set, val_set = parts.data_set(cfg.data, "train"), parts.data_set(cfg.data, "val")
     classes = {"train": getattr(train_set, "classes", None), "val": getattr(val_set, "classes", None)}
     check_classes(classes, cfg.data.get("num_classes"))
-    collate = parts.collate(cfg, train_set)
-    with parts.stage(cfg, "data.normalize", "to build"):
-        prepare = parts.prepare(cfg, device)  # uint8 images -> normalized floats, on the device
+    collate = parts.collate(cfg.data, train_set)
+    prepare = parts.prepare(cfg.data, device, cfg.channels_last)  # uint8 images -> normalized floats, on the device
     return Problem(model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %})
 
 
 def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
-    """Join the ranks, build the loaders, schedule and logs around the problem the checks built, and load the
-    checkpoint they found into them. `cleanup` closes what this opens, however the run ends. `checked`
+    """Join the ranks, then build the loaders, what trains the model and the records around the problem the checks
+    built, a resume's checkpoint loaded into them. `cleanup` closes what this opens, however the run ends. `checked`
     (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
     once, the checkpoint a resume continues, and the problem."""
     unexact, resumed, problem = checked
-    model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %} = problem
+    found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
     device = pick_device(cfg.device)
     world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
     cleanup.callback(distributed.leave, world)
@@ -226,24 +235,46 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
             "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
-    found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
+    if cfg.init_from and ckpt:
+        log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
+    train_loader, val_loader = loaders(cfg, problem, world, device, run_dir, ckpt)
+    trained = training(cfg, problem, world, device, train_loader, found, ckpt)
+    if ckpt:
+        problem.callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
+    if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
+        resume.report(ckpt, cfg, found, train_loader)
+    runlog, monitor, policy = records(cfg, run_dir, world, ckpt, train_loader, trained.step, cleanup)
+    run = Run(
+        cfg, run_dir, overrides, world, device, stop, **problem._asdict(), train_loader=train_loader,
+        val_loader=val_loader, **trained._asdict(), runlog=runlog, monitor=monitor, checkpoints=policy,
+        unexact=unexact, carried=ckpt.get("meter") if ckpt and train_loader.position else None,
+    )  # fmt: skip
+{% if cookiecutter.with_tracking == "yes" %}
+    cleanup.push(lambda *exc: end_tracking(run))  # closes RunLog first; returns None: an exception goes on
+{% endif %}
+    return run
+
+
+def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, ckpt: dict | None) -> tuple:
+    """The train loader, built once for the run, and the validation loader: the run's global batch over this run's
+    processes, the batches in flight fitted to the memory there is, each rank its part of the data."""
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
-    settings, changes = memory.fit_loader(train_set, settings, cfg.loader, collate)
+    settings, changes = memory.fit_loader(problem.train_set, settings, cfg.loader, problem.collate)
     for change in changes:
         log.warning("loader: %s", change)
     # what both loaders share: this rank's part, workers kept from stop signals until shielded, the collate
     shared = dict(rank=world.rank, world_size=world.world_size, worker_init=StopRequest.shield_worker,
-                  collate_fn=collate, start_guard=StopRequest.starting_workers)  # fmt: skip
+                  collate_fn=problem.collate, start_guard=StopRequest.starting_workers)  # fmt: skip
 {% if cookiecutter.with_streams == "yes" %}
-    streamed = {"stream_resume": cfg.data.get("stream_resume", "exact")} if is_stream(train_set) else {}
+    streamed = {"stream_resume": cfg.data.get("stream_resume", "exact")} if is_stream(problem.train_set) else {}
     train_loader = (StreamLoader if streamed else TrainLoader)(
 {% else %}
     train_loader = TrainLoader(
 {% endif %}
-        train_set,
+        problem.train_set,
         settings,
         seed=cfg.seed,
         rng_mode=cfg.rng_mode.value,
@@ -252,38 +283,56 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
         **shared,
 {% if cookiecutter.with_streams == "yes" %}
         **streamed,
-    )  # built once: a stream's (engine/stream_loader.py) or an indexed data set's
-    val_loader = eval_loader(val_set, settings, **shared)  # an indexed data set's or a stream's, as eval.py's
+    )  # a stream's (engine/stream_loader.py) or an indexed data set's
 {% else %}
-    )  # built once
-    val_loader = eval_loader(val_set, settings, **shared)  # as eval.py's
+    )
 {% endif %}
+    return train_loader, eval_loader(problem.val_set, settings, **shared)  # as eval.py's
+
+
+class Training(NamedTuple):
+    """What trains the problem's model (`training`)."""
+
+    net: torch.nn.Module
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    amp: torch.dtype | None
+    step: int
+    ema: EMA | None
+    batch_transform: SeededBatchTransform | None
+    ddp: torch.nn.parallel.DistributedDataParallel | None
+
+
+def training(cfg, problem: Problem, world, device: torch.device, train_loader, found, ckpt: dict | None) -> Training:
+    """The LR schedule, the loss scaler, the EMA, the batch transform and the net the step calls (DDP, torch.compile)
+    around the problem's model and optimizer, a resume's checkpoint (`found`, read as `ckpt`) loaded into them in the
+    order exactness needs: the main RNG last but for the throwaway step, whose draws are undone."""
+    model, optimizer = problem.model, problem.optimizer
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
-{% if cookiecutter.with_fsdp == "yes" %}
-    sharded = peak is not None
-{% endif %}
-    if cfg.init_from and ckpt:
-        log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
 {% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends
     total_steps = None if per_epoch is None else cfg.epochs * -(-per_epoch // cfg.accumulate_steps)
 {% else %}
     total_steps = cfg.epochs * -(-train_loader.batches_per_epoch // cfg.accumulate_steps)
 {% endif %}
-    scheduler = parts.schedule(cfg, optimizer, total_steps)
+    scheduler = parts.schedule(cfg.schedule, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
 {% if cookiecutter.with_fsdp == "yes" %}
+    sharded = problem.peak is not None
     ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
-            twin = fsdp.build(lambda: parts.model(cfg), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model)
+            twin = fsdp.build(
+                lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model
+            )
             ema = EMA(model, cfg.ema.decay, twin)
         if ckpt:
             saved_ema = ema is not None and ckpt["ema"] is not None
             sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
-        callbacks.named.setdefault("fsdp_peak_memory", peak.plan(model, optimizer, ema is not None))  # plan, peaks
+        plan = problem.peak.plan(model, optimizer, ema is not None)  # the plan, then the peaks, as a callback
+        problem.callbacks.named.setdefault("fsdp_peak_memory", plan)
     step = 0
     if ckpt:
         step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
@@ -297,8 +346,9 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
 
     def throwaway() -> torch.Tensor:  # the task's loss on two training samples, without its parts
         # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        batch = two_prepared(cfg, copy.copy(train_set), collate, prepare, device, "training")
-        return split_loss(task.loss(net, batch))[0]
+        train_set = copy.copy(problem.train_set)
+        batch = two_prepared(cfg.data, train_set, problem.collate, problem.prepare, device, "training")
+        return split_loss(problem.task.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway, undone(model, optimizer))
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
@@ -307,17 +357,27 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
             ema.model.load_state_dict(ckpt["ema"])
     if ema is not None and ckpt and ckpt.get("ema") is None:
         log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
-    batch_transform = parts.batch_transform(cfg)
+    batch_transform = parts.batch_transform(cfg.data)
     if batch_transform is not None:  # keyed on (epoch, batch number): the same draws for any worker count
         batch_transform = SeededBatchTransform(batch_transform, cfg.seed, world.rank)
     ddp = net if isinstance(net, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         net = torch.compile(net)  # compiles on the first steps; checkpoints keep the plain model's names
-    if ckpt:
-        callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
-    if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
-        resume.report(ckpt, cfg, found, train_loader)
-    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
+{% if cookiecutter.with_fsdp == "yes" %}
+    amp = None if sharded else amp  # FSDP: its mixed-precision policy, not autocast
+{% endif %}
+    return Training(net, scheduler, scaler, amp, step, ema, batch_transform, ddp)
+
+
+def records(cfg, run_dir: Path, world, ckpt: dict | None, train_loader, step: int, cleanup) -> tuple:
+    """The checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %}) and the
+    worker health monitor; a resume's logs go on from the step after its checkpoint's."""
+{% if cookiecutter.with_fsdp == "yes" %}
+    sharded = cfg.parallel.strategy == "fsdp"
+    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt, sharded)
+{% else %}
+    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt)
+{% endif %}
     purge = step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
@@ -326,22 +386,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     runlog = RunLog(run_dir, purge, world.is_main)
 {% endif %}
     cleanup.callback(runlog.close)
-    monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds, data wait
-    run = Run(
-        cfg, run_dir, overrides, world, device, stop, task, train_loader, val_loader, prepare, model, net,
-{% if cookiecutter.with_fsdp == "yes" %}
-        optimizer, scheduler, scaler, None if sharded else amp,  # FSDP: its mixed-precision policy, not autocast
-{% else %}
-        optimizer, scheduler, scaler, amp,
-{% endif %}
-        step, runlog, monitor, policy, ema, batch_transform, ddp, unexact,
-        ckpt.get("meter") if ckpt and train_loader.position else None,{% if cookiecutter.with_streams == "yes" %}  # restart_epoch: the epoch starts over{% endif +%}
-        callbacks=callbacks, train_set=train_set, collate=collate,
-    )  # fmt: skip
-{% if cookiecutter.with_tracking == "yes" %}
-    cleanup.push(lambda *exc: end_tracking(run))  # closes RunLog first; returns None: an exception goes on
-{% endif %}
-    return run
+    return runlog, Monitor(train_loader, runlog, cfg.monitor.every_steps), policy  # monitor: workers, memory, fds
 {% if cookiecutter.with_tracking == "yes" %}
 
 

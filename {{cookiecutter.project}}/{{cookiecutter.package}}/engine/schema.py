@@ -4,22 +4,28 @@
 Defaults live in one place, the YAML files under `conf/`: the schema holds no values (every field is MISSING). Adding
 a key takes one line here (type and range) and one commented line in the YAML that sets it; a YAML that forgets it
 fails with "... has no value". The groups whose keys depend on the chosen `_target_` (data, model, optim, task,
-schedule) are open: OPEN_KEYS gives the range of the keys the shipped targets give a meaning.
+schedule) are open (`group`, `Open`): the schema says which of their keys the loop reads itself, and the range of
+the keys the shipped targets give a meaning. `preflight.check_keys` walks this schema once; the engine keeps no
+list of the user's keys of its own.
 """
 
 import math
 from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif +%}
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-{% if cookiecutter.with_tracking == "yes" %}
 
+{% if cookiecutter.with_tracking == "yes" %}
 TRACKERS = ("tensorboard", "csv", "mlflow", "wandb")  # logger.use (engine/tracking.py)
 {% endif %}
+{% if cookiecutter.with_photos == "yes" %}
+DECODERS = ("auto", "pil", "torchvision", "gpu")  # data.decode (engine/decode.py)
+{% endif %}
+SHIPPED = (f"{__name__.split('.')[0]}.", "torch.optim.", "torchvision.")  # this package's targets, torch's optimizers
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -193,61 +199,6 @@ class ParallelConfig:
 {% endif %}
 
 
-@dataclass
-class Config:
-    seed: int = key(integer(0, 2**32 - 1))  # numpy's np.random.seed range; torch and python take at least that
-    epochs: int = key(integer(1))
-    max_steps: int | None = key(integer(1, null="run all epochs"))
-    resume: str | None = key(text(null="start fresh"))
-    resume_strict: bool = key()
-    device: Device = key()
-    deterministic: Any = key(or_word(flag, "warn"))  # warn: ops without a deterministic kernel run, named once
-    amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
-    channels_last: bool = key()
-    compile: bool = key()
-    device_prefetch: bool = key()
-    log_every_steps: int = key(integer(1))
-    progress: bool = key()
-    rng_mode: RngMode = key()
-    loader: LoaderConfig = field(default_factory=LoaderConfig)
-    accumulate_steps: int = key(integer(1))
-    init_from: str | None = key(text(null="the model's own initialisation"))
-    init_strict: bool = key()
-    val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
-    ema: EmaConfig = field(default_factory=EmaConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
-{% if cookiecutter.with_tracking == "yes" %}
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-{% endif %}
-    process: ProcessConfig = field(default_factory=ProcessConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    callbacks: Any = key(callback_nodes)  # named callback nodes (conf/callbacks/), each a `_target_`
-    data: Any = MISSING  # open groups: their keys depend on the `_target_` chosen (conf/data, model, optim, task)
-    model: Any = MISSING
-    optim: Any = MISSING
-    task: Any = MISSING
-    schedule: Any = MISSING
-
-
-# Keys of the open groups that the shipped targets give a meaning: checked when the group's target is one of them.
-OPEN_KEYS = {
-    "data.num_classes": integer(2),
-    "data.image_size": integer(1),
-    "data.per_class": integer(1),
-    "data.root": text(),
-{% if cookiecutter.with_photos == "yes" %}
-    "data.decode": one_of("auto", "pil", "torchvision", "gpu"),  # engine/decode.py's DECODERS
-{% endif %}
-    "model.width": integer(1),
-    "optim.lr": number(0, above=True),
-    "optim.weight_decay": number(0),
-    "optim.momentum": number(0, 1),
-    "task.label_smoothing": number(0, 0.999),
-    "schedule.warmup_steps": integer(0),
-    "schedule.min_lr_ratio": number(0, 1),
-    "schedule.total_steps": integer(1, null="the planned epochs' steps"),
-}
 # An optim.param_groups entry's keys (engine/optim.py): the glob, and what its parameters get instead of optim's
 GROUP_KEYS = {
     "match": text(),
@@ -278,17 +229,97 @@ def batch_part(v):
         return "a position in the batch (an integer >= 0, 0 for (image, label)) or a dict batch's key (a string)"
 
 
-# The loop's own keys in open groups (engine/optim.py): checked whatever the group's target.
-LOOP_OPEN_KEYS = {
-    "optim.grad_clip": number(0, above=True, null="off"),
-    "optim.param_groups": param_groups,
-    "optim.decay_norm_and_bias": flag,
-    "data.on_bad_sample": one_of("error", "skip"),
-{% if cookiecutter.with_streams == "yes" %}
-    "data.stream_resume": one_of("exact", "restart_epoch"),  # streams without state (engine/stream_loader.py)
+class Open(NamedTuple):
+    """An open group's keys, which depend on the `_target_` chosen, so Hydra checks none of them:
+    - `targets`: where its `_target_`s are, each required; the first is the one `shipped` goes by;
+    - `loop`: the keys the loop reads itself: checked whatever the target (None: any value), never handed to it;
+    - `shipped`: the keys the shipped targets (SHIPPED) give a meaning: checked when the group's target is one of
+      them (a target of yours may mean otherwise)."""
+
+    targets: tuple = ("_target_",)
+    loop: dict = {}
+    shipped: dict = {}
+
+
+def group(**spec) -> Any:
+    """A schema field of an open group: no default (conf/<group>/ holds it), and its keys as `Open(**spec)`."""
+    return field(default=MISSING, metadata={"open": Open(**spec)})
+
+
+@dataclass
+class Config:
+    seed: int = key(integer(0, 2**32 - 1))  # numpy's np.random.seed range; torch and python take at least that
+    epochs: int = key(integer(1))
+    max_steps: int | None = key(integer(1, null="run all epochs"))
+    resume: str | None = key(text(null="start fresh"))
+    resume_strict: bool = key()
+    device: Device = key()
+    deterministic: Any = key(or_word(flag, "warn"))  # warn: ops without a deterministic kernel run, named once
+    amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
+    channels_last: bool = key()
+    compile: bool = key()
+    device_prefetch: bool = key()
+    log_every_steps: int = key(integer(1))
+    progress: bool = key()
+    rng_mode: RngMode = key()
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    accumulate_steps: int = key(integer(1))
+    init_from: str | None = key(text(null="the model's own initialisation"))
+    init_strict: bool = key()
+    val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+{% if cookiecutter.with_tracking == "yes" %}
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 {% endif %}
-    "data.input": batch_part,
-}
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    callbacks: Any = key(callback_nodes)  # named callback nodes (conf/callbacks/), each a `_target_`
+    data: Any = group(
+        targets=("train._target_", "val._target_"),
+        loop={  # read by the engine (run.py, parts.py, device.py); the data sets get theirs as `${data.<key>}`
+            "num_classes": None,  # the classes the data sets hold are checked against it
+            "normalize": None,
+            "collate": None,
+            "batch_transform": None,
+            "on_bad_sample": one_of("error", "skip"),
+{% if cookiecutter.with_streams == "yes" %}
+            "stream_resume": one_of("exact", "restart_epoch"),  # streams without state (engine/stream_loader.py)
+{% endif %}
+            "input": batch_part,
+        },
+        shipped={
+            "num_classes": integer(2),
+            "image_size": integer(1),
+            "per_class": integer(1),
+            "root": text(),
+{% if cookiecutter.with_photos == "yes" %}
+            "decode": one_of(*DECODERS),
+{% endif %}
+        },
+    )
+    model: Any = group(shipped={"width": integer(1)})
+    optim: Any = group(
+        loop={  # engine/optim.py's: the optimizer is built without them (LOOP_KEYS)
+            "grad_clip": number(0, above=True, null="off"),
+            "param_groups": param_groups,
+            "decay_norm_and_bias": flag,
+        },
+        shipped={"lr": number(0, above=True), "weight_decay": number(0), "momentum": number(0, 1)},
+    )
+    task: Any = group(shipped={"label_smoothing": number(0, 0.999)})
+    schedule: Any = group(
+        shipped={
+            "warmup_steps": integer(0),
+            "min_lr_ratio": number(0, 1),
+            "total_steps": integer(1, null="the planned epochs' steps"),
+        }
+    )
+
+
+OPEN = {f.name: f.metadata["open"] for f in fields(Config) if "open" in f.metadata}  # the open groups, by name
+LOOP_KEYS = tuple(OPEN["optim"].loop)  # optim's keys the loop reads: the optimizer never sees them
 
 
 def register() -> None:

@@ -19,9 +19,8 @@ from .errors import UserError
 
 def is_shard_stream(dataset) -> bool:
     """`shards` and `read`, and no index: a data set with `__getitem__` is read by index, whatever else it has."""
-    if not (hasattr(dataset, "shards") and callable(getattr(dataset, "read", None))):
-        return False
-    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
+    indexed = hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset)
+    return hasattr(dataset, "shards") and callable(getattr(dataset, "read", None)) and not indexed
 
 
 def is_stream(dataset) -> bool:
@@ -102,12 +101,15 @@ def this_worker() -> tuple[int, int]:
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
-def records(dataset, part: int = 0, parts: int = 1):
-    """A stream's records in order: a shard stream's from its shards `part::parts` (a worker reading its share of
-    them), any other stream's from its own iterator (it splits itself)."""
-    if is_shard_stream(dataset):
-        return (record for shard in list(dataset.shards)[part::parts] for record in dataset.read(shard))
-    return iter(dataset)
+def records(dataset, rank: int = 0, world_size: int = 1):
+    """A stream's records in order, this worker's share of this rank's: a shard stream's from its shards
+    `reader::readers` (reader `rank * workers + worker` of `world_size * workers`), any other stream's from its own
+    iterator (it splits itself)."""
+    if not is_shard_stream(dataset):
+        return iter(dataset)
+    worker, workers = this_worker()
+    shards = list(dataset.shards)[rank * workers + worker :: world_size * workers]
+    return (record for shard in shards for record in dataset.read(shard))
 
 
 def first_records(dataset, count: int) -> list:

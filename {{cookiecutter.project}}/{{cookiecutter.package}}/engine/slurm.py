@@ -50,6 +50,5 @@ def adopt_job_ranks() -> None:
             f"the {job.num_tasks} tasks of submitit job {job.job_id} meet at rank 0's host {env.master_addr}, "
             f"which does not resolve here ({e.strerror}): fix the host name, or run the job with 1 task"
         ) from None
-    ranks = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank}
-    ranks.update(LOCAL_WORLD_SIZE=env.local_world_size, MASTER_ADDR=env.master_addr, MASTER_PORT=env.master_port)
-    os.environ.update({name: str(value) for name, value in ranks.items()})
+    for name in ("rank", "world_size", "local_rank", "local_world_size", "master_addr", "master_port"):
+        os.environ[name.upper()] = str(getattr(env, name))  # RANK, WORLD_SIZE...: torchrun's names

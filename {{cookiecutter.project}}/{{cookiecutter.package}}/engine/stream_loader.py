@@ -36,7 +36,6 @@ from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
 
-RECORD, SKIPPED = 0, 1
 PLAIN_KEY = 1 << 62  # per-record seed keys of plain streams: apart from any shard's (shard << 32 | index)
 
 
@@ -87,15 +86,12 @@ class ReaderStream(IterableDataset):
         at the end of its records."""
         samples, skipped, ends, state = [], [], {}, None
         with rng.kept(get_worker_info() is None, cuda=False):  # num_workers=0: the main process's RNG stays the loop's
-            for kind, shard, index, item in records:
-                if kind == SKIPPED:
-                    skipped.append(item)
-                    if len(skipped) >= self.batch_size and not samples:
-                        raise failures.BadSample(
-                            f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
-                        )
-                else:
-                    samples.append(item)
+            for bad, shard, index, item in records:
+                (skipped if bad else samples).append(item)
+                if len(skipped) >= self.batch_size and not samples:
+                    raise failures.BadSample(
+                        f"{self.batch_size} records in a row failed, e.g. {item}: check the data set's transform"
+                    )
                 ends[shard] = index + 1  # a plain stream's under None: its records read
                 if len(samples) == self.batch_size:
                     break
@@ -109,7 +105,8 @@ class ReaderStream(IterableDataset):
         return batch, note
 
     def _records(self, epoch: int, reader: int, readers: int, consumed: list[int]):
-        """(kind, shard, index, sample or error line) of each record this reader reads this epoch."""
+        """(bad, shard, index, item) of each record this reader reads this epoch: the sample, or a bad record's
+        error line."""
         if self.shards:
             for shard in shard_plan.reader_shards(self.seed, epoch, self.sizes, len(consumed), readers)[reader]:
                 yield from self._read(epoch, shard, consumed[shard])
@@ -133,29 +130,29 @@ class ReaderStream(IterableDataset):
         plain = shard is None
         key = PLAIN_KEY | (reader << 40) if plain else shard << 32
         name = f"stream reader {reader}" if plain else f"shard {shard} ({str(self.dataset.shards[shard])[:200]})"
-        size = None if plain or self.sizes is None else self.sizes[shard]
+        size = None if self.sizes is None else self.sizes[shard]  # a plain stream has none
         index, records, held = start, iter(self.dataset) if plain else self._open(shard, start), None
         base = rng.epoch_base(self.seed, epoch)  # what each record's key is mixed with
         while True:
             rng.seed_sample(rng.index_seed(base, key | index))
             try:
-                kind, item = RECORD, next(records)
+                bad, item = False, next(records)
             except StopIteration:
                 break
             except UserError:  # the data set's own one-line message stands as it is
                 raise
             except Exception as e:
-                kind, item = SKIPPED, e
+                bad, item = True, e
             if size is not None and index >= size:
                 held = "more"
                 break
-            if kind == SKIPPED:
+            if bad:
                 text = str(item).strip().splitlines()
                 line = f"{name} record {index}: {type(item).__name__}: {text[0] if text else ''}"[:500]
                 if not self.skip:
                     raise failures.BadSample(line) from item
                 item, records = line, self._open(shard, index + 1)  # a generator that raised has ended
-            yield kind, shard, index, item
+            yield bad, shard, index, item
             index += 1
         if size is not None and (held or index) != size:  # every epoch's plan rests on `sizes`
             raise UserError(
@@ -210,6 +207,11 @@ class StreamLoader(EpochLoader):
         self.batches_per_epoch: int | None = None  # None: a stream without sizes, whose epoch ends where it does
         self.at_epoch_end = False  # the batch just consumed is the epoch's last
         self._plan()
+        self.loader = GuardedDataLoader(
+            self.stream, settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
+            worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
 
     def worker_due(self) -> int:
         """The worker the loop waits on next (a stall names it)."""
@@ -220,11 +222,6 @@ class StreamLoader(EpochLoader):
         """A checkpoint of this moment continues where the epoch stands (a resume's command needs no
         data.stream_resume=restart_epoch): all but a stateless plain stream stopped mid-epoch."""
         return self.stream.shards or self.stream.stateful or not self.position or self.stream_resume != "exact"
-
-    def __len__(self) -> int:
-        if self.batches_per_epoch is None:
-            raise TypeError("a stream without sizes has no length before its epoch ends")
-        return self.batches_per_epoch - self.position
 
     def _plan(self) -> None:
         """This epoch's steps from the shards' sizes and the records consumed."""
@@ -243,12 +240,6 @@ class StreamLoader(EpochLoader):
     def begin(self):
         """The epoch's iterator; what its workers need first goes into shared memory."""
         self.stream.control.copy_(torch.cat([torch.tensor([self.epoch, self.first]), self.done]))
-        if self.loader is None:
-            self.loader = GuardedDataLoader(
-                self.stream, self.settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
-                worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
-                generator=torch.Generator().manual_seed(self.seed),
-            )  # fmt: skip
         return iter(self.loader)
 
     def consume(self, items):
@@ -308,9 +299,7 @@ class StreamLoader(EpochLoader):
     def combined(states: list[dict]) -> dict:
         """A checkpoint's rank states as one, for a resume on another number of processes: each shard's records
         are consumed by one rank, so the counts add up."""
-        merged = dict(states[0])
-        merged["consumed"] = torch.stack([s["consumed"] for s in states]).amax(0)
-        return merged
+        return {**states[0], "consumed": torch.stack([s["consumed"] for s in states]).amax(0)}
 
     def load_own(self, state: dict, strict: bool, reseed: int | None) -> None:
         """`reseed`: another number of processes wrote `state`; the order of the rest of the epoch then changes,
