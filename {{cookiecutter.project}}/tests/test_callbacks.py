@@ -215,6 +215,7 @@ def test_a_callback_that_cannot_be_built_is_refused_in_one_line(tmp_path, shapes
     assert value.stderr.count("\n") == 1 and not (tmp_path / "value").exists()
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_the_confusion_matrix_of_the_docs_runs_as_the_page_gives_it(tmp_path):
     section = doc_section("callbacks.md", "A confusion matrix at each validation")
     files = {path: f"# {path}\n{body}" for path, body in FILE_BLOCK.findall(section)}

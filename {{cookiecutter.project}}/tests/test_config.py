@@ -212,6 +212,7 @@ def test_check_refuses_each_bad_value(override, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_check_passes_every_shipped_choice(tmp_path):
     make_shapes(tmp_path / "folder", per_class=5, image_size=32, data_seed=1)  # an image folder of 4 classes
     for overrides in (

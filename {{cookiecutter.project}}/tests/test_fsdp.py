@@ -334,6 +334,7 @@ print(round(resident_mib() - before))
 """
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc (Linux)")
 def test_freed_large_blocks_go_back_to_the_system(tmp_path):
     """glibc's starting thresholds, as fsdp.build sets them on the CPU (mallopt): with them, 320 MiB freed are
@@ -375,6 +376,7 @@ saver.save(live_state(model, optimizer, None), {"format": 1, "step": 2, "pad": t
 """
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_kill_9_mid_sharded_save_leaves_last_whole(tmp_path):
     head = kill_mid_write(SAVER, tmp_path, tmp_path / ".saves/.tmp-00000002/run.pth", 1 << 10)
     assert head.startswith(b"PK")

@@ -18,6 +18,7 @@ def test_wait_for_steps_fails_loudly_on_timeout(tmp_path):
         wait_for_steps(tmp_path, 2, timeout=0.05)
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_a_warm_run_ends_as_a_cold_one_and_keeps_exit_codes_and_timeouts(tmp_path, shapes):
     """tests/warm_train.py: a run forked from the server ends bit for bit where `python train.py` does, with its own
     output and exit code; the control, another seed, ends elsewhere."""

@@ -17,6 +17,7 @@ from tests.helpers import RNG_DATA, read_jsonl, run_train
 PARTED = [*RNG_DATA, "+data.val.draws=false", "epochs=1", "task._target_=tests.datasets.PartedClassification"]
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_each_part_is_logged_beside_the_loss(tmp_path, shapes_run):
     run_train(tmp_path / "parted", *PARTED, "log_every_steps=3"{% if cookiecutter.with_tracking == "yes" %}, "logger=csv"{% endif %})
     lines = read_jsonl(tmp_path / "parted/steps.jsonl")

@@ -79,6 +79,7 @@ def csv_run(tmp_path_factory) -> Path:
 # --- bad input: one line, exit 2, no hang
 
 
+@pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
 def test_a_missing_package_is_one_line_naming_the_extra(tmp_path, csv_run):
     """A stand-in `mlflow` module that fails to import, as when the package is not installed."""
     (tmp_path / "mlflow.py").write_text("raise ImportError(\"No module named 'mlflow'\")\n")
