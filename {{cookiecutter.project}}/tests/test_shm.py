@@ -114,8 +114,11 @@ def fill(path) -> None:
 @pytest.mark.slow
 def test_shm_filled_mid_run_ends_in_one_line_with_the_checkpoint_intact(tmp_path):
     data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o for o in BIG]
-    cmd = in_small_shm(8, tmp_path, *data, "+data.train.item_s=0.01", "epochs=4", "log_every_steps=1",
-                       "checkpoint.every_steps=2")  # fmt: skip
+    # 4096 samples, 64 steps an epoch: the batches in flight when /dev/shm fills run out well before the epoch's end,
+    # so the failure comes in training, which saves at its step; at an epoch's end (validation, the next epoch's
+    # workers) the run goes on from its last checkpoint instead
+    cmd = in_small_shm(8, tmp_path, *data, "data.train.size=4096", "+data.train.item_s=0.01", "epochs=4",
+                       "log_every_steps=1", "checkpoint.every_steps=2")  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -134,5 +137,5 @@ def test_shm_filled_mid_run_ends_in_one_line_with_the_checkpoint_intact(tmp_path
     # the batches in flight are freed by the time the line is written: nearly, not quite, 100%
     assert re.match(r"error: /dev/shm is (9\d|100)% full \([\d.]+ of 8.0 MiB used\)", lines[0]), lines[0]
     step = load_ckpt(tmp_path / "checkpoints" / "last.pth")["step"]  # loads: whole
-    assert step == last_logged_step(tmp_path) and f"checkpoint of step {step} saved" in lines[0]
+    assert step == last_logged_step(tmp_path) and f"checkpoint of step {step} saved" in lines[0], lines[0]
     assert step < 4 * 12  # stopped early
