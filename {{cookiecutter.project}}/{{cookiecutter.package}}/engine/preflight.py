@@ -269,7 +269,9 @@ def missing(raw: dict, choices: dict, overrides: list[str]) -> None:
 
 
 def refuse_if(name: str, value, rule: Callable | None) -> None:
-    wanted = rule(value) if rule is not None else None
+    """`rule` (a schema check) on `value`, a list or dict as plain Python (resolved); its refusal names `name`."""
+    plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    wanted = rule(plain) if rule else None
     if wanted:
         raise UserError(f"{name} must be {wanted}, got {value!r}")
 

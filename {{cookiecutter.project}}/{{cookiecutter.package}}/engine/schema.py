@@ -10,7 +10,7 @@ list of the user's keys of its own.
 """
 
 import math
-from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif +%}
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import partial
@@ -39,7 +39,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-# Checks: each returns None (or False) when the value is fine, else what it should be.
+# Checks: each returns None (or False) when the value is fine, else what it should be. A list or dict comes as
+# plain Python (preflight.refuse_if).
 def number(low: float, high: float | None = None, above: bool = False, whole=False):
     def check(v):
         bad = isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v)
@@ -160,7 +161,7 @@ class WandbConfig:
 
 
 def loggers(v):
-    if isinstance(v, str) or not isinstance(v, Sequence) or any(name not in TRACKERS for name in v):
+    if not isinstance(v, list) or any(name not in TRACKERS for name in v):
         return f"a list of {', '.join(TRACKERS)}"
 
 
@@ -182,14 +183,13 @@ class ProcessConfig:
 
 
 def class_paths(v):
-    names = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)):
+    if v is not None and (not isinstance(v, list) or not all(isinstance(n, str) and n for n in v)):
         return "null or a list of module class import paths, e.g. [torchvision.models.vision_transformer.EncoderBlock]"
 {% endif %}
 
 
 def callback_nodes(v):
-    if not (OmegaConf.is_dict(v) or isinstance(v, dict)):
+    if not isinstance(v, dict):
         return "a dict of named callback nodes, e.g. 'callbacks=[sample_grid,early_stopping]' (conf/callbacks/)"
 
 
@@ -212,7 +212,6 @@ GROUP_KEYS = {
 
 def param_groups(v):
     """optim.param_groups: a list of {match, lr_scale, weight_decay}, `match` required."""
-    v = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
     shape = "a list of {match: <glob over model.named_parameters() names>, lr_scale: <x>, weight_decay: <w>}"
     if not isinstance(v, list):
         return shape
