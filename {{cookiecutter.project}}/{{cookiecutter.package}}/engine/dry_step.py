@@ -146,14 +146,12 @@ class Kernels(TorchFunctionMode):
 def two_prepared(data, dataset, collate, prepare, device: torch.device, split: str):
     """A batch of two samples of `split` prepared as the run prepares its batches (`collate`, then `prepare` on
     `device`), each stage in `parts.stage`; `data`: the run's data config."""
-    name, where = "train" if split == "training" else "val", f"on 2 {split} samples"
+    name = "train" if split == "training" else "val"
     samples = first_samples(dataset, f"data.{name}")
-    if getattr(dataset, "collate_fn", None) is None:
-        name = "collate"
-    with parts.stage(f"data.{name}", data.get(name), where):
+
+    def stage(key: str):  # the collate, then the stages of `prepare`: data.decode, data.normalize
+        return parts.stage(key, data.get(key.removeprefix("data.")), f"on 2 {split} samples")
+
+    with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) else "data.collate"):
         batch = (collate or default_collate)(samples)
-
-    def stage(key: str):  # a stage of `prepare`: data.decode, data.normalize
-        return parts.stage(key, data.get(key.removeprefix("data.")), where)
-
     return prepare(to_device(batch, device, non_blocking=False), stage)
