@@ -230,11 +230,11 @@ def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> st
     return ": ".join(line for err in (e, cause) if err is not None and (line := first_line(err)))
 
 
-def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
+def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | tuple = ()) -> None:
     """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
     message for a missing value name the file and the command."""
     raw = OmegaConf.to_container(cfg, resolve=False)  # unresolved: `${data.root}` is not `???`
-    missing(raw, choices or {}, overrides or [])
+    missing(raw, choices or {}, overrides)
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # an interpolation to a key that is not there, a bad resolver
@@ -243,9 +243,9 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
 {% if cookiecutter.with_tracking == "yes" %}
     tracking.check_packages(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
-    added_data_keys(raw["data"], overrides or [])
+    added_data_keys(raw["data"], overrides)
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
-    for name, node in (raw.get("callbacks") or {}).items():
+    for name, node in raw["callbacks"].items():  # a dict: the schema's callback_nodes refused anything else
         if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
             raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
     targets(raw, "")
@@ -257,7 +257,7 @@ def did_you_mean(name: str, known, prefix: str, form: str = " (did you mean {}?)
     return form.format(prefix + close[0]) if close else ""
 
 
-def missing(raw: dict, choices: dict, overrides: list[str]) -> None:
+def missing(raw: dict, choices: dict, overrides) -> None:
     keys = sorted(key for key, value in flatten(raw).items() if value == MISSING)
     if not keys:
         return
@@ -307,7 +307,7 @@ def open_group(cfg, name: str, group: Open) -> None:
             refuse_if(f"{name}.{key}", value, rule)
 
 
-def added_data_keys(data: dict, overrides: list[str]) -> None:
+def added_data_keys(data: dict, overrides) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
     be silently ignored, so it is refused. `data`: the data group, unresolved."""
