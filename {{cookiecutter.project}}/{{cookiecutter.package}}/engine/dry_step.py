@@ -41,6 +41,7 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
             "the same model and data"
         )
     device, target, unexact = pick_device(cfg.device), cfg.task._target_, []
+    kernels = Kernels(unexact) if cfg.deterministic is not False else contextlib.nullcontext()  # true or warn
 
     def named(method: str, split: str):  # an error inside the task or model: one line naming where
         return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
@@ -53,13 +54,13 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
         if transform is not None:
             with parts.stage("data.batch_transform", cfg.data.batch_transform, "on 2 training samples"):
                 batch = transform(batch)
-        with named("loss", "training"), Kernels(cfg.deterministic, unexact):
+        with named("loss", "training"), kernels:
             loss, _ = check_loss(task.loss(model.train(), batch), target)  # a bare loss, or (loss, parts)
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             fast_forward(parts.schedule(cfg.schedule, optimizer, 100), 1)
         batch = two_prepared(cfg.data, val_set, problem.collate, problem.prepare, device, "validation")
-        with torch.no_grad(), named("metrics", "validation"), Kernels(cfg.deterministic, unexact):
+        with torch.no_grad(), named("metrics", "validation"), kernels:
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
         if unexact and cfg.deterministic is True:
@@ -103,21 +104,20 @@ def undone(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
 
 
 class Kernels(TorchFunctionMode):
-    """Around a stage of the dry step, each torch function called in it. With `deterministic` true or warn,
-    torch's deterministic mode refuses an op without a deterministic kernel: the op runs again without the
-    mode and is named in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward
-    pass); an op that fails both ways raises its first error."""
+    """Around a stage of the dry step (with `deterministic` true or warn), each torch function called in it: torch's
+    deterministic mode refuses an op without a deterministic kernel, so the op runs again without the mode and is
+    named in `unexact` (by the function called: `put_`, or `backward` for a kernel of the backward pass); an op that
+    fails both ways raises its first error."""
 
-    def __init__(self, deterministic, unexact: list[str]):
+    def __init__(self, unexact: list[str]):
         super().__init__()
-        self.deterministic, self.unexact = deterministic is not False, unexact
+        self.unexact = unexact
 
     def __enter__(self):
         self.was = torch.are_deterministic_algorithms_enabled()
         self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        if self.deterministic:
-            process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
-            torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
+        process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
+        torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -129,8 +129,6 @@ class Kernels(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except Exception as first:
-            if not self.deterministic:
-                raise
             torch.use_deterministic_algorithms(False)
             try:
                 result = func(*args, **kwargs)
@@ -146,14 +144,12 @@ class Kernels(TorchFunctionMode):
 def two_prepared(data, dataset, collate, prepare, device: torch.device, split: str):
     """A batch of two samples of `split` prepared as the run prepares its batches (`collate`, then `prepare` on
     `device`), each stage in `parts.stage`; `data`: the run's data config."""
-    name, where = "train" if split == "training" else "val", f"on 2 {split} samples"
+    name = "train" if split == "training" else "val"
     samples = first_samples(dataset, f"data.{name}")
-    if getattr(dataset, "collate_fn", None) is None:
-        name = "collate"
-    with parts.stage(f"data.{name}", data.get(name), where):
+
+    def stage(key: str):  # the collate, then the stages of `prepare`: data.decode, data.normalize
+        return parts.stage(key, data.get(key.removeprefix("data.")), f"on 2 {split} samples")
+
+    with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) else "data.collate"):
         batch = (collate or default_collate)(samples)
-
-    def stage(key: str):  # a stage of `prepare`: data.decode, data.normalize
-        return parts.stage(key, data.get(key.removeprefix("data.")), where)
-
     return prepare(to_device(batch, device, non_blocking=False), stage)

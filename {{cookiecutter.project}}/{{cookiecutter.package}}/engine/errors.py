@@ -26,9 +26,8 @@ def find_user_error(exc: BaseException) -> UserError | None:
         if isinstance(e, UserError):
             return e
         if isinstance(e, InstantiationException) and (e.__cause__ is None or isinstance(e.__cause__, TypeError)):
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             cause = f" ({reason(e)})" if e.__cause__ else ""  # the TypeError's own line
-            return UserError(f"config: {lines[0] if lines else type(e).__name__}{cause}"[:400])
+            return UserError(f"config: {first_line(e) or type(e).__name__}{cause}"[:400])
     return None
 
 
@@ -36,5 +35,9 @@ def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
     inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
-    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
-    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(inner).__name__}: {first_line(inner)}"[:300]
+
+
+def first_line(e: BaseException) -> str:
+    """`e`'s message's first line that is not blank, stripped ("" for none)."""
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")

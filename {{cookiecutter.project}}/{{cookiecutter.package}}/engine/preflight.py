@@ -37,7 +37,7 @@ from . import distributed, resume, run{% if cookiecutter.with_slurm == "yes" %},
 from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
-from .errors import UserError, reason
+from .errors import UserError, first_line, reason
 from .schema import LOOP_KEYS, OPEN, SHIPPED, Config, Open, flatten
 
 log = logging.getLogger("train")
@@ -217,8 +217,7 @@ def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> st
             known = list(node) if OmegaConf.is_dict(node) else []
         except Exception:  # the other overrides fail too: no suggestion, the error still says which key
             known = []
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+        hint = did_you_mean(name, known, f"{parent}." if parent else "")
         where = "Hydra's own config" if key.startswith("hydra.") else "the schema in schema.py"
         return f"unknown config key {key}{hint}: {where} has no such key"
     if isinstance(e, MissingConfigException) and e.options:  # a group's option (its options listed) not found
@@ -228,13 +227,14 @@ def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> st
     if isinstance(e, OverrideParseException):
         return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
     # Hydra's first line and OmegaConf's reason under it (a value of the wrong type): the libraries' own words
-    return ": ".join(str(err).strip().splitlines()[0] for err in (e, cause) if err is not None and str(err).strip())
+    return ": ".join(line for err in (e, cause) if err is not None and (line := first_line(err)))
 
 
-def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | None = None) -> None:
+def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str] | tuple = ()) -> None:
     """Refuse a bad config in one line (UserError), before any work. `choices`/`overrides` (Hydra's) make the
     message for a missing value name the file and the command."""
-    missing(cfg, choices or {}, overrides or [])
+    raw = OmegaConf.to_container(cfg, resolve=False)  # unresolved: `${data.root}` is not `???`
+    missing(raw, choices or {}, overrides)
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # an interpolation to a key that is not there, a bad resolver
@@ -243,18 +243,22 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
 {% if cookiecutter.with_tracking == "yes" %}
     tracking.check_packages(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
-    added_data_keys(cfg, overrides or [])
-    raw = OmegaConf.to_container(cfg, resolve=False)
+    added_data_keys(raw["data"], overrides)
     raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
-    for name, node in (raw.get("callbacks") or {}).items():
+    for name, node in raw["callbacks"].items():  # a dict: the schema's callback_nodes refused anything else
         if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
             raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
     targets(raw, "")
 
 
-def missing(cfg, choices: dict, overrides: list[str]) -> None:
-    leaves = flatten(OmegaConf.to_container(cfg, resolve=False))  # unresolved: `${data.root}` is not `???`
-    keys = sorted(key for key, value in leaves.items() if value == MISSING)
+def did_you_mean(name: str, known, prefix: str, form: str = " (did you mean {}?)") -> str:
+    """The hint for a misspelt `name`: `form` around the closest of `known` (with its `prefix`), or "" if none is."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return form.format(prefix + close[0]) if close else ""
+
+
+def missing(raw: dict, choices: dict, overrides) -> None:
+    keys = sorted(key for key, value in flatten(raw).items() if value == MISSING)
     if not keys:
         return
     group = keys[0].split(".")[0]
@@ -265,7 +269,9 @@ def missing(cfg, choices: dict, overrides: list[str]) -> None:
 
 
 def refuse_if(name: str, value, rule: Callable | None) -> None:
-    wanted = rule(value) if rule is not None else None
+    """`rule` (a schema check) on `value`, a list or dict as plain Python (resolved); its refusal names `name`."""
+    plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    wanted = rule(plain) if rule else None
     if wanted:
         raise UserError(f"{name} must be {wanted}, got {value!r}")
 
@@ -277,8 +283,7 @@ def walk(cfg, schema, prefix: str) -> None:
     known = {f.name: f for f in dataclasses.fields(schema)}
     for name in cfg:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            hint = did_you_mean(name, known, prefix)
             raise UserError(f"unknown config key {prefix}{name}{hint}: the schema in schema.py has no such key")
     for f in known.values():
         if dataclasses.is_dataclass(f.type):  # a nested group: loader, checkpoint, ...
@@ -302,16 +307,15 @@ def open_group(cfg, name: str, group: Open) -> None:
             refuse_if(f"{name}.{key}", value, rule)
 
 
-def added_data_keys(cfg, overrides: list[str]) -> None:
+def added_data_keys(data: dict, overrides) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
-    be silently ignored, so it is refused."""
-    raw = str(OmegaConf.to_container(cfg.data, resolve=False))
+    be silently ignored, so it is refused. `data`: the data group, unresolved."""
+    raw = str(data)
     for override in overrides:
         found = re.match(r"\+{1,2}data\.(\w+)=", override)
         if found and found[1] not in OPEN["data"].loop and "${data." + found[1] + "}" not in raw:
-            close = difflib.get_close_matches(found[1], [k for k in cfg.data if k != found[1]], n=1)
-            hint = f" (did you mean data.{close[0]}?)" if close else ""
+            hint = did_you_mean(found[1], [k for k in data if k != found[1]], "data.")
             raise UserError(
                 f"data.{found[1]} is not used by data.train or data.val{hint}: "
                 "remove it, or refer to it as ${data." + found[1] + "}"
@@ -342,8 +346,7 @@ def targets(tree, prefix: str) -> None:
             takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
             for name in tree:
                 if not (name.startswith("_") and name.endswith("_")) and name not in takes:
-                    close = difflib.get_close_matches(name, takes, n=1)
-                    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                    hint = did_you_mean(name, takes, prefix, "did you mean {}? ")
                     raise UserError(
                         f"{prefix}{name} is not an argument of {target} ({hint}it takes {', '.join(takes) or 'none'})"
                     )

@@ -10,7 +10,7 @@ list of the user's keys of its own.
 """
 
 import math
-from collections.abc import Callable{% if cookiecutter.with_tracking == "yes" %}, Sequence{% endif +%}
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import partial
@@ -39,15 +39,14 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-# Checks: each returns None when the value is fine, else what it should be; `null`: what null means, where allowed.
-def number(low: float, high: float | None = None, above: bool = False, null: str | None = None, whole=False):
+# Checks: each returns None (or False) when the value is fine, else what it should be. A list or dict comes as
+# plain Python (preflight.refuse_if).
+def number(low: float, high: float | None = None, above: bool = False, whole=False):
     def check(v):
-        if v is None and null:
-            return None
         bad = isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v)
         if bad or (v <= low if above else v < low) or (high is not None and v > high):
             span = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
-            return f"{'an integer' if whole else 'a number'} {span}" + (f", or null ({null})" if null else "")
+            return f"{'an integer' if whole else 'a number'} {span}"
 
     return check
 
@@ -69,14 +68,19 @@ def or_word(check: Callable, word: str) -> Callable:
     return either
 
 
-def text(null: str | None = None) -> Callable:
-    def check(v):
-        if v is None and null:
-            return None
-        if not isinstance(v, str) or not v.strip():
-            return "a non-empty string" + (f", or null ({null})" if null else "")
+def or_null(check: Callable, null: str) -> Callable:
+    """`check`'s values, or null (`null`: what it means)."""
 
-    return check
+    def either(v):
+        wanted = v is not None and check(v)
+        return wanted and f"{wanted}, or null ({null})"
+
+    return either
+
+
+def text(v):
+    if not isinstance(v, str) or not v.strip():
+        return "a non-empty string"
 
 
 def one_of(*allowed, also=()) -> Callable:
@@ -113,25 +117,25 @@ Strategy = choices("Strategy", "ddp"{% if cookiecutter.with_fsdp == "yes" %}, "f
 class LoaderConfig:
     batch_size: int = key(integer(1))
     num_workers: Any = key(or_word(integer(0), "auto"))
-    prefetch_factor: int | None = key(integer(1, null="PyTorch's default, 2"))
+    prefetch_factor: int | None = key(or_null(integer(1), "PyTorch's default, 2"))
     pin_memory: Any = key(or_word(flag, "auto"))
     persistent_workers: bool = key()
     timeout: float = key(number(0))
-    max_prefetch_mib: float | None = key(number(0, above=True, null="no budget"))
+    max_prefetch_mib: float | None = key(or_null(number(0, above=True), "no budget"))
     on_budget: OnBudget = key()
 
 
 @dataclass
 class EmaConfig:
-    decay: float | None = key(number(0, 1, null="off"))
+    decay: float | None = key(or_null(number(0, 1), "off"))
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int | None = key(integer(1, null="epoch ends only"))
+    every_steps: int | None = key(or_null(integer(1), "epoch ends only"))
     keep: int = key(integer(0))
-    search_dir: str = key(text())
-    monitor: str = key(text())  # best.pth keeps the epoch with the best value of this metrics.jsonl key
+    search_dir: str = key(text)
+    monitor: str = key(text)  # best.pth keeps the epoch with the best value of this metrics.jsonl key
     mode: BestMode = key()
 
 
@@ -143,8 +147,8 @@ class MonitorConfig:
 {% if cookiecutter.with_tracking == "yes" %}
 @dataclass
 class MlflowConfig:
-    tracking_uri: str = key(text())
-    experiment_name: str | None = key(text(null="the run's name without its time; a sweep's folder in a multirun"))
+    tracking_uri: str = key(text)
+    experiment_name: str | None = key(or_null(text, "the run's name without its time; a sweep's folder in a multirun"))
     on_unreachable: str = key(one_of("error", "local"))  # refuse in one line | the run folder's mlflow.db
     log_checkpoints: bool = key()
 
@@ -152,12 +156,12 @@ class MlflowConfig:
 @dataclass
 class WandbConfig:
     mode: str = key(one_of("online", "offline", "disabled"))  # offline: <run folder>/wandb/, `wandb sync` later
-    project: str = key(text())
-    entity: str | None = key(text(null="your default entity"))
+    project: str = key(text)
+    entity: str | None = key(or_null(text, "your default entity"))
 
 
 def loggers(v):
-    if isinstance(v, str) or not isinstance(v, Sequence) or any(name not in TRACKERS for name in v):
+    if not isinstance(v, list) or any(name not in TRACKERS for name in v):
         return f"a list of {', '.join(TRACKERS)}"
 
 
@@ -174,19 +178,18 @@ class LoggerConfig:
 class ProcessConfig:
     omp_wait_policy: WaitPolicy | None = key()
     keep_freed_memory: bool = key()
-    threads: int | None = key(integer(1, null="torch's default"))
+    threads: int | None = key(or_null(integer(1), "torch's default"))
 {% if cookiecutter.with_fsdp == "yes" %}
 
 
 def class_paths(v):
-    names = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)):
+    if v is not None and (not isinstance(v, list) or not all(isinstance(n, str) and n for n in v)):
         return "null or a list of module class import paths, e.g. [torchvision.models.vision_transformer.EncoderBlock]"
 {% endif %}
 
 
 def callback_nodes(v):
-    if not (OmegaConf.is_dict(v) or isinstance(v, dict)):
+    if not isinstance(v, dict):
         return "a dict of named callback nodes, e.g. 'callbacks=[sample_grid,early_stopping]' (conf/callbacks/)"
 
 
@@ -201,15 +204,14 @@ class ParallelConfig:
 
 # An optim.param_groups entry's keys (engine/optim.py): the glob, and what its parameters get instead of optim's
 GROUP_KEYS = {
-    "match": text(),
-    "lr_scale": number(0, above=True, null="optim.lr as it is"),
-    "weight_decay": number(0, null="optim.weight_decay"),
+    "match": text,
+    "lr_scale": or_null(number(0, above=True), "optim.lr as it is"),
+    "weight_decay": or_null(number(0), "optim.weight_decay"),
 }
 
 
 def param_groups(v):
     """optim.param_groups: a list of {match, lr_scale, weight_decay}, `match` required."""
-    v = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
     shape = "a list of {match: <glob over model.named_parameters() names>, lr_scale: <x>, weight_decay: <w>}"
     if not isinstance(v, list):
         return shape
@@ -250,8 +252,8 @@ def group(**spec) -> Any:
 class Config:
     seed: int = key(integer(0, 2**32 - 1))  # numpy's np.random.seed range; torch and python take at least that
     epochs: int = key(integer(1))
-    max_steps: int | None = key(integer(1, null="run all epochs"))
-    resume: str | None = key(text(null="start fresh"))
+    max_steps: int | None = key(or_null(integer(1), "run all epochs"))
+    resume: str | None = key(or_null(text, "start fresh"))
     resume_strict: bool = key()
     device: Device = key()
     deterministic: Any = key(or_word(flag, "warn"))  # warn: ops without a deterministic kernel run, named once
@@ -264,9 +266,9 @@ class Config:
     rng_mode: RngMode = key()
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     accumulate_steps: int = key(integer(1))
-    init_from: str | None = key(text(null="the model's own initialisation"))
+    init_from: str | None = key(or_null(text, "the model's own initialisation"))
     init_strict: bool = key()
-    val_every_steps: int | None = key(integer(1, null="at epoch ends only"))
+    val_every_steps: int | None = key(or_null(integer(1), "at epoch ends only"))
     ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -293,7 +295,7 @@ class Config:
             "num_classes": integer(2),
             "image_size": integer(1),
             "per_class": integer(1),
-            "root": text(),
+            "root": text,
 {% if cookiecutter.with_photos == "yes" %}
             "decode": one_of(*DECODERS),
 {% endif %}
@@ -302,7 +304,7 @@ class Config:
     model: Any = group(shipped={"width": integer(1)})
     optim: Any = group(
         loop={  # engine/optim.py's: the optimizer is built without them (LOOP_KEYS)
-            "grad_clip": number(0, above=True, null="off"),
+            "grad_clip": or_null(number(0, above=True), "off"),
             "param_groups": param_groups,
             "decay_norm_and_bias": flag,
         },
@@ -313,7 +315,7 @@ class Config:
         shipped={
             "warmup_steps": integer(0),
             "min_lr_ratio": number(0, 1),
-            "total_steps": integer(1, null="the planned epochs' steps"),
+            "total_steps": or_null(integer(1), "the planned epochs' steps"),
         }
     )
 
