@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import distributed
-from .files import sync
+from .files import durable, sync
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
@@ -115,7 +115,7 @@ class ShardedCheckpointer:
 
     def __init__(self, folder: Path, keep: int, world):
         self.folder, self.keep, self.world = folder, keep, world
-        self.last, self.best, self.saves = folder / LAST, folder / BEST, folder / ".saves"
+        self.saves = folder / ".saves"
         if world.is_main:
             self.saves.mkdir(parents=True, exist_ok=True)
             for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short
@@ -132,19 +132,18 @@ class ShardedCheckpointer:
         dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
         if not self.world.is_main:
             return
-        torch.save(state, tmp / RUN_FILE)
-        sync(tmp / RUN_FILE)
-        sync(tmp)
+        with durable(tmp / RUN_FILE) as f:  # synced, and so is its folder
+            torch.save(state, f)
         done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
         os.rename(tmp, done)  # complete now; no link names it yet
         sync(self.saves)
-        self._link(done, self.last)
+        self._link(done, self.folder / LAST)
         if self.keep > 0:
             self._link(done, self.folder / f"step-{step:08d}.pth")
             for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep]:
                 old.unlink()
         if best:
-            self._link(done, self.best)
+            self._link(done, self.folder / BEST)
         sync(self.folder)
         self._collect()
 
