@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import distributed
-from .files import durable, sync
+from .files import sync
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
@@ -132,8 +132,9 @@ class ShardedCheckpointer:
         dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
         if not self.world.is_main:
             return
-        with durable(tmp / RUN_FILE) as f:  # synced, and so is its folder
-            torch.save(state, f)
+        torch.save(state, tmp / RUN_FILE)
+        sync(tmp / RUN_FILE)
+        sync(tmp)
         done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
         os.rename(tmp, done)  # complete now; no link names it yet
         sync(self.saves)
