@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from . import distributed, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
+from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
 from .errors import UserError, reason
 from .files import durable
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -39,7 +39,6 @@ class Checkpointer:
 
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = folder, keep
-        self.last, self.best = folder / LAST, folder / BEST
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(".tmp-*.pth"):  # left by a save that was killed
             stale.unlink()
@@ -47,8 +46,8 @@ class Checkpointer:
     def save(self, state: dict, best: dict | None = None) -> None:
         """`best`: the metrics.jsonl line of an epoch that is the best so far, then in `best.pth` too (`metrics`)."""
         if best is not None:
-            publish({**state, "metrics": best}, self.best)
-        publish(state, self.last, self.folder / f"step-{state['step']:08d}.pth" if self.keep > 0 else None)
+            publish({**state, "metrics": best}, self.folder / BEST)
+        publish(state, self.folder / LAST, self.folder / f"step-{state['step']:08d}.pth" if self.keep > 0 else None)
         for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:
             old.unlink()
 
@@ -199,11 +198,10 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
         with warnings.catch_warnings(record=True) as held:
             warnings.simplefilter("always")
 {% if cookiecutter.with_fsdp == "yes" %}
+            found = path / sharded_checkpoint.RUN_FILE if path.is_dir() else path
+            loaded = torch.load(found, map_location="cpu", weights_only=True, mmap=mmap)
             if path.is_dir():
-                run = torch.load(path / sharded_checkpoint.RUN_FILE, map_location="cpu", weights_only=True)
-                loaded = {**run, **sharded_checkpoint.tensors(path, whole)}
-            else:
-                loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+                loaded = {**loaded, **sharded_checkpoint.tensors(path, whole)}
 {% else %}
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 {% endif %}
@@ -255,16 +253,21 @@ def misfit(own: dict, saved: dict) -> str:
                      for label, names in odd.items() if names)  # fmt: skip
 
 
-def init_weights(model: torch.nn.Module, path: str, strict: bool{% if cookiecutter.with_fsdp == "yes" %}, load=None{% endif %}) -> None:
+def init_weights(model: torch.nn.Module, path: str, strict: bool) -> None:
     """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
     loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
     file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
-    tensors whose name and shape fit, and a line listing the rest.{% if cookiecutter.with_fsdp == "yes" %} A sharded checkpoint is gathered whole;
-    `load(fitting)`: how the fitting tensors go in instead of load_state_dict (a sharded model's: fsdp.fill).{% endif %}"""
+    tensors whose name and shape fit, and a line listing the rest.{% if cookiecutter.with_fsdp == "yes" %} A sharded model (parallel=fsdp) takes them
+    through fsdp.fill, no rank reading them whole; any other gathers a sharded checkpoint whole.{% endif %}"""
     who = f"init_from={path}"
     if "://" in path:
         raise UserError(f"{who}: only local files are read; download it first and give its path")
-    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file", mmap=True{% if cookiecutter.with_fsdp == "yes" %}, whole=load is None{% endif %})
+{% if cookiecutter.with_fsdp == "yes" %}
+    local, sharded = Path(path).expanduser(), fsdp.is_sharded(model)
+    saved = read(local, who, "a checkpoint or a state_dict file", mmap=True, whole=not sharded)
+{% else %}
+    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file", mmap=True)
+{% endif %}
     for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
         if isinstance(saved, dict) and isinstance(saved.get(key), dict):
             saved = saved[key]
@@ -279,8 +282,8 @@ def init_weights(model: torch.nn.Module, path: str, strict: bool{% if cookiecutt
                         "(e.g. a new head)")  # fmt: skip
     fitting = {k: v for k, v in saved.items() if k in own and v.shape == own[k].shape}
 {% if cookiecutter.with_fsdp == "yes" %}
-    if load is not None:
-        load(fitting)
+    if sharded:
+        fsdp.fill(model, local, fitting)
     else:
         model.load_state_dict(fitting, strict=False)
 {% else %}

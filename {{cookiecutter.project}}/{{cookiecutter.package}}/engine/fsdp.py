@@ -62,18 +62,13 @@ def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
     return [path for path, m in model.named_modules() if path and isinstance(m, tuple(classes))][::-1] + [""]
 
 
-def policy(amp: torch.dtype | None) -> MixedPrecisionPolicy:
-    """amp=bf16 under FSDP: bf16 weights for the compute, float32 gradient reduction and master weights."""
-    if amp is None:
-        return MixedPrecisionPolicy()
-    if amp != torch.bfloat16:
-        raise UserError("parallel=fsdp trains in float32 or with amp=bf16: set amp=bf16 or amp=off")
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
 def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
-    """`model` (on the meta device) sharded in place, units then root; this rank's slices allocated on `device`."""
-    mixed, reshard = policy(amp), parallel_cfg.get("reshard_after_forward", True)
+    """`model` (on the meta device) sharded in place, units then root; this rank's slices allocated on `device`.
+    amp=bf16: bf16 weights for the compute, float32 gradient reduction and master weights."""
+    if amp not in (None, torch.bfloat16):
+        raise UserError("parallel=fsdp trains in float32 or with amp=bf16: set amp=bf16 or amp=off")
+    mixed = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=None if amp is None else torch.float32)
+    reshard = parallel_cfg.get("reshard_after_forward", True)
     for path in unit_paths(model, parallel_cfg):
         fully_shard(model.get_submodule(path), mp_policy=mixed, reshard_after_forward=reshard)
     return model.to_empty(device=device)

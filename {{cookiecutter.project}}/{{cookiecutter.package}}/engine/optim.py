@@ -28,15 +28,14 @@ def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
         if p.requires_grad:
             at = next((i for i, e in enumerate(entries) if fnmatchcase(name, e["match"])), None)
             chosen[0 if at is None else at + 1].append(p)
-    for i, entry in enumerate(entries):
-        if not chosen[i + 1]:
+    groups = _split_decay(chosen[0], {}, optim_cfg) if chosen[0] else []
+    for i, (entry, params) in enumerate(zip(entries, chosen[1:])):
+        if not params:
             first = next((n for n, _ in model.named_parameters()), "")
             raise UserError(
                 f"optim.param_groups[{i}].match={entry['match']!r} matches no parameter of {type(model).__name__} "
                 f"that an earlier entry left (names look like {first!r}): fix the glob or remove the entry"
             )
-    groups = _split_decay(chosen[0], {}, optim_cfg, optim_cfg.get("weight_decay")) if chosen[0] else []
-    for entry, params in zip(entries, chosen[1:]):
         settings = {}
         if entry.get("lr_scale") is not None:
             if optim_cfg.get("lr") is None:
@@ -44,14 +43,14 @@ def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
             settings["lr"] = optim_cfg["lr"] * entry["lr_scale"]
         if entry.get("weight_decay") is not None:
             settings["weight_decay"] = entry["weight_decay"]
-        groups += _split_decay(params, settings, optim_cfg, settings.get("weight_decay", optim_cfg.get("weight_decay")))
+        groups += _split_decay(params, settings, optim_cfg)
     return groups
 
 
-def _split_decay(params: list, settings: dict, optim_cfg, decay) -> list[dict]:
-    """`params` as one group with `settings`, or two when `decay` is on and decay_norm_and_bias=false: biases and
-    normalization weights (ndim < 2) then get none, as in nanoGPT and timm."""
-    if optim_cfg.get("decay_norm_and_bias", True) or not decay:
+def _split_decay(params: list, settings: dict, optim_cfg) -> list[dict]:
+    """`params` as one group with `settings`, or two when its weight decay (the group's, else optim's) is on and
+    decay_norm_and_bias=false: biases and normalization weights (ndim < 2) then get none, as in nanoGPT and timm."""
+    if optim_cfg.get("decay_norm_and_bias", True) or not settings.get("weight_decay", optim_cfg.get("weight_decay")):
         return [{"params": params, **settings}]
     return [
         {"params": [p for p in params if p.ndim >= 2], **settings},

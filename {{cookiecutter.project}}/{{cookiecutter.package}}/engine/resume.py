@@ -221,6 +221,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
     `fresh`: the optimizer's group settings (lr, weight decay...) as this run's config built them, taken before a
     sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
     world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
+    step = ckpt["step"]
 {% if cookiecutter.with_fsdp == "yes" %}
     if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
         model.load_state_dict(ckpt["model"])
@@ -236,7 +237,7 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
         # total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
         for group, ours in zip(optimizer.param_groups, fresh, strict=True):
             group.update(ours)
-        fast_forward(scheduler, ckpt["step"])
+        fast_forward(scheduler, step)
     else:  # the same run: both states as they were, bit for bit
         scheduler.load_state_dict(ckpt["scheduler"])
     if scaler.is_enabled() and ckpt["scaler"] is not None:
@@ -245,10 +246,9 @@ def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, 
         mine = ckpt["ranks"][rank]
         train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
         rng.restore_main(mine["rng"])
-        return ckpt["step"]
+        return step
     # Another number of processes: the position in the epoch is global; the per-rank randomness outside the data
     # (dropout, worker seeds) cannot be mapped onto other ranks, so it is derived from (seed, rank, step).
-    step = ckpt["step"]
     if train_loader.rng_mode == "per_worker" and rank == 0:
         log.warning(
             "resume: rng_mode=per_worker on %d processes instead of %d: the workers' RNG streams start afresh "

@@ -200,12 +200,11 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
         model = fsdp.build(lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last)
     else:
         model = parts.model(cfg.model, device, cfg.channels_last)
-    load = (lambda fitting: fsdp.fill(model, Path(cfg.init_from).expanduser(), fitting)) if sharded else None
 {% else %}
     model = parts.model(cfg.model, device, cfg.channels_last)
 {% endif %}
     if cfg.init_from and not resuming:  # weights only; a resume brings its own weights and says so
-        init_weights(model, cfg.init_from, cfg.init_strict{% if cookiecutter.with_fsdp == "yes" %}, load=load{% endif %})
+        init_weights(model, cfg.init_from, cfg.init_strict)
     optimizer = parts.optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
     # the task and callbacks before restore: a resume's draws from the RNG are the same
     task = parts.build(cfg.task, "task")

@@ -115,7 +115,7 @@ class ShardedCheckpointer:
 
     def __init__(self, folder: Path, keep: int, world):
         self.folder, self.keep, self.world = folder, keep, world
-        self.last, self.best, self.saves = folder / LAST, folder / BEST, folder / ".saves"
+        self.saves = folder / ".saves"
         if world.is_main:
             self.saves.mkdir(parents=True, exist_ok=True)
             for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short
@@ -138,13 +138,13 @@ class ShardedCheckpointer:
         done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
         os.rename(tmp, done)  # complete now; no link names it yet
         sync(self.saves)
-        self._link(done, self.last)
+        self._link(done, self.folder / LAST)
         if self.keep > 0:
             self._link(done, self.folder / f"step-{step:08d}.pth")
             for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep]:
                 old.unlink()
         if best:
-            self._link(done, self.best)
+            self._link(done, self.folder / BEST)
         sync(self.folder)
         self._collect()
 
