@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -98,14 +99,17 @@ def test_small_shm_adjusts_or_refuses(tmp_path):
     assert not (tmp_path / "error" / "checkpoints" / "last.pth").exists()
 
 
-def fill(path) -> None:
-    """Write `path` until the file system is full, as another program sharing /dev/shm would."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+def keep_full(path, proc: subprocess.Popen) -> None:
+    """Keep the file system of `path` full while `proc` runs, as another program writing to /dev/shm would: what the
+    run's workers free (a batch taken), it takes, so a worker soon finds no room for its next batch."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
-        while True:
-            os.write(fd, b"\0" * 65536)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC, e
+        while proc.poll() is None:
+            try:
+                os.write(fd, b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+                time.sleep(0.001)
     finally:
         os.close(fd)
 
@@ -114,9 +118,8 @@ def fill(path) -> None:
 @pytest.mark.slow
 def test_shm_filled_mid_run_ends_in_one_line_with_the_checkpoint_intact(tmp_path):
     data = [o.replace("RngDrawingDataset", "SlowItems", 1) if o.startswith("data.train._target_") else o for o in BIG]
-    # 4096 samples, 64 steps an epoch: the batches in flight when /dev/shm fills run out well before the epoch's end,
-    # so the failure comes in training, which saves at its step; at an epoch's end (validation, the next epoch's
-    # workers) the run goes on from its last checkpoint instead
+    # 4096 samples, 64 steps an epoch: /dev/shm, kept full from step 4, fails a worker well before the epoch's end,
+    # in training, which saves at its step (at an epoch's end the run goes on from its last checkpoint instead)
     cmd = in_small_shm(8, tmp_path, *data, "data.train.size=4096", "+data.train.item_s=0.01", "epochs=4",
                        "log_every_steps=1", "checkpoint.every_steps=2")  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -127,7 +130,8 @@ def test_shm_filled_mid_run_ends_in_one_line_with_the_checkpoint_intact(tmp_path
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "train.py did not reach step 4"
             time.sleep(0.05)
-        fill(f"/proc/{proc.pid}/root/dev/shm/filler")  # its /dev/shm, seen through its own mount namespace
+        filler = f"/proc/{proc.pid}/root/dev/shm/filler"  # its /dev/shm, seen through its own mount namespace
+        threading.Thread(target=keep_full, args=(filler, proc), daemon=True).start()
         _, err = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -147,7 +147,7 @@ def two_prepared(data, dataset, collate, prepare, device: torch.device, split: s
     name = "train" if split == "training" else "val"
     samples = first_samples(dataset, f"data.{name}")
 
-    def stage(key: str):  # the collate, then the stages of `prepare`: data.decode, data.normalize
+    def stage(key: str):  # the collate, then each stage of `prepare` (data.normalize...)
         return parts.stage(key, data.get(key.removeprefix("data.")), f"on 2 {split} samples")
 
     with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) else "data.collate"):
