@@ -126,7 +126,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
 {% endif %}
     totals = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
-    # each total back in its shape, on the CPU (built, not read): what compute() takes, and float() reads a 0-dim one
-    pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
-    totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
+    if hasattr(task, "compute"):  # each total back in its shape, on the CPU (built, not read); else the floats
+        pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
+        totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
     return report(task, dict(zip(sums, totals, strict=True)), target)
