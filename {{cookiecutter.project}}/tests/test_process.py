@@ -174,7 +174,9 @@ def test_openmp_reads_its_wait_policy_as_torch_loads_not_later():
     for when in ("before", "after", "never"):
         out = subprocess.run([sys.executable, "-c", SPIN, when], env=env, capture_output=True, text=True, check=True)
         spun[when] = float(out.stdout)
-    assert spun["before"] > 0.3, spun  # 0.5 s of sleep, a thread spinning through it
+    # 0.5 s of sleep, a thread spinning through it; with another test on the other core it gets less of its own
+    # (0.25 s seen in CI), so against the two controls, not a fixed share
+    assert spun["before"] > 0.1 and spun["before"] > 5 * max(spun["after"], spun["never"]), spun
     assert spun["after"] < 0.2 and spun["never"] < 0.2, spun
 
 
