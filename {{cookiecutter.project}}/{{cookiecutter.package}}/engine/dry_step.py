@@ -150,6 +150,6 @@ def two_prepared(data, dataset, collate, prepare, device: torch.device, split: s
     def stage(key: str):  # the collate, then each stage of `prepare` (data.normalize...)
         return parts.stage(key, data.get(key.removeprefix("data.")), f"on 2 {split} samples")
 
-    with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) else "data.collate"):
+    with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) is not None else "data.collate"):
         batch = (collate or default_collate)(samples)
     return prepare(to_device(batch, device, non_blocking=False), stage)
