@@ -92,12 +92,14 @@ def test_generated_fast_tier_passes(bake, tmp_path, answers, paths):
 @pytest.mark.slow
 def test_generated_slow_tier_passes(bake, tmp_path):
     project = bake(tmp_path)
-    args = ["-m", "slow", "-n", str(WORKERS), f"--timeout={PER_TEST_S}", "--timeout-method=thread"]
+    args = ["-m", "slow", "-n", str(WORKERS), f"--timeout={PER_TEST_S}", "--timeout-method=thread", "--durations=25"]
     # One intra-op thread per process: two pytest workers each run several train.py processes (torchrun ranks, their
     # loader workers) on two cores, where more threads only wait on each other. The fast tier keeps torch's default.
     text, seconds = run_generated(project, tmp_path / "slow.log", *args, timeout=3600, env={"OMP_NUM_THREADS": "1"})
     assert " passed" in text.splitlines()[-1], text.splitlines()[-1]
     print(f"generated slow tier: {seconds:.0f} s")
+    durations = text[text.find("slowest 25 durations"):].split("\n", 1)[-1]  # the lines under that heading
+    print(durations[:durations.find("=====")])  # where CI's time goes
 
 
 def test_under_xdist_a_hung_test_is_named_by_its_own_timeout(tmp_path):
