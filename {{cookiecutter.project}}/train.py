@@ -145,6 +145,8 @@ def validate(run: Run, meter: EpochMeter, epoch_end: bool = True) -> bool:
     log.info("epoch %d step %d %s %.0f samples/s data_wait %.2fs", record["epoch"], run.step, figures, rate,
              meter.data_wait)  # fmt: skip
     asked = run.callbacks.validation_end(run, record)  # e.g. early stopping; before the save that keeps its state
+    if epoch_end:
+        run.meter = None  # the epoch's sums are in its record: the checkpoint carries none
     run.checkpoints.save(run, record)
     return signalled or asked
 

@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine.checkpoint import Best, Checkpointer
+from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer
+from {{ cookiecutter.package }}.engine.run_state import Best
 from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train
 
 
@@ -29,10 +30,16 @@ def test_best_keeps_the_first_best_epoch(tmp_path, mode, values, kept):
 
 
 def test_the_best_value_comes_back_from_a_checkpoint(tmp_path):
-    saved = {"best": {"monitor": "val_loss", "mode": "min", "value": 0.25}}
-    assert Best("val_loss", "min", saved).value == 0.25
-    assert Best("val_acc", "max", saved).value is None  # another rule: the old value means nothing
-    assert not Best("val_loss", "min", saved).judge({"val_loss": 0.3})
+    saved = {"monitor": "val_loss", "mode": "min", "value": 0.25}  # a checkpoint's `best` part
+
+    def loaded(monitor: str, mode: str) -> Best:
+        best = Best(monitor, mode)
+        best.load(saved)
+        return best
+
+    assert loaded("val_loss", "min").value == 0.25
+    assert loaded("val_acc", "max").value is None  # another rule: the old value means nothing
+    assert not loaded("val_loss", "min").judge({"val_loss": 0.3})
     fresh = Best("val_loss", "min")
     assert not fresh.judge({"val_loss": float("nan")}) and fresh.judge({"val_loss": 9.0})  # NaN never the best
 

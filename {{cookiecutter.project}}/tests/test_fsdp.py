@@ -78,7 +78,7 @@ def test_sharded_resume_is_exact_with_other_workers_and_close_on_three_processes
 
     # negative control: the same resume without the optimizer's state (SGD's momentum) loaded from the shards
     ckpt = resumed_copy(tmp_path / "stopped", tmp_path / "control")
-    patch = "{{ cookiecutter.package }}.engine.sharded_checkpoint:set_optimizer_state_dict=noop"
+    patch = "{{ cookiecutter.package }}.engine.run_state:set_optimizer_state_dict=noop"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/patched.py",
            patch, "train.py", data, *BLOCKS, f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'control'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, timeout=300)
@@ -179,7 +179,7 @@ def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
     resumed = export(tmp_path / "resumed/checkpoints/last.pth", tmp_path / "resumed.pth")
     assert {t.dtype for t in straight["model"].values()} == {torch.float32}
     assert equal(resumed["model"], straight["model"]) and equal(resumed["ema"], straight["ema"])
-    patch = "{{ cookiecutter.package }}.engine.sharded_checkpoint:set_optimizer_state_dict=noop"
+    patch = "{{ cookiecutter.package }}.engine.run_state:set_optimizer_state_dict=noop"
     cmd = [sys.executable, "tests/patched.py", patch, "train.py", *one,
            f"resume={tmp_path / 'control/checkpoints/last.pth'}", f"hydra.run.dir={tmp_path / 'control'}"]  # fmt: skip
     assert subprocess.run(cmd, cwd=PROJECT, capture_output=True, timeout=300).returncode == 0
@@ -358,21 +358,23 @@ import os, sys, torch, torch.distributed as dist
 from pathlib import Path
 from torch.distributed.fsdp import fully_shard
 from {{ cookiecutter.package }}.engine.distributed import World
-from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer, live_state
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = fully_shard(torch.nn.Linear(512, 512))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 saver = ShardedCheckpointer(Path(sys.argv[1]), keep=1, world=World())
 with torch.no_grad():
     model.weight.fill_(1.0)
-saver.save(live_state(model, optimizer, None), {"format": 1, "step": 1}, 1, best=False)
+live = lambda: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+saver.save({**live(), "format": 1, "step": 1})
 with torch.no_grad():
     model.weight.fill_(2.0)
 tmp = saver.saves / ".tmp-00000002"
 tmp.mkdir()
 os.mkfifo(tmp / "run.pth")
 print("saved", flush=True)
-saver.save(live_state(model, optimizer, None), {"format": 1, "step": 2, "pad": torch.zeros(1 << 20)}, 2, best=False)
+saver.save({**live(), "format": 1, "step": 2, "pad": torch.zeros(1 << 20)})
 """
 
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import parts
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.resume import load_optimizer
+from {{ cookiecutter.package }}.engine.run_state import regroup
 from {{ cookiecutter.package }}.model import SmallCNN
 from tests.helpers import PROJECT, RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
 
@@ -271,7 +271,7 @@ def test_a_resume_with_other_param_groups_carries_each_parameters_state():
     with pytest.raises(ValueError, match="different number of parameter groups"):  # the control: torch's own load
         built_optimizer(regrouped, model).load_state_dict(ckpt["optimizer"])
     after = built_optimizer(regrouped, model)
-    load_optimizer(ckpt, model, after)
+    regroup(ckpt["optimizer"], ckpt, model, after)
     for p in model.parameters():
         assert torch.equal(after.state[p]["exp_avg"], before.state[p]["exp_avg"]) and after.state[p] is not None
     names = {id(p): n for n, p in model.named_parameters()}

@@ -260,7 +260,7 @@ def test_global_batches_do_not_depend_on_the_number_of_processes(world_size, siz
 
 def test_a_loader_state_goes_on_over_another_number_of_processes():
     """TrainLoader alone: 2 ranks stop after 3 batches of epoch 0; 3 ranks loaded from rank 0's state (reseeded, as
-    resume.restore does) serve the rest of the epoch and the next as 1 process with the global batch does."""
+    run_state.load_ranks does) serve the rest of the epoch and the next as 1 process with the global batch does."""
     data = IndexedSamples(SAMPLES, draws=False)
 
     def loaders(world):

@@ -1,24 +1,21 @@
-"""Checkpoint files: what goes into one (`CheckpointPolicy.save`), how it is written (atomically), and the one safe
-read of any saved file and its one refusal (`read`), which `load` holds to this project's checkpoints and
-`init_weights` (init_from) to a state_dict. Everything saved is tensors, numbers, strings and containers, so it loads
-with `torch.load(weights_only=True)`: a checkpoint cannot run code. Resuming: resume.py.
+"""Checkpoint files: how one is written (atomically), and the one safe read of any saved file and its one refusal
+(`read`), which `load` holds to this project's checkpoints and `init_weights` (init_from) to a state_dict. Everything
+saved is tensors, numbers, strings and containers, so it loads with `torch.load(weights_only=True)`: a checkpoint
+cannot run code. What goes into one, and when: run_state.py; resuming: resume.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import platform
 import warnings
-from importlib import metadata
 from pathlib import Path
 
-import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
+{% if cookiecutter.with_fsdp == "yes" %}
+from . import fsdp, sharded_checkpoint
+{% endif %}
 from .errors import UserError, reason
 from .files import durable
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -60,125 +57,6 @@ def publish(state: dict, path: Path, also: Path | None = None) -> None:
     if also is not None:
         also.unlink(missing_ok=True)
         os.link(path, also)
-
-
-class Best:
-    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode` max or
-    min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never overwrites a better
-    best.pth."""
-
-    def __init__(self, monitor: str, mode: str, ckpt: dict | None = None):
-        self.monitor, self.mode = monitor, mode
-        saved = (ckpt or {}).get("best") or {}
-        same_rule = saved.get("monitor") == monitor and saved.get("mode") == mode
-        self.value: float | None = saved.get("value") if same_rule else None
-
-    def state(self) -> dict:
-        return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
-
-    def judge(self, record: dict) -> bool:
-        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does not
-        report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
-        value = record[self.monitor]
-        better = not math.isnan(value) and (
-            self.value is None or (value > self.value if self.mode == "max" else value < self.value)
-        )
-        if better:
-            self.value = value
-        return better
-
-
-class CheckpointPolicy:
-    """When the run saves, and what: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps`
-    optimizer steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. Every rank
-    hands its RNG and loader state to rank 0, which alone writes{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: all but each rank's own shards,
-    sharded_checkpoint.py){% endif %}; all ranks wait for the write."""
-
-{% if cookiecutter.with_fsdp == "yes" %}
-    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None, sharded: bool = False):
-        whole = Checkpointer(folder, cfg.keep) if world.is_main and not sharded else None
-        self.writer = sharded_checkpoint.ShardedCheckpointer(folder, cfg.keep, world) if sharded else whole
-        self.sharded = sharded
-{% else %}
-    def __init__(self, folder: Path, cfg, world, ckpt: dict | None = None):
-        self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
-{% endif %}
-        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world  # cfg: the run's `checkpoint`
-        self.best = Best(cfg.monitor, cfg.mode.value, ckpt)  # the best epoch so far, the resumed run's included
-        self.saved_step = ckpt["step"] if ckpt else None  # the step of the newest checkpoint (a resume's, at first)
-
-    def due(self, step: int) -> bool:
-        """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def save(self, run, record: dict | None = None) -> None:
-        """Save `run` (see engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line. `ranks`:
-        what differs between data-parallel processes, each one's main RNG and train loader (its worker streams)."""
-        mine = {"rng": rng.capture_main(), "loader": run.train_loader.state_dict()}
-        ranks = distributed.gather_all(mine, self.world)
-        # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
-        epoch_done = record is not None and not record.get("mid_epoch")
-        meter = None if epoch_done or run.meter is None else run.meter.state(self.world)
-{% if cookiecutter.with_fsdp == "yes" %}
-        state, better = None, False  # every rank takes part in a sharded save
-{% endif %}
-        if self.world.is_main:
-            better = record is not None and self.best.judge(record)  # an epoch end: best.pth too when best
-            state = {  # all but the model's, optimizer's and EMA's tensors{% if cookiecutter.with_fsdp == "yes" %} (written whole, or sharded){% endif %}, added below
-                "format": FORMAT,
-                "scheduler": run.scheduler.state_dict(),
-                "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-                "epoch": run.train_loader.epoch,
-                "step": run.step,
-                "progress": run.train_loader.progress(),
-                "ranks": ranks,
-                "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
-                "versions": {
-                    "torch": str(torch.__version__),
-                    # read, not imported: a project without images needs none
-                    "torchvision": next((d.version for d in metadata.distributions(name="torchvision")), None),
-                    "numpy": str(np.__version__),
-                    "python": platform.python_version(),
-                },
-                "best": self.best.state(),
-                "meter": meter,
-                "callbacks": run.callbacks.state_dict(),
-                "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
-            }
-{% if cookiecutter.with_tracking == "yes" %}
-            trackers = run.runlog.tracking  # the MLflow / W&B runs a resume continues
-            state["tracking"] = {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {}
-{% endif %}
-{% if cookiecutter.with_fsdp == "yes" %}
-        if self.sharded:  # best.pth links to this save, so its epoch's record is inside it
-            if state is not None and record is not None:
-                state["metrics"] = record
-            ema = run.ema.model if run.ema is not None else None
-            tensors = sharded_checkpoint.live_state(run.model, run.optimizer, ema)
-            self.writer.save(tensors, state, run.step, better)
-        elif self.world.is_main:
-{% endif %}
-            state["model"], state["optimizer"] = run.model.state_dict(), run.optimizer.state_dict()
-            state["ema"] = run.ema.model.state_dict() if run.ema is not None else None
-            self.writer.save(state, record if better else None)
-        self.saved_step = run.step
-        distributed.gather_all(None, self.world)  # a barrier: no rank goes on before the save is on disk
-
-    def diverged(self, first_bad: int, step: int) -> str:
-        """The one line for a loss that became NaN or inf: nothing is saved past the last good checkpoint."""
-        then = (
-            f"{self.folder / 'last.pth'} holds step {self.saved_step}, the last good weights: lower optim.lr or set "
-            "optim.grad_clip, then resume from it with resume_strict=false"
-            if self.saved_step
-            else "no checkpoint was written yet: lower optim.lr or set optim.grad_clip and start again"
-        )
-        return f"the loss became nan or inf at step {first_bad} (seen at step {step}): stopped without saving; {then}"
-
-    @property
-    def last(self) -> Path | None:
-        """The newest `last.pth` on rank 0, once one is on disk."""
-        last = self.folder / LAST
-        return last if self.world.is_main and last.exists() else None
 
 
 {% if cookiecutter.with_fsdp == "yes" %}

@@ -1,5 +1,5 @@
-"""Resuming: what makes a run the same run, find the checkpoint to continue from, check it fits this run, and load
-it into the live objects (the file format and its atomic writing: checkpoint.py)."""
+"""Resuming: what makes a run the same run, find the checkpoint to continue from, check it fits this run, and say
+where a run goes on (its parts loaded back: run_state.py; the files: checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
-from . import checkpoint, rng
+from . import checkpoint
 from .errors import UserError
-from .optim import parameter_groups
-from .schedule import fast_forward
 from .schema import flatten
 {% if cookiecutter.with_streams == "yes" %}
 from .stream_loader import RESTART_EPOCH, plain_stream_refusal
@@ -212,74 +210,6 @@ def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | No
             raise UserError(f"resume: data.train {why}")
 {% endif %}
     return found, ckpt
-
-
-def restore(ckpt: dict, cfg, model, optimizer, scheduler, scaler, train_loader, rank: int{% if cookiecutter.with_fsdp == "yes" %}, fresh: list[dict]{% endif %}) -> int:
-    """Load everything into the live objects, the main RNG last, just before the loop; returns the global step. One
-    copy restores every rank (the EMA: run.py); the ranks' own state (loader, main RNG) comes back rank by rank when
-    as many processes wrote the checkpoint.{% if cookiecutter.with_fsdp == "yes" +%}
-    `fresh`: the optimizer's group settings (lr, weight decay...) as this run's config built them, taken before a
-    sharded checkpoint's weights and optimizer state were loaded (run.py).{% endif %}"""
-    world_size = train_loader.world_size  # a checkpoint that does not fit the run was refused before it (`precheck`)
-    step = ckpt["step"]
-{% if cookiecutter.with_fsdp == "yes" %}
-    if not ckpt.get("sharded"):  # a sharded one's weights and optimizer state are in already (run.py)
-        model.load_state_dict(ckpt["model"])
-        load_optimizer(ckpt, model, optimizer)
-{% else %}
-    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]  # this run's
-    model.load_state_dict(ckpt["model"])
-    load_optimizer(ckpt, model, optimizer)
-{% endif %}
-    if changes(ckpt, cfg):
-        # resume_strict=false with a change of the run: this run's config decides the optimizer's settings and
-        # the LR schedule from here on. Loading the schedule's state would bring back the checkpoint's plan (its
-        # total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
-        for group, ours in zip(optimizer.param_groups, fresh, strict=True):
-            group.update(ours)
-        fast_forward(scheduler, step)
-    else:  # the same run: both states as they were, bit for bit
-        scheduler.load_state_dict(ckpt["scheduler"])
-    if scaler.is_enabled() and ckpt["scaler"] is not None:
-        scaler.load_state_dict(ckpt["scaler"])
-    if written_by(ckpt) == world_size:  # every rank as it was: its loader, its worker streams, its main RNG
-        mine = ckpt["ranks"][rank]
-        train_loader.load_state_dict(mine["loader"], strict=cfg.resume_strict)
-        rng.restore_main(mine["rng"])
-        return step
-    # Another number of processes: the position in the epoch is global; the per-rank randomness outside the data
-    # (dropout, worker seeds) cannot be mapped onto other ranks, so it is derived from (seed, rank, step).
-    if train_loader.rng_mode == "per_worker" and rank == 0:
-        log.warning(
-            "resume: rng_mode=per_worker on %d processes instead of %d: the workers' RNG streams start afresh "
-            "(from seed, rank and step), so the augmentations differ from the run that never stopped; "
-            "rng_mode=per_sample keeps them", world_size, written_by(ckpt),
-        )  # fmt: skip
-    saved = train_loader.combined([state["loader"] for state in ckpt["ranks"]])
-    train_loader.load_state_dict(saved, strict=cfg.resume_strict, reseed=rng.derived(cfg.seed, rank, step, 1))
-    rng.seed_everything(rng.derived(cfg.seed, rank, step, 0))
-    return step
-
-
-def load_optimizer(ckpt: dict, model, optimizer) -> None:
-    """The checkpoint's optimizer state into `optimizer`. Parameters grouped otherwise (resume_strict=false with
-    other `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now,
-    found through the checkpoint's grouping of this model; the groups' settings are this run's."""
-    saved = ckpt["optimizer"]
-    then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
-    now = [p for group in optimizer.param_groups for p in group["params"]]
-    sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if [id(p) for p in then] == [id(p) for p in now] and sizes == [len(g["params"]) for g in saved["param_groups"]]:
-        optimizer.load_state_dict(saved)  # the same groups: the state and the groups' settings as saved
-        return
-    at = {id(p): i for i, p in enumerate(now)}
-    state = optimizer.state_dict()
-    state["state"] = {at[id(p)]: saved["state"][i] for i, p in enumerate(then) if i in saved["state"] and id(p) in at}
-    optimizer.load_state_dict(state)
-    log.info(
-        "resume: the parameters are grouped otherwise (optim.param_groups): each one's optimizer state is carried "
-        "over, and the groups' lr and weight decay are this run's"
-    )
 
 
 def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,

@@ -1,6 +1,6 @@
 """Everything one training run holds, built from the config in the order exactness needs (`build`).
 
-train.py's loop reads and updates a `Run`; a checkpoint is a `Run` written down (checkpoint.CheckpointPolicy), and
+train.py's loop reads and updates a `Run`; a checkpoint is a `Run`'s named parts written down (run_state.py), and
 a resume builds a fresh `Run` and loads the checkpoint into it before the first step.
 """
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import {% if cookiecutter.with_tracking == "yes" %}checkpoint, {% endif %}distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .checkpoint import init_weights
@@ -28,6 +28,7 @@ from .ema import EMA
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
+from .run_state import CheckpointPolicy
 from .runlog import EpochMeter, RunLog
 {% if cookiecutter.with_streams == "yes" %}
 from .shard_plan import is_stream
@@ -73,7 +74,7 @@ class Run:
     # the records (`records`)
     runlog: RunLog
     monitor: Monitor
-    checkpoints: checkpoint.CheckpointPolicy
+    checkpoints: CheckpointPolicy
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
     carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
     meter: EpochMeter | None = None  # the epoch's running figures, which a mid-epoch checkpoint keeps
@@ -124,7 +125,8 @@ class Run:
 
     def epoch_meter(self) -> EpochMeter:
         """A new epoch's running figures (`meter`); the first after a mid-epoch resume from the checkpoint's sums."""
-        self.meter = EpochMeter(self.device, self.carried, self.cfg.data.get("input", 0))
+        carried = self.carried if self.train_loader.position else None  # a stream that starts its epoch over: none
+        self.meter = EpochMeter(self.device, carried, self.cfg.data.get("input", 0))
         self.carried = None
         return self.meter
 
@@ -225,7 +227,12 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     unexact, resumed, problem = checked
     found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
     device = pick_device(cfg.device)
-    world = distributed.join(device{% if cookiecutter.with_fsdp == "yes" %}, cfg.parallel.strategy == "fsdp"{% endif %}, stop=stop)  # one process per rank under torchrun
+{% if cookiecutter.with_fsdp == "yes" %}
+    sharded = cfg.parallel.strategy == "fsdp"  # the model's parameters split over the ranks (engine/fsdp.py)
+    world = distributed.join(device, sharded, stop=stop)  # one process per rank under torchrun
+{% else %}
+    world = distributed.join(device, stop=stop)  # one process per rank under torchrun
+{% endif %}
     cleanup.callback(distributed.leave, world)
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports progress; the others speak only of problems
@@ -237,17 +244,17 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     if cfg.init_from and ckpt:
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
     train_loader, val_loader = loaders(cfg, problem, world, device, run_dir, ckpt)
-    trained = training(cfg, problem, world, device, train_loader, found, ckpt)
-    if ckpt:
-        problem.callbacks.load_state_dict(ckpt.get("callbacks") or {}, cfg.resume_strict)
-    if ckpt and world.is_main:  # every refusal is behind: what changed, and where the run goes on
-        resume.report(ckpt, cfg, found, train_loader)
-    runlog, monitor, policy = records(cfg, run_dir, world, ckpt, train_loader, trained.step, cleanup)
+    trained = training(cfg, problem, world, device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
+    runlog, monitor, policy = records(cfg, run_dir, world, ckpt, train_loader, cleanup{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     run = Run(
         cfg, run_dir, overrides, world, device, stop, **problem._asdict(), train_loader=train_loader,
-        val_loader=val_loader, **trained._asdict(), runlog=runlog, monitor=monitor, checkpoints=policy,
-        unexact=unexact, carried=ckpt.get("meter") if ckpt and train_loader.position else None,
+        val_loader=val_loader, **trained._asdict(), step=0, runlog=runlog, monitor=monitor, checkpoints=policy,
+        unexact=unexact,
     )  # fmt: skip
+    if ckpt:  # every part of the run back as it was saved, the main RNG last (engine/run_state.py)
+        run_state.load(run, ckpt{% if cookiecutter.with_fsdp == "yes" %}, found{% endif %})
+        if world.is_main:  # every refusal is behind: what changed, and where the run goes on
+            resume.report(ckpt, cfg, found, train_loader)
 {% if cookiecutter.with_tracking == "yes" %}
     cleanup.push(lambda *exc: end_tracking(run))  # closes RunLog first; returns None: an exception goes on
 {% endif %}
@@ -296,16 +303,14 @@ class Training(NamedTuple):
     scheduler: object
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None
-    step: int
     ema: EMA | None
     batch_transform: SeededBatchTransform | None
     ddp: torch.nn.parallel.DistributedDataParallel | None
 
 
-def training(cfg, problem: Problem, world, device: torch.device, train_loader, found, ckpt: dict | None) -> Training:
+def training(cfg, problem: Problem, world, device: torch.device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> Training:
     """The LR schedule, the loss scaler, the EMA, the batch transform and the net the step calls (DDP, torch.compile)
-    around the problem's model and optimizer, a resume's checkpoint (`found`, read as `ckpt`) loaded into them in the
-    order exactness needs: the main RNG last but for the throwaway step, whose draws are undone."""
+    around the problem's model and optimizer, as a fresh run starts them (a resume loads its checkpoint after)."""
     model, optimizer = problem.model, problem.optimizer
     amp = amp_dtype(cfg.amp, device)  # None: float32
     if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
@@ -319,27 +324,18 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader, f
     scheduler = parts.schedule(cfg.schedule, optimizer, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16 only: bf16 needs no scaling
 {% if cookiecutter.with_fsdp == "yes" %}
-    sharded = problem.peak is not None
-    ema, fresh = None, [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    if sharded:  # the EMA sharded like the model; a resume's shards into both, and the optimizer, before restore
+    ema = None
+    if sharded:  # the EMA sharded like the model
         if cfg.ema.decay is not None:  # the average kept in a second model sharded like the first
             twin = fsdp.build(
                 lambda: parts.model(cfg.model), cfg.parallel, amp, device, cfg.seed, cfg.channels_last, model
             )
             ema = EMA(model, cfg.ema.decay, twin)
-        if ckpt:
-            saved_ema = ema is not None and ckpt["ema"] is not None
-            sharded_checkpoint.load_into(found, model, optimizer, ema.model if saved_ema else None)
         plan = problem.peak.plan(model, optimizer, ema is not None)  # the plan, then the peaks, as a callback
         problem.callbacks.named.setdefault("fsdp_peak_memory", plan)
-    step = 0
-    if ckpt:
-        step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank, fresh)
     net = model if sharded else distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
 {% else %}
-    ema, step = None, 0
-    if ckpt:
-        step = resume.restore(ckpt, cfg, model, optimizer, scheduler, scaler, train_loader, world.rank)
+    ema = None
     net = distributed.wrap(model, device, world)  # DDP under torchrun: gradients averaged
 {% endif %}
 
@@ -352,10 +348,6 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader, f
     distributed.settle_buckets(net, throwaway, undone(model, optimizer))
     if {% if cookiecutter.with_fsdp == "yes" %}not sharded and {% endif %}cfg.ema.decay is not None:  # after DDP's broadcast of rank 0's weights
         ema = EMA(model, cfg.ema.decay)
-        if ckpt and ckpt.get("ema") is not None:
-            ema.model.load_state_dict(ckpt["ema"])
-    if ema is not None and ckpt and ckpt.get("ema") is None:
-        log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
     batch_transform = parts.batch_transform(cfg.data)
     if batch_transform is not None:  # keyed on (epoch, batch number): the same draws for any worker count
         batch_transform = SeededBatchTransform(batch_transform, cfg.seed, world.rank)
@@ -365,19 +357,15 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader, f
 {% if cookiecutter.with_fsdp == "yes" %}
     amp = None if sharded else amp  # FSDP: its mixed-precision policy, not autocast
 {% endif %}
-    return Training(net, scheduler, scaler, amp, step, ema, batch_transform, ddp)
+    return Training(net, scheduler, scaler, amp, ema, batch_transform, ddp)
 
 
-def records(cfg, run_dir: Path, world, ckpt: dict | None, train_loader, step: int, cleanup) -> tuple:
+def records(cfg, run_dir: Path, world, ckpt: dict | None, train_loader, cleanup{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> tuple:
     """The checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %}) and the
     worker health monitor; a resume's logs go on from the step after its checkpoint's."""
-{% if cookiecutter.with_fsdp == "yes" %}
-    sharded = cfg.parallel.strategy == "fsdp"
-    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt, sharded)
-{% else %}
-    policy = checkpoint.CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, ckpt)
-{% endif %}
-    purge = step + 1 if ckpt else None
+    saved_step = ckpt["step"] if ckpt else None
+    policy = CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
+    purge = saved_step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
     runlog = RunLog(run_dir, purge, world.is_main, trackers, cfg.logger.use)

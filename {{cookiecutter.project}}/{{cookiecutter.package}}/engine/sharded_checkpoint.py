@@ -24,18 +24,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from . import distributed
 from .files import sync
 
 LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints, whole files or links to sharded saves
 RUN_FILE = "run.pth"  # inside a save's folder: what is not sharded
+SHARDED = ("model", "optimizer", "ema")  # the parts of the run's state (run_state.py) saved as each rank's shards
 DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
 
@@ -68,7 +63,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def tensors(path: Path, whole: bool) -> dict:
     """The save's `model` and `ema` (None without) for checkpoint.read: meta tensors, nothing read (`sharded`: a resume
-    loads the shards, `load_into`), or with `whole` gathered into whole CPU tensors (eval.py, init_from, export)."""
+    loads the shards, `fill`), or with `whole` gathered into whole CPU tensors (eval.py, init_from, export)."""
     with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
         found = MetadataUnpickler(f).load()
     if not isinstance(found, Metadata):
@@ -90,23 +85,11 @@ def tensors(path: Path, whole: bool) -> dict:
     return found
 
 
-def live_state(model: torch.nn.Module, optimizer, ema_model: torch.nn.Module | None) -> dict:
-    """The sharded tensors a save writes and a resume fills: each rank's slices (DTensors), by parameter name."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    if ema_model is not None:
-        state["ema"] = get_model_state_dict(ema_model)
-    return state
-
-
-def load_into(path: Path, model, optimizer, ema_model=None) -> None:
-    """The save's shards into the live sharded model, optimizer and EMA (`ema_model`: only when the save holds EMA
-    weights), resharded to this run's ranks (a collective)."""
-    state = live_state(model, optimizer, ema_model)
-    dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    if ema_model is not None:
-        set_model_state_dict(ema_model, state["ema"])
+def fill(path: Path, live: dict) -> dict:
+    """The save's shards read into `live`, the run's own sharded tensors by part (`SHARDED`), resharded to
+    this run's ranks (a collective); returns `live`, now holding the saved values."""
+    dcp.load(live, checkpoint_id=path, planner=SafeLoadPlanner())
+    return live
 
 
 class ShardedCheckpointer:
@@ -123,16 +106,20 @@ class ShardedCheckpointer:
             self._collect()
         distributed.gather_all(None, world)  # a barrier: no rank goes on before rank 0 has tidied up
 
-    def save(self, tensors: dict, state: dict | None, step: int, best: bool) -> None:
-        """Write `tensors` (every rank's shards) and rank 0's `state` as one save; link it as last (step-N, best)."""
+    def save(self, state: dict, best: dict | None = None) -> None:
+        """Write `state` as one save, its tensor parts (`SHARDED`) as every rank's shards, the rest as rank 0's
+        run.pth; link it as last (step-N, and best.pth with `best`, the epoch's metrics.jsonl line, in `metrics`)."""
+        step = state["step"]
         tmp = self.saves / f".tmp-{step:08d}"
         if self.world.is_main:
             tmp.mkdir(parents=True, exist_ok=True)
         distributed.gather_all(None, self.world)  # a barrier: the folder exists for every rank
-        dcp.save(tensors, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
+        shards = {name: state[name] for name in SHARDED if state.get(name) is not None}
+        dcp.save(shards, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
         if not self.world.is_main:
             return
-        torch.save(state, tmp / RUN_FILE)
+        rest = {name: value for name, value in state.items() if name not in SHARDED}
+        torch.save(rest if best is None else {**rest, "metrics": best}, tmp / RUN_FILE)
         sync(tmp / RUN_FILE)
         sync(tmp)
         done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
@@ -141,9 +128,9 @@ class ShardedCheckpointer:
         self._link(done, self.folder / LAST)
         if self.keep > 0:
             self._link(done, self.folder / f"step-{step:08d}.pth")
-            for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep]:
-                old.unlink()
-        if best:
+        for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:  # as a whole-file save rotates
+            old.unlink()
+        if best is not None:
             self._link(done, self.folder / BEST)
         sync(self.folder)
         self._collect()
