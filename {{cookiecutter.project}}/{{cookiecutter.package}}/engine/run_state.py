@@ -1,10 +1,13 @@
 """The run's state as named parts (torchtitan's `states`), and when it is saved.
 
-A checkpoint is `{name: part.state_dict()}` for the parts `parts(run)` names, plus what describes the save (format,
-epoch, config, versions: `description`). Each part saves itself and loads itself back (`load`), in the order the
-dict gives: the tensors first, the ranks' loaders and main RNG last, just before the loop.{% if cookiecutter.with_fsdp == "yes" %} A sharded run
-(parallel=fsdp) has the same parts: its tensor parts (`SHARDED`) are each rank's slices, which the writer saves as
-shards and a resume reads back into the live tensors (sharded_checkpoint.py).{% endif +%}
+A checkpoint is `{name: part.state_dict()}` for the parts `parts(run)` names, plus what describes the
+save (format, epoch, config, versions: `description`). Each part saves itself and loads itself back
+(`load`), in the order the dict gives: the tensors first, the ranks' loaders and main RNG last, just
+before the loop.
+{% if cookiecutter.with_fsdp == "yes" %}
+A sharded run (parallel=fsdp) has the same parts: its tensor parts (`SHARDED`) are each rank's slices,
+which the writer saves as shards and a resume reads back into the live tensors (sharded_checkpoint.py).
+{% endif %}
 The files themselves, written whole and atomically, and read safely: checkpoint.py.
 """
 
@@ -43,16 +46,17 @@ log = logging.getLogger(__name__)
 
 
 class Part(NamedTuple):
-    """One named part of the run's state: `state_dict()` is what a checkpoint keeps of it; `load_state_dict(saved,
-    ckpt)` puts it back (`ckpt`: the whole checkpoint, for a part whose loading depends on how the run was saved)."""
+    """One named part of the run's state: `state_dict()` is what a checkpoint keeps of it;
+    `load_state_dict(saved, ckpt)` puts it back (`ckpt`: the whole checkpoint, for a part whose loading
+    depends on how the run was saved)."""
 
     state_dict: Callable[[], object]
     load_state_dict: Callable[[object, dict], None]
 
 
 def parts(run) -> dict[str, Part]:
-    """The run's state by name, in the order a resume loads it. Some parts are collectives (the ranks' loaders, the
-    epoch's running sums): every rank asks for all of them."""
+    """The run's state by name, in the order a resume loads it. Some parts are collectives (the ranks'
+    loaders, the epoch's running sums): every rank asks for all of them."""
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = fsdp.is_sharded(run.model)
 {% endif %}
@@ -89,7 +93,10 @@ def parts(run) -> dict[str, Part]:
         "tracking": Part(lambda: tracked(run.runlog.tracking), lambda saved, ckpt: None),
 {% endif %}
         # what differs between data-parallel processes: each one's train loader (its worker streams), main RNG
-        "ranks": Part(lambda: distributed.gather_all(own(run), run.world), lambda saved, ckpt: load_ranks(saved, run)),
+        "ranks": Part(
+            lambda: distributed.gather_all(own(run), run.world),
+            lambda saved, ckpt: load_ranks(saved, run),
+        ),
     }
 
 
@@ -103,7 +110,8 @@ def weights(model: torch.nn.Module{% if cookiecutter.with_fsdp == "yes" %}, shar
 
 
 def ema_part(run{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> Part:
-    """The EMA's weights; a checkpoint without them (ema.decay set on resuming) starts the average from the model's."""
+    """The EMA's weights; a checkpoint without them (ema.decay set on resuming) starts the average from the
+    model's."""
     average = weights(run.ema.model{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
 
     def load(saved, ckpt) -> None:
@@ -157,7 +165,8 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
     named = parts(run)
 {% if cookiecutter.with_fsdp == "yes" %}
     if ckpt.get("sharded"):  # the EMA's when both the save and this run have one
-        wanted = [name for name in SHARDED if name != "ema" or run.ema is not None and ckpt["ema"] is not None]
+        both = run.ema is not None and ckpt["ema"] is not None
+        wanted = [name for name in SHARDED if name != "ema" or both]
         ckpt = {**ckpt, **sharded_checkpoint.fill(path, {name: named[name].state_dict() for name in wanted})}
 {% endif %}
     for name, part in named.items():
@@ -166,9 +175,9 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
 
 def load_optimizer(saved: dict, ckpt: dict, run) -> None:
     """The checkpoint's optimizer state. Parameters grouped otherwise (resume_strict=false with other
-    `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now, found
-    through the checkpoint's grouping of this model. A changed run (resume_strict=false): the groups' settings
-    (lr, weight decay...) are this run's config's."""
+    `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now,
+    found through the checkpoint's grouping of this model. A changed run (resume_strict=false): the groups'
+    settings (lr, weight decay...) are this run's config's."""
     model, optimizer = run.model, run.optimizer
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -204,9 +213,10 @@ def regroup(saved: dict, ckpt: dict, model, optimizer) -> None:
 
 
 def load_schedule(saved: dict, ckpt: dict, run) -> None:
-    """The same run: the schedule's state as it was, bit for bit. A changed run (resume_strict=false): this run's
-    config plans the schedule from here on; loading the saved state would bring back the checkpoint's plan (its total
-    steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor)."""
+    """The same run: the schedule's state as it was, bit for bit. A changed run (resume_strict=false): this
+    run's config plans the schedule from here on; loading the saved state would bring back the checkpoint's
+    plan (its total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
+    """
     if changes(ckpt, run.cfg):
         fast_forward(run.scheduler, ckpt["step"])
     else:
@@ -214,9 +224,9 @@ def load_schedule(saved: dict, ckpt: dict, run) -> None:
 
 
 def load_ranks(saved: list[dict], run) -> None:
-    """Each rank's loader and main RNG as they were, when as many processes wrote the checkpoint. Another number:
-    the position in the epoch is global; the per-rank randomness outside the data (dropout, worker seeds) cannot be
-    mapped onto other ranks, so it is derived from (seed, rank, step)."""
+    """Each rank's loader and main RNG as they were, when as many processes wrote the checkpoint. Another
+    number: the position in the epoch is global; the per-rank randomness outside the data (dropout, worker
+    seeds) cannot be mapped onto other ranks, so it is derived from (seed, rank, step)."""
     loader, strict, rank = run.train_loader, run.cfg.resume_strict, run.world.rank
     if len(saved) == loader.world_size:
         loader.load_state_dict(saved[rank]["loader"], strict=strict)
@@ -234,9 +244,9 @@ def load_ranks(saved: list[dict], run) -> None:
 
 
 class Best:
-    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode` max or
-    min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never overwrites a better
-    best.pth."""
+    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode`
+    max or min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never
+    overwrites a better best.pth."""
 
     def __init__(self, monitor: str, mode: str):
         self.monitor, self.mode = monitor, mode
@@ -252,8 +262,8 @@ class Best:
             self.value = saved.get("value")
 
     def judge(self, record: dict) -> bool:
-        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does not
-        report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
+        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does
+        not report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
         value = record[self.monitor]
         better = not math.isnan(value) and (
             self.value is None or (value > self.value if self.mode == "max" else value < self.value)
@@ -264,9 +274,9 @@ class Best:
 
 
 class CheckpointPolicy:
-    """When the run saves: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps` optimizer steps, at
-    a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. All ranks wait for the write:
-    rank 0's{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: every rank's shards){% endif %}."""
+    """When the run saves: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps` optimizer
+    steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. All ranks
+    wait for the write: rank 0's{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: every rank's shards){% endif %}."""
 
     def __init__(self, folder: Path, cfg, world, saved_step: int | None = None{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool = False{% endif %}):
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -277,8 +287,9 @@ class CheckpointPolicy:
 {% else %}
         self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
 {% endif %}
-        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world  # cfg: the run's `checkpoint`
-        self.best = Best(cfg.monitor, cfg.mode.value)  # the best epoch so far, a resumed run's included (`load`)
+        # cfg: the run's `checkpoint` node
+        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world
+        self.best = Best(cfg.monitor, cfg.mode.value)  # the best epoch so far, a resumed run's included
         self.saved_step = saved_step  # the step of the newest checkpoint (a resume's, at first)
 
     def due(self, step: int) -> bool:
@@ -286,10 +297,11 @@ class CheckpointPolicy:
         return bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self, run, record: dict | None = None) -> None:
-        """Save `run`'s parts (engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line, kept in
-        best.pth when the epoch is the best so far."""
+        """Save `run`'s parts (engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line,
+        kept in best.pth when the epoch is the best so far."""
         better = record is not None and self.best.judge(record)
-        state = {name: part.state_dict() for name, part in parts(run).items()}  # every rank: collectives among them
+        # every rank: collectives among the parts
+        state = {name: part.state_dict() for name, part in parts(run).items()}
         if self.writer is not None:
             self.writer.save({**state, **description(run)}, record if better else None)
         self.saved_step = run.step
