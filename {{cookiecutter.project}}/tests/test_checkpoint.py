@@ -115,3 +115,17 @@ def test_load_refuses_garbage_in_one_line(tmp_path):
             load(tmp_path / name)
         assert message in str(refused.value) and "\n" not in str(refused.value), name
     assert not (tmp_path / "pwned").exists() and not (PROJECT / "pwned").exists()
+
+
+# What a checkpoint of train.py holds: the run's named parts (engine/run_state.py), each saved by itself, and what
+# describes the save; a key added or gone changes what eval.py, export and a resume read.
+PARTS = ["model", "optimizer", "ema", "scheduler", "scaler", "step", "best", "callbacks", "meter",{% if cookiecutter.with_tracking == "yes" %} "tracking",{% endif %} "ranks"]
+DESCRIPTION = {"format", "epoch", "progress", "config", "versions", "nondeterministic_ops"}
+
+
+def test_a_checkpoint_is_the_runs_named_parts_and_its_description(shapes_run):
+    ckpt = load(shapes_run / "checkpoints" / "last.pth")
+    assert list(ckpt) == PARTS + [k for k in ckpt if k in DESCRIPTION] and ckpt.keys() - set(PARTS) == DESCRIPTION
+    # an epoch's end: its sums are in metrics.jsonl, nothing to carry; one process: one rank's loader and RNG
+    assert ckpt["meter"] is None and ckpt["ema"] is None and len(ckpt["ranks"]) == 1
+    assert ckpt["step"] == 10 and ckpt["best"]["value"] is not None

@@ -240,6 +240,7 @@ for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3)
     out[name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[1])
+dist.barrier()  # no rank tears gloo down while another still talks to it (under load: an abort at exit)
 dist.destroy_process_group()
 """
 
