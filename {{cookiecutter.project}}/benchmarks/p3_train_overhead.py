@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# process.omp_wait_policy=passive (the default) as its run log asks: exported before python, for both loops alike
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 EPOCHS, ROUNDS = 3, 3
 
 
@@ -31,7 +33,7 @@ def bare() -> float:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from {{ cookiecutter.package }}.engine import schema
+    from {{ cookiecutter.package }}.engine import parts, schema
     from {{ cookiecutter.package }}.engine.device import input_transform
     from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings
 
@@ -41,7 +43,7 @@ def bare() -> float:
     torch.manual_seed(cfg.seed)
     loader = TrainLoader(instantiate(cfg.data.train), resolve_settings(cfg.loader, "cpu"), seed=cfg.seed)
     model = instantiate(cfg.model, num_classes=cfg.data.num_classes)
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = parts.optimizer(cfg.optim, model)  # train.py's: its parameter groups, no weight decay on norms
     prepare = input_transform(cfg.data, torch.device("cpu"))
     rates = []
     for _ in range(cfg.epochs):
@@ -62,6 +64,7 @@ def train_py() -> float:
         subprocess.run(
             [sys.executable, "train.py", f"epochs={EPOCHS}", "progress=false", f"hydra.run.dir={run_dir}"],
             cwd=ROOT,
+            env=PASSIVE,
             check=True,
             capture_output=True,
         )
@@ -79,7 +82,7 @@ def main() -> None:
         out = subprocess.run(
             [sys.executable, "-m", "benchmarks.p3_train_overhead", "--bare"],
             cwd=ROOT,
-            env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ},  # train.py's thread policy: only the loop differs
+            env=PASSIVE,
             check=True,
             capture_output=True,
             text=True,
