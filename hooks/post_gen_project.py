@@ -14,7 +14,7 @@ LEFT_OUT = {
                      "tests/test_stream_train.py", "tests/test_shard_plan.py", "docs/streams.md"],
     "with_slurm": [f"{PACKAGE}/engine/slurm.py", "conf/hydra", "tests/test_slurm.py", "docs/slurm.md"],
     "with_benchmarks": ["benchmarks", "docs/benchmarks.md"],
-    "with_fsdp": [f"{PACKAGE}/engine/fsdp.py", f"{PACKAGE}/engine/sharded_checkpoint.py", "conf/parallel/fsdp.yaml",
+    "with_fsdp": [f"{PACKAGE}/engine/fsdp.py", "conf/parallel/fsdp.yaml",
                   "tests/test_fsdp.py", "tests/blocks.py", "benchmarks/p8_fsdp_memory.py"],
     "with_photos": [f"{PACKAGE}/engine/decode.py", "tests/test_gpu_decode.py", "benchmarks/p7_photos.py",
                     "docs/photos.md"],

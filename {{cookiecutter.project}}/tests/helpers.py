@@ -1,5 +1,6 @@
 """Shared test helpers: run `train.py` for real (Hydra, DataLoader workers, files on disk) in a subprocess."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -202,15 +203,20 @@ def end_workers(loader) -> None:
     point, where a worker whose loop raised can wait out DataLoader's join timeout (5 s a worker) in whatever test runs
     then. The workers are this process's forked children (the same command line), killed and waited for through
     psutil; DataLoader's shutdown at collection then finds them gone. Torch's SIGCHLD handler, which reports a worker
-    of a live iterator that died, raises its RuntimeError while they are waited for here, where it is expected."""
+    of a live iterator that died, raises its RuntimeError while they are killed and waited for here, where it is
+    expected, at any point in between (one raised between two kills out of this function in CI): both are tried again
+    until every worker is gone."""
     me = psutil.Process()
     workers = [child for child in me.children() if child.cmdline() == me.cmdline()]
-    for worker in workers:
-        worker.kill()
     deadline = time.monotonic() + 30
-    while workers and time.monotonic() < deadline:
+    while True:  # every point where Python runs a signal handler is inside the try, the inner loop's jumps included
         try:
-            _, workers = psutil.wait_procs(workers, timeout=1)
+            for worker in workers:
+                with contextlib.suppress(psutil.NoSuchProcess):  # reaped by an earlier round
+                    worker.kill()
+            while workers and time.monotonic() < deadline:
+                _, workers = psutil.wait_procs(workers, timeout=1)
+            break
         except RuntimeError:  # torch's SIGCHLD handler: a worker died under its live iterator, as intended here
             continue
     assert loader is not None and not workers, f"DataLoader workers still alive: {[w.pid for w in workers]}"

@@ -1,8 +1,9 @@
-"""parallel=fsdp (engine/fsdp.py, engine/sharded_checkpoint.py): a model built sharded, the same weights on any number
-of ranks, a tensor no initialiser sets refused, freed memory returned; a model of the user's own blocks sharded over
-torchrun ranks, resumed exactly from a sharded checkpoint with another worker count and closely on another number
-of processes, compared through the export command; a kill mid-save, a metadata file that would run code, refusals;
-model=vit trained sharded, then read by eval.py, init_from and export."""
+"""parallel=fsdp (engine/fsdp.py, engine/checkpoint.py's sharded saves): a model built sharded, the same
+weights on any number of ranks, a tensor no initialiser sets refused, freed memory returned; a model of the
+user's own blocks sharded over torchrun ranks, resumed exactly from a sharded checkpoint with another worker
+count and closely on another number of processes, compared through the export command; a kill mid-save, a
+metadata file that would run code, refusals; model=vit trained sharded, then read by eval.py, init_from and
+export."""
 
 import json
 import os
@@ -21,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.engine import checkpoint, fsdp
+from {{ cookiecutter.package }}.engine.checkpoint import ShardedCheckpointer
 from {{ cookiecutter.package }}.engine.distributed import World
 from {{ cookiecutter.package }}.engine.errors import UserError
-from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer
 from tests.blocks import BlockNet
 from tests.helpers import PROJECT, kill_mid_write, read_jsonl, run_torchrun, run_train, torchrun_cmd, wait_for_steps
 
@@ -145,8 +146,8 @@ def test_vit_trains_sharded_and_eval_init_from_and_export_read_it(tmp_path, shap
 
 @pytest.mark.slow
 def test_sigterm_saves_sharded_at_one_step_and_resume_latest_finishes_the_run(tmp_path, shapes_root):
-    """A preemption under FSDP: SIGTERM to torchrun; both ranks stop after the same step and save it sharded, and
-    `resume=latest` in the same folder takes that save and trains to the end (exactness: the tests above)."""
+    """A preemption under FSDP: SIGTERM to torchrun; both ranks stop after the same step and save it sharded,
+    and `resume=latest` in the same folder takes that save and trains to the end (exactness: the tests above)."""
     run_dir = tmp_path / "job"
     longer = [("epochs=20" if o == "epochs=3" else o) for o in BLOCKS]  # 60 steps: time to stop it mid-way
     overrides = (f"data.root={shapes_root}", *longer, "log_every_steps=1")
@@ -167,8 +168,9 @@ def test_sigterm_saves_sharded_at_one_step_and_resume_latest_finishes_the_run(tm
 
 @pytest.mark.slow
 def test_one_process_with_bf16_resumes_exactly(tmp_path, shapes_root):
-    """parallel=fsdp in a plain `python train.py` (a process group of one), amp=bf16 as FSDP's mixed precision: the
-    checkpoint keeps float32 weights, and a stop resumes torch.equal; the control resumes without the optimizer."""
+    """parallel=fsdp in a plain `python train.py` (a process group of one), amp=bf16 as FSDP's mixed
+    precision: the checkpoint keeps float32 weights, and a stop resumes torch.equal; the control resumes
+    without the optimizer."""
     one = [f"data.root={shapes_root}", *BLOCKS, "amp=bf16"]
     run_train(tmp_path / "straight", *one)
     run_train(tmp_path / "stopped", *one, "max_steps=5")
@@ -241,8 +243,7 @@ for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3)
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[1])
 dist.barrier()  # no rank tears gloo down while another still talks to it (under load: an abort at exit)
-dist.destroy_process_group()
-"""
+dist.destroy_process_group()"""
 
 
 @pytest.mark.slow  # three starts of torchrun
@@ -292,9 +293,9 @@ class ScaledWithOtherInit(Scaled):
 
 
 def test_a_tensor_no_initialiser_sets_is_refused_and_init_weights_sets_it(tmp_path):
-    """The dry step's check (fsdp.initialize) on meta-device models: refused in one line naming the tensor; the same
-    model with an init_weights(), and a model of Linear and LayerNorm blocks, pass; an init_weights() that fails is
-    refused in one line naming it. Built (one process), init_weights() has the last word."""
+    """The dry step's check (fsdp.initialize) on meta-device models: refused in one line naming the tensor;
+    the same model with an init_weights(), and a model of Linear and LayerNorm blocks, pass; an init_weights()
+    that fails is refused in one line naming it. Built (one process), init_weights() has the last word."""
     root_only = OmegaConf.create({"shard_modules": []})
     with pytest.raises(UserError, match=r"^parallel=fsdp: scale \(Scaled\) is not set by any initialiser"):
         fsdp.initialize(fsdp.on_meta(Scaled), root_only, seed=0)
@@ -331,8 +332,7 @@ before = resident_mib()
 held = [torch.ones(4 * 2**20) for _ in range(20)]
 small = torch.ones(100)
 del held
-print(round(resident_mib() - before))
-"""
+print(round(resident_mib() - before))"""
 
 
 @pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)
@@ -360,7 +360,7 @@ from pathlib import Path
 from torch.distributed.fsdp import fully_shard
 from {{ cookiecutter.package }}.engine.distributed import World
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from {{ cookiecutter.package }}.engine.sharded_checkpoint import ShardedCheckpointer
+from {{ cookiecutter.package }}.engine.checkpoint import ShardedCheckpointer
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = fully_shard(torch.nn.Linear(512, 512))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -375,8 +375,7 @@ tmp = saver.saves / ".tmp-00000002"
 tmp.mkdir()
 os.mkfifo(tmp / "run.pth")
 print("saved", flush=True)
-saver.save({**live(), "format": 1, "step": 2, "pad": torch.zeros(1 << 20)})
-"""
+saver.save({**live(), "format": 1, "step": 2, "pad": torch.zeros(1 << 20)})"""
 
 
 @pytest.mark.slow  # the fast tier stays under 240 s on two cores (issue 50 item 7)

@@ -1,32 +1,55 @@
-"""Checkpoint files: how one is written (atomically), and the one safe read of any saved file and its one refusal
-(`read`), which `load` holds to this project's checkpoints and `init_weights` (init_from) to a state_dict. Everything
-saved is tensors, numbers, strings and containers, so it loads with `torch.load(weights_only=True)`: a checkpoint
-cannot run code. What goes into one, and when: run_state.py; resuming: resume.py.
+"""Checkpoint files, all of them: how a save is written (atomically), whole or{% if cookiecutter.with_fsdp == "yes" %} sharded,{% endif %} and the one safe read of any
+saved file and its one refusal (`read`), which `load` holds to this project's checkpoints. Everything saved is
+tensors, numbers, strings and containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run
+code. What goes into one, and when: run_state.py; resuming: resume.py.
+{% if cookiecutter.with_fsdp == "yes" %}
+
+Sharded saves (`parallel=fsdp`): one torch.distributed.checkpoint (DCP) folder per save, published whole. A save is a
+folder under `checkpoints/.saves/`: every rank's shards of the model, the optimizer and the EMA (`__<rank>_0.distcp`,
+DCP's `.metadata`), and `run.pth`, the rest of the checkpoint. `last.pth`, `step-XXXXXXXX.pth` and `best.pth` are
+symbolic links to such folders, each replaced by an atomic rename, so a reader sees a complete save or the previous
+one. A kill mid-save leaves a `.tmp-*` folder no link names, removed when the next run starts writing there. DCP
+reshards on load: W ranks' save resumes on W'. Loading reads no pickle that could run code: DCP's `.metadata` is
+unpickled with only DCP's own classes and torch's dtypes allowed, and its non-tensor entries (the optimizer's group
+settings) with `weights_only=True`.
+{% endif %}
 """
 
 from __future__ import annotations
 
-import logging
+{% if cookiecutter.with_fsdp == "yes" %}
+import io
+{% endif %}
 import os
+{% if cookiecutter.with_fsdp == "yes" %}
+import pickle
+import shutil
+import uuid
+{% endif %}
 import warnings
 from pathlib import Path
 
 import torch
-
 {% if cookiecutter.with_fsdp == "yes" %}
-from . import fsdp, sharded_checkpoint
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import distributed
+{% else %}
+
 {% endif %}
 from .errors import UserError, reason
-from .files import durable
-{% if cookiecutter.with_fsdp == "yes" %}
-from .sharded_checkpoint import BEST, LAST
-{% endif %}
+from .files import durable{% if cookiecutter.with_fsdp == "yes" %}, sync{% endif +%}
 
-log = logging.getLogger(__name__)
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "scheduler", "epoch", "step", "ranks", "config")
-{% if cookiecutter.with_fsdp == "no" %}
-LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints
+LAST, BEST = "last.pth", "best.pth"  # the names of a run's checkpoints{% if cookiecutter.with_fsdp == "yes" %}, whole files or links to sharded saves{% endif +%}
+{% if cookiecutter.with_fsdp == "yes" %}
+RUN_FILE = "run.pth"  # inside a sharded save's folder: what is not sharded
+SHARDED = ("model", "optimizer", "ema")  # the parts of the run's state (run_state.py) saved as each rank's shards
+DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
 {% endif %}
 
 
@@ -67,7 +90,7 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
     """What the file at `path` holds, read with `torch.load(weights_only=True)`, or one UserError `<who>: ...` saying
     why not (`wanted`: what to give instead of a path with nothing there). `mmap=True`: tensors read only when
     touched.{% if cookiecutter.with_fsdp == "yes" %} A sharded save's folder: its run.pth, with `model` and `ema` as shapes or, `whole`, gathered
-    into whole tensors (sharded_checkpoint.py).{% endif +%}
+    into whole tensors (`tensors`).{% endif +%}
     torch's warnings are held back until the read succeeds: on bytes that are no checkpoint it warns of a pickle
     protocol first, and the one refusal line says all there is to say."""
     if not path.exists():
@@ -76,10 +99,10 @@ def read(path: Path, who: str, wanted: str, mmap: bool = False):
         with warnings.catch_warnings(record=True) as held:
             warnings.simplefilter("always")
 {% if cookiecutter.with_fsdp == "yes" %}
-            found = path / sharded_checkpoint.RUN_FILE if path.is_dir() else path
+            found = path / RUN_FILE if path.is_dir() else path
             loaded = torch.load(found, map_location="cpu", weights_only=True, mmap=mmap)
             if path.is_dir():
-                loaded = {**loaded, **sharded_checkpoint.tensors(path, whole)}
+                loaded = {**loaded, **tensors(path, whole)}
 {% else %}
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 {% endif %}
@@ -129,44 +152,120 @@ def misfit(own: dict, saved: dict) -> str:
            "other shape": [k for k in own if k in saved and saved[k].shape != own[k].shape]}  # fmt: skip
     return "; ".join(f"{label} {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
                      for label, names in odd.items() if names)  # fmt: skip
+{% if cookiecutter.with_fsdp == "yes" %}
 
 
-def init_weights(model: torch.nn.Module, path: str, strict: bool) -> None:
-    """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
-    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
-    file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
-    tensors whose name and shape fit, and a line listing the rest.{% if cookiecutter.with_fsdp == "yes" %} A sharded model (parallel=fsdp) takes them
-    through fsdp.fill, no rank reading them whole; any other gathers a sharded checkpoint whole.{% endif %}"""
-    who = f"init_from={path}"
-    if "://" in path:
-        raise UserError(f"{who}: only local files are read; download it first and give its path")
-{% if cookiecutter.with_fsdp == "yes" %}
-    local, sharded = Path(path).expanduser(), fsdp.is_sharded(model)
-    saved = read(local, who, "a checkpoint or a state_dict file", mmap=True, whole=not sharded)
-{% else %}
-    saved = read(Path(path).expanduser(), who, "a checkpoint or a state_dict file", mmap=True)
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` with only the classes such a file holds: DCP's dataclasses, torch's dtypes and sizes."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and (name == "Size" or name in DTYPES))
+            or (module == "torch.serialization" and name == "_get_layout")  # how DCP pickles torch.strided
+            or (module == "pathlib" and name in PATHS)
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load, with its non-tensor entries read `weights_only=True` (DCP itself unpickles them fully)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), checked)  # refuses anything but data, then hands it on
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
+def tensors(path: Path, whole: bool) -> dict:
+    """The save's `model` and `ema` (None without) for checkpoint.read: meta tensors, nothing read (`sharded`: a resume
+    loads the shards, `fill`), or with `whole` gathered into whole CPU tensors (eval.py, init_from, export)."""
+    with open(path / ".metadata", "rb") as f:  # every tensor's name, shape and dtype
+        found = MetadataUnpickler(f).load()
+    if not isinstance(found, Metadata):
+        raise pickle.UnpicklingError(f"a {type(found).__name__}, not DCP metadata")
+    wanted = {
+        name: torch.empty(item.size, dtype=item.properties.dtype, device="cpu" if whole else "meta")
+        for name, item in found.state_dict_metadata.items()
+        if name.startswith(("model.", "ema.")) and isinstance(item, TensorStorageMetadata)
+    }
+    if whole:
+        # DCP's note that it loads in one process, which is the point here: known by where it comes from, not by its
+        # words, so a new wording stays silent too
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint\.")
+            dcp.load(wanted, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
+    found = {"sharded": not whole}
+    for part in ("model", "ema"):
+        found[part] = {k.removeprefix(part + "."): v for k, v in wanted.items() if k.startswith(part + ".")} or None
+    return found
+
+
+def fill(path: Path, live: dict) -> dict:
+    """The save's shards read into `live`, the run's own sharded tensors by part (`SHARDED`), resharded to
+    this run's ranks (a collective); returns `live`, now holding the saved values."""
+    dcp.load(live, checkpoint_id=path, planner=SafeLoadPlanner())
+    return live
+
+
+class ShardedCheckpointer:
+    """Writes sharded saves and the links `last.pth`, `step-XXXXXXXX.pth` (the newest `keep`) and `best.pth`.
+    Every rank calls `save`; rank 0 alone publishes."""
+
+    def __init__(self, folder: Path, keep: int, world):
+        self.folder, self.keep, self.world = folder, keep, world
+        self.saves = folder / ".saves"
+        if world.is_main:
+            self.saves.mkdir(parents=True, exist_ok=True)
+            for stale in [*self.saves.glob(".tmp-*"), *folder.glob(".link-*")]:  # a save or link cut short
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+            self._collect()
+        distributed.gather_all(None, world)  # a barrier: no rank goes on before rank 0 has tidied up
+
+    def save(self, state: dict, best: dict | None = None) -> None:
+        """Write `state` as one save, its tensor parts (`SHARDED`) as every rank's shards, the rest as rank 0's
+        run.pth; link it as last (step-N, and best.pth with `best`, the epoch's metrics.jsonl line, in `metrics`)."""
+        step = state["step"]
+        tmp = self.saves / f".tmp-{step:08d}"
+        if self.world.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)
+        distributed.gather_all(None, self.world)  # a barrier: the folder exists for every rank
+        shards = {name: state[name] for name in SHARDED if state.get(name) is not None}
+        dcp.save(shards, checkpoint_id=tmp)  # a collective: returns once every rank's shards and .metadata are on disk
+        if not self.world.is_main:
+            return
+        rest = {name: value for name, value in state.items() if name not in SHARDED}
+        torch.save(rest if best is None else {**rest, "metrics": best}, tmp / RUN_FILE)
+        sync(tmp / RUN_FILE)
+        sync(tmp)
+        done = self.saves / f"{step:08d}-{uuid.uuid4().hex[:8]}"
+        os.rename(tmp, done)  # complete now; no link names it yet
+        sync(self.saves)
+        self._link(done, self.folder / LAST)
+        if self.keep > 0:
+            self._link(done, self.folder / f"step-{step:08d}.pth")
+        for old in sorted(self.folder.glob("step-*.pth"))[: -self.keep or None]:  # as a whole-file save rotates
+            old.unlink()
+        if best is not None:
+            self._link(done, self.folder / BEST)
+        sync(self.folder)
+        self._collect()
+
+    def _link(self, target: Path, name: Path) -> None:
+        """`name` -> `target`, replaced atomically: a new link under a temporary name, renamed over the old one."""
+        tmp = self.folder / f".link-{name.name}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(target, self.folder), tmp)  # relative: the run folder may be moved or copied
+        os.replace(tmp, name)
+
+    def _collect(self) -> None:
+        """Remove the saves no link names any more (rotated out, replaced)."""
+        named = {link.resolve() for link in self.folder.glob("*.pth") if link.is_symlink()}
+        for save in self.saves.iterdir():
+            if not save.name.startswith(".") and save.resolve() not in named:
+                shutil.rmtree(save)
 {% endif %}
-    for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
-        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
-            saved = saved[key]
-            break
-    if not isinstance(saved, dict) or not saved or not all(isinstance(v, torch.Tensor) for v in saved.values()):
-        raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
-    saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
-    own = model.state_dict()
-    listing = misfit(own, saved)
-    if strict and listing:
-        raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
-                        "(e.g. a new head)")  # fmt: skip
-    fitting = {k: v for k, v in saved.items() if k in own and v.shape == own[k].shape}
-{% if cookiecutter.with_fsdp == "yes" %}
-    if sharded:
-        fsdp.fill(model, local, fitting)
-    else:
-        model.load_state_dict(fitting, strict=False)
-{% else %}
-    model.load_state_dict(fitting, strict=False)
-{% endif %}
-    left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
-    log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
-             "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip

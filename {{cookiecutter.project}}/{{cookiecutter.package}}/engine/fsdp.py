@@ -3,7 +3,7 @@
 
 Every instance of a class in `parallel.shard_modules` becomes its own FSDP unit (its parameters gathered for its
 forward and backward only), then the root takes what is left. The optimizer is built on the sharded parameters, so
-its state is sharded too. Sharded checkpoints are in sharded_checkpoint.py.
+its state is sharded too. Sharded checkpoints are in checkpoint.py.
 
 No rank ever holds the whole model (`build`): it is built on the meta device (shapes, no memory), sharded, and each
 rank allocates its slices (`to_empty`). Then `initialize` fills them one unit at a time: the unit's own tensors are
@@ -30,10 +30,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
+from .checkpoint import SafeLoadPlanner
 from .errors import UserError, reason
 from .memory import MiB
 from .optim import state_slots
-from .sharded_checkpoint import SafeLoadPlanner
 
 log = logging.getLogger("train")
 

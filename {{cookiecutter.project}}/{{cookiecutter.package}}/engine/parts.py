@@ -1,6 +1,7 @@
-"""The parts of a run, built from its config in one place: the model, the data sets, their collate, the batches'
-preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the optimizer and the LR schedule, each from its own
-config node (not the whole config: a part reads only its keys); the task and callbacks through `build`.
+"""The parts of a run, built from its config in one place: the model (init_from's weights: `init_weights`), the
+data sets, their collate, the batches' preparation (data.input, {% if cookiecutter.with_photos == "yes" %}data.decode, {% endif %}data.normalize), the optimizer and the
+LR schedule, each from its own config node (not the whole config: a part reads only its keys); the task and
+callbacks through `build`.
 
 train.py's run (run.py), the dry step{% if cookiecutter.with_doctor == "yes" %}, eval.py and the doctor{% else %} and eval.py{% endif %} all build through these functions, so a class of
 yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
@@ -10,15 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
+from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from . import checkpoint{% if cookiecutter.with_fsdp == "yes" %}, fsdp{% endif +%}
 from .device import PrepareBatch, input_transform
 from .errors import UserError, reason
 from .optim import parameter_groups
 from .schema import LOOP_KEYS
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -149,3 +155,44 @@ def schedule(node, optim: torch.optim.Optimizer, total_steps: int):
         )
 {% endif %}
     return factory(optim, total_steps=total_steps) if takes_total else factory(optim)
+
+
+def init_weights(model: torch.nn.Module, path: str, strict: bool) -> None:
+    """`init_from=PATH`: the weights in `path` and nothing else (fine-tuning, not resuming: optimizer, schedule, step,
+    loader and RNG start fresh). PATH is a local checkpoint of this project (its `model`, not `ema`) or a `state_dict`
+    file (or a dict with one under `state_dict`), memory-mapped. With `strict=False` (init_strict=false), only the
+    tensors whose name and shape fit, and a line listing the rest.{% if cookiecutter.with_fsdp == "yes" %} A sharded model (parallel=fsdp) takes them
+    through fsdp.fill, no rank reading them whole; any other gathers a sharded checkpoint whole.{% endif %}"""
+    who = f"init_from={path}"
+    if "://" in path:
+        raise UserError(f"{who}: only local files are read; download it first and give its path")
+{% if cookiecutter.with_fsdp == "yes" %}
+    local, sharded = Path(path).expanduser(), fsdp.is_sharded(model)
+    saved = checkpoint.read(local, who, "a checkpoint or a state_dict file", mmap=True, whole=not sharded)
+{% else %}
+    saved = checkpoint.read(Path(path).expanduser(), who, "a checkpoint or a state_dict file", mmap=True)
+{% endif %}
+    for key in ("model", "state_dict"):  # this project's checkpoints; Lightning's and others' state_dict files
+        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
+            saved = saved[key]
+            break
+    if not isinstance(saved, dict) or not saved or not all(isinstance(v, torch.Tensor) for v in saved.values()):
+        raise UserError(f"{who}: holds no state_dict (a dict of tensors, or one under 'model')")
+    saved = {k.removeprefix("module."): v for k, v in saved.items()}  # DDP-wrapped saves name keys module.*
+    own = model.state_dict()
+    listing = checkpoint.misfit(own, saved)
+    if strict and listing:
+        raise UserError(f"{who} does not fit the model: {listing}; set init_strict=false to load what fits "
+                        "(e.g. a new head)")  # fmt: skip
+    fitting = {k: v for k, v in saved.items() if k in own and v.shape == own[k].shape}
+{% if cookiecutter.with_fsdp == "yes" %}
+    if sharded:
+        fsdp.fill(model, local, fitting)
+    else:
+        model.load_state_dict(fitting, strict=False)
+{% else %}
+    model.load_state_dict(fitting, strict=False)
+{% endif %}
+    left = f"; left as initialised: {listing}" if fitting.keys() != own.keys() else ""
+    log.info("init_from=%s: loaded %d of %d tensors (weights only; a fresh optimizer, schedule and step count: "
+             "not a resume)%s", path, len(fitting), len(own), left)  # fmt: skip

@@ -20,7 +20,6 @@ from tqdm import tqdm
 from . import {% if cookiecutter.with_tracking == "yes" %}checkpoint, {% endif %}distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
-from .checkpoint import init_weights
 from .data_check import check_classes
 from .device import amp_dtype, device_batches, pick_device
 from .dry_step import two_prepared, undone
@@ -206,7 +205,7 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
     model = parts.model(cfg.model, device, cfg.channels_last)
 {% endif %}
     if cfg.init_from and not resuming:  # weights only; a resume brings its own weights and says so
-        init_weights(model, cfg.init_from, cfg.init_strict)
+        parts.init_weights(model, cfg.init_from, cfg.init_strict)
     optimizer = parts.optimizer(cfg.optim, model)  # biases and norm weights without weight decay unless asked
     # the task and callbacks before restore: a resume's draws from the RNG are the same
     task = parts.build(cfg.task, "task")

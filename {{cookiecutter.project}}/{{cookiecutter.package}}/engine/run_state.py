@@ -6,7 +6,7 @@ save (format, epoch, config, versions: `description`). Each part saves itself an
 before the loop.
 {% if cookiecutter.with_fsdp == "yes" %}
 A sharded run (parallel=fsdp) has the same parts: its tensor parts (`SHARDED`) are each rank's slices,
-which the writer saves as shards and a resume reads back into the live tensors (sharded_checkpoint.py).
+which the writer saves as shards and a resume reads back into the live tensors (checkpoint.py).
 {% endif %}
 The files themselves, written whole and atomically, and read safely: checkpoint.py.
 """
@@ -33,14 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 {% endif %}
 
-from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng{% if cookiecutter.with_fsdp == "yes" %}, sharded_checkpoint{% endif +%}
-from .checkpoint import FORMAT, LAST, Checkpointer
+from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng
+from .checkpoint import FORMAT, LAST, {% if cookiecutter.with_fsdp == "yes" %}SHARDED, {% endif %}Checkpointer{% if cookiecutter.with_fsdp == "yes" %}, ShardedCheckpointer, fill{% endif +%}
 from .optim import parameter_groups
 from .resume import changes
 from .schedule import fast_forward
-{% if cookiecutter.with_fsdp == "yes" %}
-from .sharded_checkpoint import SHARDED
-{% endif %}
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +164,7 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
     if ckpt.get("sharded"):  # the EMA's when both the save and this run have one
         both = run.ema is not None and ckpt["ema"] is not None
         wanted = [name for name in SHARDED if name != "ema" or both]
-        ckpt = {**ckpt, **sharded_checkpoint.fill(path, {name: named[name].state_dict() for name in wanted})}
+        ckpt = {**ckpt, **fill(path, {name: named[name].state_dict() for name in wanted})}
 {% endif %}
     for name, part in named.items():
         part.load_state_dict(ckpt.get(name), ckpt)
@@ -281,7 +278,7 @@ class CheckpointPolicy:
     def __init__(self, folder: Path, cfg, world, saved_step: int | None = None{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool = False{% endif %}):
 {% if cookiecutter.with_fsdp == "yes" %}
         if sharded:
-            self.writer = sharded_checkpoint.ShardedCheckpointer(folder, cfg.keep, world)
+            self.writer = ShardedCheckpointer(folder, cfg.keep, world)
         else:
             self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
 {% else %}
