@@ -218,10 +218,14 @@ def test_a_shard_class_naming_nothing_is_refused_in_one_line(tmp_path):
 
 
 # Each rank builds the model through engine/fsdp.py's build (meta device, shards, unit-by-unit initialisation) and
-# rank 0 saves the whole weights; `naive` instead initialises the sharded model in place, each rank drawing its own
-# slices from its own generator, which is what a plain reset_parameters() on the shards does on the CPU.
+# rank 0 saves the whole weights; `naive` instead fills the sharded model in place, each rank drawing its own slices
+# from its own generator, the fault build avoids (drawn into each rank's local tensors: DTensor's random ops on a CPU
+# mesh warn of incomplete support). Each rank ends with os._exit once its work is done: under load, a rank now and
+# then aborted after the interpreter had finished ("terminate called without an active exception", no Python frame
+# left: a C++ thread still joinable at teardown, as in pytorch/pytorch#190489 and the abandoned #179291), which
+# torchrun reports as the run's failure.
 INIT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from omegaconf import OmegaConf
 from {{ cookiecutter.package }}.engine import fsdp
 from {{ cookiecutter.package }}.model import ViT
@@ -234,16 +238,17 @@ for name, make, units in [("blocks", lambda: BlockNet(10, 7, width=13, blocks=3)
     if sys.argv[2] == "naive":
         model = fsdp.shard(fsdp.on_meta(make), cfg, None, torch.device("cpu"))
         torch.manual_seed(5)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(std=0.02)
     else:
         model = fsdp.build(make, cfg, None, torch.device("cpu"), seed=5)
     out[name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[1])
-dist.barrier()  # no rank tears gloo down while another still talks to it (under load: an abort at exit)
-dist.destroy_process_group()"""
+dist.destroy_process_group()
+os._exit(0)
+"""
 
 
 @pytest.mark.slow  # three starts of torchrun
