@@ -33,7 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from . import distributed, resume, run{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import distributed, process, resume, run{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
@@ -111,6 +111,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     device = pick_device(cfg.device)
     precheck_data(cfg)
     resumed = resume.precheck(cfg, run_dir, is_main) if cfg.resume else None
+    process.allocator(cfg)  # before the first large block: glibc tunes itself as blocks are freed
     problem = run.build_problem(cfg, device, resuming=resumed is not None)
     return Checked(dry_step(cfg, problem, resumed[1] if resumed else None), resumed, problem)
 

@@ -1,7 +1,8 @@
 """Process-wide settings, in one place: `process.*` in conf/config.yaml, and deterministic kernels.
 
 Each one changes the whole process, not one object, so the entry points' Hydra main calls `setup(cfg)` once,
-after the config checks, and nothing else changes them; one log line names what it changed. Nothing is
+after the config checks, and nothing else changes them; one log line names what it changed. The allocator's
+thresholds (`allocator`) are set earlier too, before the checks build the model. Nothing is
 exported to the environment but CUBLAS_WORKSPACE_CONFIG (cuBLAS reads it there){% if cookiecutter.with_tracking == "yes" %} and, with
 logger.use mlflow, MLflow's request bounds{% endif %}:
 forked loader workers share the allocator's settings, which live in the process's memory, and run one thread
@@ -49,16 +50,7 @@ def setup(cfg) -> None:
                  "apply it", wanted, wanted.upper())  # fmt: skip
     gc.freeze()  # what the imports and the config made lives as long as the process: no collection walks it again
     changes = [f"{gc.get_freeze_count()} objects frozen"]
-{% if cookiecutter.with_fsdp == "yes" %}
-    if cfg.parallel.strategy == "fsdp" and pick_device(cfg.device).type == "cpu":
-        # each sharded step frees a gathered unit and its whole gradient: back to the system (docs/distributed.md)
-        if keep_freed_memory(GLIBC_START, GLIBC_START):
-            changes.append(f"malloc thresholds mmap and trim {GLIBC_START >> 10} KiB (parallel=fsdp on the CPU)")
-    elif cfg.process.keep_freed_memory and keep_freed_memory():
-{% else %}
-    if cfg.process.keep_freed_memory and keep_freed_memory():
-{% endif %}
-        changes.append(f"malloc thresholds mmap {MMAP_THRESHOLD >> 20} MiB, trim {TRIM_THRESHOLD >> 20} MiB")
+    changes += allocator(cfg)  # set before the checks built the model; named here, once
     if cfg.process.threads is not None:
         torch.set_num_threads(cfg.process.threads)
         changes.append(f"torch threads {cfg.process.threads}")
@@ -76,10 +68,26 @@ def setup(cfg) -> None:
     log.info("process: %s", ", ".join(changes))
 
 
+def allocator(cfg) -> list[str]:
+    """glibc's malloc thresholds the run asks for, set (again: the same values) and named. preflight.check_run sets
+    them before the model is built: glibc's own tuning raises its mmap threshold on every large block freed, so a
+    dry step before them would leave its gathered units and gradients on the heap for the run's whole life."""
+{% if cookiecutter.with_fsdp == "yes" %}
+    if cfg.parallel.strategy == "fsdp" and pick_device(cfg.device).type == "cpu":
+        # each sharded step frees a gathered unit and its whole gradient: back to the system (docs/distributed.md)
+        if keep_freed_memory(GLIBC_START, GLIBC_START):
+            return [f"malloc thresholds mmap and trim {GLIBC_START >> 10} KiB (parallel=fsdp on the CPU)"]
+        return []
+{% endif %}
+    if cfg.process.keep_freed_memory and keep_freed_memory():
+        return [f"malloc thresholds mmap {MMAP_THRESHOLD >> 20} MiB, trim {TRIM_THRESHOLD >> 20} MiB"]
+    return []
+
+
 def keep_freed_memory(mmap: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
     """glibc's malloc thresholds for this process (mallopt, a public libc call); True when they now apply. Settings
     of yours (MALLOC_*_ variables, glibc.malloc tunables) are left to take effect instead.{% if cookiecutter.with_fsdp == "yes" %} parallel=fsdp on the CPU
-    asks for glibc's starting values instead (fsdp.build).{% endif %}"""
+    asks for glibc's starting values instead (`allocator`).{% endif %}"""
     if any(key in os.environ for key in MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
