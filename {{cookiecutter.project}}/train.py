@@ -46,7 +46,8 @@ def train(cfg, checked: preflight.Checked) -> tuple[int, float]:
             meter = run.epoch_meter()  # loss sums on the device (a resume's carried in); waits, samples on the host
             for batch in meter.timed(run.train_batches()):
                 boundary = run.window_ends()  # the accumulation window's last micro-batch: the optimizer steps
-                meter.add(*train_step(run, batch, boundary), batch, step=run.step if boundary else run.step + 1)
+                drawn = run.train_loader.drawn  # the samples collated into this batch, counted by the loader
+                meter.add(*train_step(run, batch, boundary), drawn, step=run.step if boundary else run.step + 1)
                 if not boundary:
                     continue  # logs, stops, saves and validations fall on optimizer steps
                 # One process acts on a signal at the next step (the flag is a Python bool, no device read);

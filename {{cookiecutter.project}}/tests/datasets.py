@@ -461,6 +461,11 @@ def detection_collate(samples):
     return list(images), list(targets)
 
 
+def reference_collate(samples):
+    """torchvision's detection references' collate: (tuple of images, tuple of targets)."""
+    return tuple(zip(*samples))
+
+
 class PooledLinear(torch.nn.Module):
     """A classifier of a list of images of any size: each image's channel means, then a linear layer."""
 

@@ -12,7 +12,6 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from {{ cookiecutter.package }}.callbacks import EarlyStopping
-from {{ cookiecutter.package }}.engine.device import batch_size
 from tests.helpers import PROJECT, load_ckpt, printed_command, read_jsonl, run_torchrun, run_train, same_weights
 from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
 
@@ -172,15 +171,11 @@ def test_the_shipped_callbacks_write_images_and_hparams_and_change_no_weight(tmp
     assert empty.Tags()["images"] == [] and not (tmp_path / "without/tb/hparams").exists()
 
 
-def test_a_detection_batch_counts_its_images():
-    images, targets = [torch.zeros(3, 6, 6), torch.zeros(3, 7, 7)], [{"label": torch.tensor(0)}] * 2
-    assert batch_size((images, targets)) == 2  # not 3, the first image's channels
-    assert batch_size((torch.zeros(5, 3, 8, 8), torch.zeros(5))) == 5
-    assert batch_size({"x": torch.zeros(4, 2), "y": torch.zeros(4)}, "y") == 4
-
-
-@pytest.mark.slow  # a run; the fast tier counts a detection batch's images in the test above
-def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
+@pytest.mark.slow  # a run each; the fast tier: the loader's count for every batch form (test_loader.py)
+@pytest.mark.parametrize("collate", ["detection_collate", "reference_collate"])
+def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path, collate):
+    """Lists of images, and torchvision's reference `tuple(zip(*batch))` (a tuple of image tuples, whose first
+    image's leading size is its 3 channels): samples/s counts the 8 samples of each batch."""
     run = [
         "data.train._target_=tests.datasets.Detections", "data.val._target_=tests.datasets.Detections",
 {% if cookiecutter.with_photos == "yes" %}
@@ -190,7 +185,7 @@ def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path):
         *[f"~data.{split}.{key}" for split in ("train", "val") for key in ("root", "split", "per_class", "transform",
                                                                           "image_size")],
 {% endif %}
-        "+data.collate._target_=tests.datasets.detection_collate", "+data.collate._partial_=true",
+        f"+data.collate._target_=tests.datasets.{collate}", "+data.collate._partial_=true",
         "model._target_=tests.datasets.PooledLinear", "~model.width", "task._target_=tests.datasets.DetectionTask",
         "~task.label_smoothing", "data.num_classes=4", "epochs=1", "loader.batch_size=8", "progress=false",
         "callbacks=[]",

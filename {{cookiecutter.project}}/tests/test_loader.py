@@ -6,6 +6,7 @@ import signal
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import pytest
 import torch
 
 from {{ cookiecutter.package }}.engine import rng
@@ -18,7 +19,20 @@ from {{ cookiecutter.package }}.engine.loader import (
     for_the_queue,
 )
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
-from tests.datasets import IndexedDraws, RngDrawingDataset, SometimesDraws, collate_with_numpy_draw
+{% if cookiecutter.with_streams == "yes" %}
+from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
+{% endif %}
+from tests.datasets import (
+    Detections,
+    IndexedDraws,
+    RngDrawingDataset,
+    SometimesDraws,
+    collate_with_numpy_draw,
+    reference_collate,
+{% if cookiecutter.with_streams == "yes" %}
+    SplitStream,
+{% endif %}
+)
 from tests.helpers import loader_settings
 
 
@@ -39,6 +53,28 @@ def test_sampler_shards_ranks_disjointly():
 
 def epoch_batches(loader):
     return [x.clone() for x, _ in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_counts_the_samples_of_every_batch_form(workers):
+    """`drawn`: the samples collated into the batch the loop took last, not a size read off the batch: torchvision's
+    detection collate (a tuple of image tuples: the first image's leading size is its 3 channels), dicts, a stream's
+    records. 70 samples in batches of 8: 8 whole batches (an epoch drops the short one); a stream's readers keep
+    theirs."""
+    forms = {
+        "tuples": (Detections(70), reference_collate),
+        "dicts": (Detections(70), lambda b: {"images": [s[0] for s in b], "labels": [s[1] for s in b]}),
+        "tensors": (RngDrawingDataset(70), None),
+    }
+    for name, (dataset, collate) in forms.items():
+        loader = TrainLoader(dataset, loader_settings(8, workers), seed=1, collate_fn=collate)
+        counts = [loader.drawn for _ in loader]
+        assert counts == [8] * 8, (name, counts)
+{% if cookiecutter.with_streams == "yes" %}
+    stream = StreamLoader(SplitStream(70), loader_settings(8, workers), seed=1, collate_fn=reference_collate)
+    counts = [stream.drawn for _ in stream]
+    assert sum(counts) == 70 and max(counts) == 8, counts  # each reader batches its own records: short ends
+{% endif %}
 
 
 def test_workers_seeded_from_seed_and_distinct():

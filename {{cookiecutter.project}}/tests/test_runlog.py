@@ -71,7 +71,7 @@ def test_disabled_runlog_writes_nothing(tmp_path):
 def fed(meter: EpochMeter, losses: list[float]) -> EpochMeter:
     for i, loss in enumerate(losses):  # float32 losses, as a step gives them; a batch of 3
         parts = {"aux": torch.tensor(loss / 3, dtype=torch.float32)}
-        meter.add(torch.tensor(loss, dtype=torch.float32), torch.tensor(2.0 * loss), parts, torch.zeros(3, 2), i + 1)
+        meter.add(torch.tensor(loss, dtype=torch.float32), torch.tensor(2.0 * loss), parts, 3, i + 1)
     return meter
 
 

@@ -66,16 +66,6 @@ def has_part(batch, key: int | str) -> bool:
     return isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch)
 
 
-def batch_size(batch, key: int | str = 0) -> int:
-    """How many samples `batch` holds, counted on its `key` part (data.input) when it has one: a list (a detection
-    batch's images) counts its length, a tensor its leading size; a batch without that part, its first tensor's."""
-    part = batch[key] if has_part(batch, key) else batch
-    if isinstance(part, list):
-        return len(part)
-    found = tensors(part)
-    return int(found[0].shape[0]) if found and found[0].dim() else 1
-
-
 def to_device(batch, device: torch.device, non_blocking: bool = True):
     """The batch with every tensor on `device`, however nested in tuples, lists and dicts."""
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)

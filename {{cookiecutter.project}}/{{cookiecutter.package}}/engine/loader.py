@@ -178,6 +178,7 @@ class BatchNote:
     """What travels with a batch from the process that made it, for the main process's bookkeeping."""
 
     pid: int | None = None  # the worker's; None: made in the main process (num_workers=0)
+    samples: int = 0  # the samples collated into it: what samples/s counts, whatever form the batch has
     skipped: list = field(default_factory=list)  # the samples data.on_bad_sample=skip left out of it
     # An indexed data set's: the worker's RNG right after making it (rng_mode=per_worker only: with per_sample every
     # sample is seeded afresh, so nothing reads it), and the seed base of its set of workers.
@@ -243,7 +244,7 @@ class CollateWithSnapshot:
         if samples.failed is not None:
             return None, BatchNote(failed=samples.failed)
         batch = self.collate_fn(list(samples))
-        note, info = BatchNote(skipped=samples.skipped), get_worker_info()
+        note, info = BatchNote(samples=len(samples), skipped=samples.skipped), get_worker_info()
         if info is None:  # num_workers=0: the main process RNG, saved with the main state
             return batch, note
         note.pid, note.base_seed = os.getpid(), info.seed - info.id
@@ -315,6 +316,7 @@ class EpochLoader:
         self.loader: DataLoader | None = None  # the DataLoader reused every epoch (one-off ones are not kept)
         self.epoch = 0  # epochs completed
         self.position = 0  # batches of the current epoch consumed by the loop
+        self.drawn = 0  # the samples in the batch the loop took last (BatchNote.samples)
         self.worker_pids: set[int] = set()  # workers that served this epoch
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self._early = None  # the next epoch's iterator, made early (start_next_epoch)
@@ -340,7 +342,7 @@ class EpochLoader:
         iterator = self._early if self._early is not None else self.begin()
         self._early = None
         for batch, note in self.consume(failures.named(iterator, self)):
-            self.position += 1
+            self.position, self.drawn = self.position + 1, note.samples
             if note.pid is not None:
                 self.worker_pids.add(note.pid)
             if note.skipped:  # listed in bad_samples.txt

@@ -125,7 +125,7 @@ class Run:
     def epoch_meter(self) -> EpochMeter:
         """A new epoch's running figures (`meter`); the first after a mid-epoch resume from the checkpoint's sums."""
         carried = self.carried if self.train_loader.position else None  # a stream that starts its epoch over: none
-        self.meter = EpochMeter(self.device, carried, self.cfg.data.get("input", 0))
+        self.meter = EpochMeter(self.device, carried)
         self.carried = None
         return self.meter
 

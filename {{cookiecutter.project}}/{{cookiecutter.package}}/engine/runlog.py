@@ -23,7 +23,7 @@ except ImportError:  # Windows
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from .device import batch_size, sum_and_read
+from .device import sum_and_read
 from .errors import UserError
 {% if cookiecutter.with_tracking == "yes" %}
 from .tracking import Tracking
@@ -147,9 +147,8 @@ class EpochMeter:
     device); the data wait and the sample count are host numbers. `carried`: the sums over ranks before a mid-epoch
     checkpoint (`state()`), so a resumed run logs the figures of the run that never stopped."""
 
-    def __init__(self, device: torch.device, carried: dict | None = None, input_key: int | str = 0):
+    def __init__(self, device: torch.device, carried: dict | None = None):
         self.device = device
-        self.input_key = input_key  # data.input: the batch's part its samples are counted on
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
         self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
@@ -173,10 +172,9 @@ class EpochMeter:
             yield batch
             waiting_since = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, parts: dict, batch, step: int) -> None:
-        """One micro-batch's loss (and, on an optimizer step with clipping on, the norm; the task's loss parts),
-        `step` the optimizer step it belongs to; all device work, no read."""
-        n = batch_size(batch, self.input_key)
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, parts: dict, n: int, step: int) -> None:
+        """One micro-batch's loss (and, on an optimizer step with clipping on, the norm; the task's loss parts), `n`
+        the samples the loader collated into it, `step` the optimizer step it belongs to; all device work, no read."""
         if self.window_parts.keys() != parts.keys() and (self.window_parts or self.batches):
             # every rank packs the same parts in the same order for the one all-reduce of a log point
             raise UserError(
