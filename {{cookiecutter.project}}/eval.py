@@ -29,7 +29,7 @@ from omegaconf import OmegaConf, open_dict
 
 from {{ cookiecutter.package }}.engine import checkpoint, distributed, parts, preflight, process, resume, schema
 from {{ cookiecutter.package }}.engine.device import pick_device
-from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error, in_your_code
 from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from {{ cookiecutter.package }}.engine.task_results import evaluate
@@ -102,6 +102,7 @@ def evaluate_checkpoint(cfg) -> dict | None:
         loader = eval_loader(
             dataset, settings, world.rank, world.world_size, worker_init=StopRequest.shield_worker,
             collate_fn=collate, start_guard=StopRequest.starting_workers,
+            seed=saved["seed"] if saved.get("rng_mode") == "per_sample" else None,  # the run's validation's draws
         )  # fmt: skip
         channels_last = cfg.channels_last if "channels_last" in named else saved.get("channels_last", False)
         prepare = parts.prepare(cfg.data, device, channels_last)  # uint8 -> normalized floats, as in training
@@ -135,11 +136,11 @@ def main(cfg) -> None:
     try:
         result = evaluate_checkpoint(cfg)
     except Exception as e:
-        error = find_user_error(e)
+        error = find_user_error(e) or in_your_code(e, "eval")  # your code's exception: its traceback, then the line
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        print(f"{error.trace}error: {error}", file=sys.stderr)
+        sys.exit(getattr(error, "exit_code", 2))
     if result is None:
         return
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"

@@ -19,7 +19,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, process, schema
-from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error
+from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error, in_your_code
 from {{ cookiecutter.package }}.engine.failures import worker_death
 from {{ cookiecutter.package }}.engine.optim import clip_gradients
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
@@ -162,12 +162,13 @@ def main(cfg) -> float:
         process.setup(cfg)
         code, best = train(cfg, checked)
     except Exception as e:
-        error = find_user_error(e) or worker_death(e)  # a killed worker: its pid and signal, not a traceback
+        # a killed worker: its pid and signal, not a traceback; your code's exception: its traceback, then the line
+        error = find_user_error(e) or worker_death(e) or in_your_code(e, "training")
         if error is None:
             raise
-        code = getattr(error, "exit_code", 2)  # 2: bad input; a loader failure's own code (engine/failures.py)
-        if code != 2 or os.environ.get("RANK", "0") == "0":  # every rank refuses a bad input alike: rank 0 says it
-            print(f"error: {error}", file=sys.stderr)
+        code = getattr(error, "exit_code", 2)  # 2: bad input, 1: your code; a loader failure's own code
+        if code not in (1, 2) or os.environ.get("RANK", "0") == "0":  # every rank fails alike there: rank 0 says it
+            print(f"{getattr(error, 'trace', '')}error: {error}", file=sys.stderr)
         sys.exit(code)
     if code:
         sys.exit(code)

@@ -493,3 +493,50 @@ class DetectionTask:
             "acc": (logits.argmax(1) == labels).sum(),
             "count": torch.tensor(len(images)),
         }
+
+
+def project_features(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight  # BuggyModel's bug: x has 3 features, weight expects 16
+
+
+class BuggyModel(torch.nn.Module):
+    """A user's model with a bug in a helper its forward calls (a wrong shape): their code's error, not bad input."""
+
+    def __init__(self, num_classes: int = 4):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(16, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project_features(x.flatten(1)[:, :3], self.weight)
+
+
+class BrokenInit(torch.nn.Module):
+    """A user's model whose __init__ has a bug."""
+
+    def __init__(self, num_classes: int = 4):
+        super().__init__()
+        self.layers = [torch.nn.Linear(8, num_classes)][num_classes]  # an IndexError: the list has one entry
+
+
+class FailingCallback:
+    """A user's callback with a bug in on_log, which only training calls."""
+
+    def on_log(self, run, figures: dict) -> None:
+        ratio = figures["loss"] / figures["no such figure"]  # a KeyError
+        print(ratio)
+
+
+class FailsAtIndex(RngDrawingDataset):
+    """RngDrawingDataset whose sample `bad` raises in a helper of the data set's own (a bug, not a bad file)."""
+
+    def __init__(self, size: int = 200, bad: int = 50, **kwargs):
+        super().__init__(size, **kwargs)
+        self.bad = bad
+
+    def __getitem__(self, index: int):
+        return self.checked(index, super().__getitem__(index))
+
+    def checked(self, index: int, sample):
+        if index == self.bad:
+            raise ValueError(f"sample {index} has no label")
+        return sample

@@ -16,6 +16,7 @@ from {{ cookiecutter.package }}.engine.loader import (
     GuardedDataLoader,
     InlineTensor,
     TrainLoader,
+    eval_loader,
     for_the_queue,
 )
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
@@ -25,13 +26,14 @@ from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
 from tests.datasets import (
     Detections,
     IndexedDraws,
+    IndexedSamples,
     RngDrawingDataset,
     SometimesDraws,
-    collate_with_numpy_draw,
-    reference_collate,
 {% if cookiecutter.with_streams == "yes" %}
     SplitStream,
 {% endif %}
+    collate_with_numpy_draw,
+    reference_collate,
 )
 from tests.helpers import loader_settings
 
@@ -75,6 +77,34 @@ def test_the_loader_counts_the_samples_of_every_batch_form(workers):
     counts = [stream.drawn for _ in stream]
     assert sum(counts) == 70 and max(counts) == 8, counts  # each reader batches its own records: short ends
 {% endif %}
+
+
+def validation_samples(batch_size: int, workers: int, world_size: int, seed: int | None) -> dict:
+    """Index -> input of every validation sample of IndexedSamples (which draw from torch, numpy and python), read
+    twice per rank, as two validations would."""
+    samples = {}
+    for rank in range(world_size):
+        loader = eval_loader(IndexedSamples(30), loader_settings(batch_size, workers), rank, world_size, seed=seed)
+        for _ in range(2):
+            for x, _, index in loader:
+                for row, i in zip(x, index.tolist(), strict=True):
+                    assert i not in samples or torch.equal(samples[i], row) == (seed is not None), i
+                    samples[i] = row
+    return samples
+
+
+def test_validation_samples_draw_the_same_for_any_profile_under_per_sample():
+    """rng_mode=per_sample (a seed): each validation sample seeded from it and its index, the same at every
+    validation and for any batch size, worker count or number of ranks; the main process's RNG left as it was.
+    Control: without a seed (per_worker) the draws follow the workers, and differ."""
+    before = pickle.dumps(rng.capture())
+    reference = validation_samples(4, 0, 1, seed=3)
+    assert pickle.dumps(rng.capture()) == before  # num_workers=0: the main process's generators put back
+    for batch_size, workers, world_size in [(8, 2, 1), (3, 3, 2)]:
+        other = validation_samples(batch_size, workers, world_size, seed=3)
+        assert other.keys() == reference.keys() and all(torch.equal(other[i], reference[i]) for i in reference)
+    unseeded = [validation_samples(4, w, 1, seed=None) for w in (1, 2)]
+    assert not all(torch.equal(unseeded[0][i], unseeded[1][i]) for i in reference)
 
 
 def test_workers_seeded_from_seed_and_distinct():

@@ -7,7 +7,7 @@ from __future__ import annotations
 {% if cookiecutter.with_streams == "yes" %}
 from . import shard_plan
 {% endif %}
-from .errors import UserError, reason
+from .errors import UserError, reason, user_trace
 
 SPARE = 8  # samples first_samples may pass over when they fail to read
 
@@ -36,7 +36,9 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
     if not samples and first_error is not None:
         source = getattr(dataset, "sample_source", None)
         where = f" (index 0, {source(0)})" if source{% if cookiecutter.with_streams == "yes" %} and not stream{% endif %} else ""
-        raise UserError(f"{name}: reading its first samples fails{where}: {reason(first_error)}") from None
+        error = UserError(f"{name}: reading its first samples fails{where}: {reason(first_error)}")
+        error.trace = user_trace(first_error)  # shown before the line: which line of the data set raised
+        raise error from None
     if not samples:
         raise UserError(f"{name} holds no samples: point it at data")
     return samples

@@ -1,12 +1,72 @@
-"""The one exception type that `train.py` turns into a one-line message and a non-zero exit."""
+"""The exceptions `train.py` turns into one `error:` line and a non-zero exit: bad input (`UserError`, exit 2), and an
+exception raised in the user's own code (`CodeError`, exit 1), shown with its traceback first."""
 
 from __future__ import annotations
 
+import re
+import sysconfig
+import traceback
+from pathlib import Path
+
 from hydra.errors import InstantiationException
+
+ENGINE = Path(__file__).resolve().parent
+PACKAGE = ENGINE.parent  # the project's package: its modules outside engine/ are the user's (model.py, tasks.py...)
+LIBRARIES = [Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")]
 
 
 class UserError(Exception):
     """Bad input from the user (config, checkpoint, data path): the message says what is wrong and what to do."""
+
+    trace = ""  # a data set's failure: the traceback of the sample that raised (`user_trace`), shown before the line
+
+
+class CodeError(Exception):
+    """An exception raised in the user's own code (a model, task, data set, collate or callback), not bad input:
+    train.py shows `trace` (their frames and the library calls they made), then this one line saying where."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, trace: str):
+        super().__init__(message)
+        self.trace = trace
+
+
+def yours(filename: str) -> bool:
+    """Whether a frame's file is the user's code: the package outside engine/, or any file outside Python's and the
+    installed libraries' folders (a module of yours beside train.py)."""
+    if filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    if ENGINE in path.parents:
+        return False
+    return PACKAGE in path.parents or not any(library in path.parents for library in LIBRARIES)
+
+
+def user_trace(e: BaseException) -> str:
+    """`e`'s traceback from its first frame in the user's code on, the engine's frames left out, or ""
+    when none is theirs. An error Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch
+    puts in the message, shown whole."""
+    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    if "Original Traceback" in str(inner):  # raised in a worker: the worker's own traceback, as text
+        files = re.findall(r'File "([^"]+)", line', str(inner))
+        return str(inner).rstrip() + "\n" if any(map(yours, files)) else ""
+    frames = traceback.extract_tb(inner.__traceback__)
+    first = next((i for i, frame in enumerate(frames) if yours(frame.filename)), None)
+    if first is None:
+        return ""
+    shown = [frame for frame in frames[first:] if ENGINE not in Path(frame.filename).resolve().parents]
+    head = "Traceback (most recent call last; the engine's own calls left out):\n"
+    return "".join([head, *traceback.format_list(shown), *traceback.format_exception_only(inner)])
+
+
+def in_your_code(e: BaseException, what: str) -> CodeError | None:
+    """A CodeError for `e` (`what`: where the run was), when its traceback passes through the user's code; `e`
+    itself when it is one."""
+    if isinstance(e, CodeError):
+        return e
+    trace = user_trace(e)
+    return CodeError(f"{what}: {reason(e)}", trace) if trace else None
 
 
 def causes(exc: BaseException | None):

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 from torch.utils.data import DataLoader
 
-from .errors import UserError, causes, reason
+from .errors import UserError, causes, reason, user_trace
 from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
@@ -87,7 +87,9 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
                 source = f" ({dataset.sample_source(index)})"  # a data set without one names no source
             line = f"data set index {index}{source}: {reason(e)}"[:500]
             if not skip:
-                return Samples([], failed=BadSample(line))
+                failed = BadSample(line)
+                failed.trace = user_trace(e)  # text: it travels from the worker with the batch's note
+                return Samples([], failed=failed)
             skipped.append(line)
     if not samples:
         return Samples([], failed=BadSample(f"every sample of a batch failed, e.g. {skipped[-1]}: check the data "

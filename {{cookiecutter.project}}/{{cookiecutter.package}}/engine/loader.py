@@ -173,6 +173,29 @@ class SeededBatches(torch.utils.data.Dataset):
         return failures.fetch_guarded(self.dataset, batch, self.skip)
 
 
+class SeededSamples(torch.utils.data.Dataset):
+    """A validation data set under rng_mode=per_sample: before each sample, the generators are seeded from (seed,
+    the sample's index) as a training sample's are (`rng.VALIDATION` its epoch), so a random crop or a test-time
+    augmentation draws the same at every validation, for any profile, worker count or number of processes; in the
+    main process (num_workers=0) its RNG is put back."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.base, self.seeding = dataset, rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: list) -> list:
+        def make():
+            made = []
+            for index in indices:
+                self.seeding.seed(rng.index_seed(self.base, index))
+                made.append(self.dataset[index])
+            return made
+
+        return self.seeding.batch(make, keep=get_worker_info() is None)
+
+
 @dataclass
 class BatchNote:
     """What travels with a batch from the process that made it, for the main process's bookkeeping."""
@@ -537,11 +560,26 @@ class EvalStream(IterableDataset):
     """Validation of a stream: every record once, split over ranks and workers. A shard stream's shards go to the
     readers in their own order, whole; a plain stream splits itself."""
 
-    def __init__(self, dataset, rank: int, world_size: int):
-        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+    def __init__(self, dataset, rank: int, world_size: int, seed: int | None = None):
+        self.dataset, self.rank, self.world_size, self.seed = dataset, rank, world_size, seed
 
     def __iter__(self):
-        return shard_plan.records(self.dataset, self.rank, self.world_size)
+        if self.seed is None or not shard_plan.is_shard_stream(self.dataset):  # a plain stream: its own draws
+            yield from shard_plan.records(self.dataset, self.rank, self.world_size)
+            return
+        # rng_mode=per_sample: each record seeded from (seed, shard, record), as SeededSamples seeds an indexed one's
+        worker, workers = shard_plan.this_worker()
+        base, shards = rng.epoch_base(self.seed, rng.VALIDATION), list(self.dataset.shards)
+        for shard in range(self.rank * workers + worker, len(shards), self.world_size * workers):
+            records, index = iter(self.dataset.read(shards[shard])), 0
+            while True:
+                with rng.kept(get_worker_info() is None, cuda=False):  # the main process's RNG stays the loop's
+                    rng.seed_sample(rng.index_seed(base, shard << 32 | index))
+                    record = next(records, records)  # the iterator itself: the shard has ended
+                if record is records:
+                    break
+                yield record
+                index += 1
 
 
 {% endif %}
@@ -553,6 +591,7 @@ def eval_loader(
     worker_init=None,
     collate_fn=None,
     start_guard=contextlib.nullcontext,
+    seed: int | None = None,
 ) -> DataLoader:
     """The validation loader, also built once (train.py's and eval.py's). Its own generator keeps the main RNG
 {% if cookiecutter.with_streams == "yes" %}
@@ -565,11 +604,13 @@ def eval_loader(
 
     `worker_init` is the DataLoader's `worker_init_fn` (train.py's keeps stop signals away from the workers), and
     `start_guard` is around its workers' start (GuardedDataLoader); `collate_fn` (`data.collate`, None: torch's
-    default_collate) is the one the train loader uses."""
+    default_collate) is the one the train loader uses. `seed` (rng_mode=per_sample's runs): each sample seeded from
+    it and its index (SeededSamples{% if cookiecutter.with_streams == "yes" %}; a shard stream's records from it, their shard and place{% endif %});
+    None: the data set draws from each worker's generators as they stand."""
     common = {"generator": torch.Generator(), "worker_init_fn": worker_init, "collate_fn": collate_fn}
 {% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
-        stream = EvalStream(dataset, rank, world_size)
+        stream = EvalStream(dataset, rank, world_size, seed)
         return GuardedDataLoader(stream, settings, start_guard, batch_size=settings.batch_size, **common)
 {% endif %}
     mine, size = range(rank, len(dataset), world_size), settings.batch_size
@@ -579,4 +620,5 @@ def eval_loader(
             "fewer processes or give it more samples"
         )
     batches = [list(mine[i : i + size]) for i in range(0, len(mine), size)]
+    dataset = dataset if seed is None else SeededSamples(dataset, seed)
     return GuardedDataLoader(dataset, settings, start_guard, batch_sampler=batches, **common)

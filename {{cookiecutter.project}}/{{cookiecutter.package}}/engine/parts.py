@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from . import checkpoint{% if cookiecutter.with_fsdp == "yes" %}, fsdp{% endif +%}
 from .device import PrepareBatch, input_transform
-from .errors import UserError, reason
+from .errors import UserError, in_your_code, reason
 from .optim import parameter_groups
 from .schema import LOOP_KEYS
 
@@ -29,15 +29,16 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def one_line(what: str):
-    """Anything raised inside stops the command in one line, `what` and the error's first line, where a traceback
-    would name neither; a UserError (also one a data set raised through Hydra: a missing folder) as it is."""
+    """Anything raised inside stops the command in one line, `what` and the error's first line; one raised in the
+    user's own code (a model, task, data set, collate) with its traceback first (errors.CodeError, exit 1); a
+    UserError (also one a data set raised through Hydra: a missing folder) as it is."""
     try:
         yield
     except UserError:
         raise
     except Exception as e:
         cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
-        raise cause or UserError(f"{what}: {reason(e)}") from None
+        raise cause or in_your_code(e, what) or UserError(f"{what}: {reason(e)}") from None
 
 
 def stage(key: str, node, where: str):

@@ -37,7 +37,7 @@ from . import distributed, process, resume, run{% if cookiecutter.with_slurm == 
 from .data_check import check_classes
 from .device import pick_device
 from .dry_step import dry_step
-from .errors import UserError, first_line, reason
+from .errors import CodeError, UserError, first_line, reason
 from .schema import LOOP_KEYS, OPEN, SHIPPED, Config, Open, flatten
 
 log = logging.getLogger("train")
@@ -53,8 +53,9 @@ class Checked(NamedTuple):
 
 
 def check(cfg: DictConfig) -> Checked:
-    """train()'s first call: `check_run` on every rank; a refusal is one line from rank 0 and exit code 2, and removes
-    the run folder this command claimed. Then the run's record (`record`)."""
+    """train()'s first call: `check_run` on every rank; a refusal is one line from rank 0 and exit code 2 (an error in
+    your code: its traceback, then the line, exit 1), and removes the run folder this command claimed. Then the
+    run's record (`record`)."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     world, checked, error = None, None, None
@@ -64,14 +65,14 @@ def check(cfg: DictConfig) -> Checked:
 {% endif %}
         world = distributed.join_early(pick_device(cfg.device))  # joined already under torchrun (RunFolder)
         checked = check_run(cfg, run_dir, hydra_cfg.runtime.choices, list(hydra_cfg.overrides.task), world.is_main)
-    except UserError as e:
-        error = str(e)
+    except (UserError, CodeError) as e:
+        error = (str(e), e.trace, 1 if isinstance(e, CodeError) else 2)
     errors = [error] if world is None else distributed.gather_all(error, world)  # every rank waits for all
     first = next((e for e in errors if e), None)
     if first is not None:
         if world is None or world.is_main:
             unclaim(run_dir)
-        refuse(first, world)
+        refuse(first[0], world, trace=first[1], code=first[2])
     if world.is_main:
         record(cfg, run_dir / HYDRA_FILES)
     return checked
@@ -165,16 +166,17 @@ class RunFolder(Callback):
             refuse(str(e), quiet=quiet)
 
 
-def refuse(error: str, world: distributed.World | None = None, quiet: bool = False) -> None:
-    """Exit with code 2, saying `error` in one line unless `quiet` (another rank says it). With `world`, every rank
-    at once: rank 0 says it, and no rank exits before it has, since torchrun stops the other ranks as soon as one
-    exits; the ranks then leave their group (a rank leaving a live gloo group as its peer exits can abort, SIGABRT)."""
+def refuse(error: str, world: distributed.World | None = None, quiet: bool = False, trace: str = "", code: int = 2):
+    """Exit with `code` (2: bad input), saying `error` in one line, after `trace` (your code's traceback), unless
+    `quiet` (another rank says it). With `world`, every rank at once: rank 0 says it, and no rank exits before it
+    has, since torchrun stops the other ranks as soon as one exits; the ranks then leave their group (a rank leaving
+    a live gloo group as its peer exits can abort, SIGABRT)."""
     if not quiet and (world is None or world.is_main):
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"{trace}error: {error}", file=sys.stderr, flush=True)
     if world is not None:
         distributed.gather_all(None, world)
         distributed.leave(world)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def claim(path: str) -> str:

@@ -57,6 +57,9 @@ def seed_cpu(seed: int) -> None:
     random.seed(seed)
 
 
+VALIDATION = 2**32  # the "epoch" validation samples are seeded in (epoch_base): one no run trains
+
+
 def epoch_base(seed: int, epoch: int) -> int:
     """What `index_seed` mixes each sample index with, for one (seed, epoch): worked out once per batch or epoch."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])

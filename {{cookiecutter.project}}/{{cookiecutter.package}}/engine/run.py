@@ -292,7 +292,8 @@ def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, c
 {% else %}
     )
 {% endif %}
-    return train_loader, eval_loader(problem.val_set, settings, **shared)  # as eval.py's
+    seed = cfg.seed if cfg.rng_mode.value == "per_sample" else None  # each validation sample seeded, as in training
+    return train_loader, eval_loader(problem.val_set, settings, **shared, seed=seed)  # as eval.py's
 
 
 class Training(NamedTuple):
