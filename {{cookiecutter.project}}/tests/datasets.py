@@ -8,6 +8,11 @@ import time
 
 import numpy as np
 import torch
+
+try:  # the test extra's: the tests that use it skip without it
+    import albumentations
+except ImportError:
+    albumentations = None
 from torch.utils.data import Dataset{% if cookiecutter.with_streams == "yes" %}, IterableDataset{% endif +%}
 
 {% if cookiecutter.with_streams == "yes" %}
@@ -540,3 +545,32 @@ class FailsAtIndex(RngDrawingDataset):
         if index == self.bad:
             raise ValueError(f"sample {index} has no label")
         return sample
+
+
+class Albumented(RngDrawingDataset):
+    """RngDrawingDataset's fixed inputs through an albumentations 2 pipeline of the data set's own (a flip, noise),
+    which draws from the pipeline's generators, not the global ones; `seed` as albumentations' Compose takes it."""
+
+    def __init__(self, size: int = 200, seed: int | None = None, **kwargs):
+        super().__init__(size, draws=False, **kwargs)
+        self.augment = albumentations.Compose(
+            [albumentations.HorizontalFlip(p=0.5), albumentations.GaussNoise(std_range=(0.1, 0.3), p=1.0)], seed=seed
+        )
+
+    def __getitem__(self, index: int):
+        x, label = super().__getitem__(index)
+        image = self.augment(image=x.permute(1, 2, 0).numpy())["image"]  # albumentations works on (H, W, C)
+        return torch.from_numpy(image).permute(2, 0, 1).contiguous(), label
+
+
+class OwnGenerator(RngDrawingDataset):
+    """RngDrawingDataset's fixed inputs plus noise from a numpy Generator of the data set's own: nothing the run
+    seeds or saves."""
+
+    def __init__(self, size: int = 200, **kwargs):
+        super().__init__(size, draws=False, **kwargs)
+        self.noise = np.random.default_rng()
+
+    def __getitem__(self, index: int):
+        x, label = super().__getitem__(index)
+        return x + torch.from_numpy(self.noise.normal(0, 0.1, x.shape).astype(np.float32)), label

@@ -120,7 +120,7 @@ def test_load_refuses_garbage_in_one_line(tmp_path):
 # What a checkpoint of train.py holds: the run's named parts (engine/run_state.py), each saved by itself, and what
 # describes the save; a key added or gone changes what eval.py, export and a resume read.
 PARTS = ["model", "optimizer", "ema", "scheduler", "scaler", "step", "best", "callbacks", "meter",{% if cookiecutter.with_tracking == "yes" %} "tracking",{% endif %} "ranks"]
-DESCRIPTION = {"format", "epoch", "progress", "config", "versions", "nondeterministic_ops"}
+DESCRIPTION = {"format", "epoch", "progress", "config", "versions", "nondeterministic_ops", "nondeterministic_data"}
 
 
 def test_a_checkpoint_is_the_runs_named_parts_and_its_description(shapes_run):

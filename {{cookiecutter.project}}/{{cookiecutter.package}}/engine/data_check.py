@@ -4,9 +4,13 @@ against each other and `data.num_classes`."""
 
 from __future__ import annotations
 
-{% if cookiecutter.with_streams == "yes" %}
-from . import shard_plan
-{% endif %}
+import copy
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from . import rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .errors import UserError, reason, user_trace
 
 SPARE = 8  # samples first_samples may pass over when they fail to read
@@ -42,6 +46,55 @@ def first_samples(dataset, name: str, count: int = 2) -> list:
     if not samples:
         raise UserError(f"{name} holds no samples: point it at data")
     return samples
+
+
+def own_draws(dataset, name: str, seed: int, per_sample: bool) -> str | None:
+    """The warning to give when training sample 0, read twice with the generators seeded alike (as a run seeds it),
+    comes out different: the data set draws from a generator of its own, which no seed of the run reaches and no
+    checkpoint saves. None when both reads agree: torchvision's transforms, a data set that draws from torch's,
+    numpy's or python's global generators, an albumentations pipeline under per_sample (seeded per sample). A read
+    that fails is the dry step's to report."""
+    pipelines = rng.own_generators(dataset) if per_sample else []
+    sample_seed = rng.index_seed(rng.epoch_base(seed, 0), 0)
+
+    def read():
+        with rng.kept(cuda=False):
+            rng.seed_sample(sample_seed)
+            rng.seed_pipelines(pipelines, sample_seed)
+{% if cookiecutter.with_streams == "yes" %}
+            if shard_plan.is_stream(dataset):
+                return shard_plan.first_records(dataset, 1)
+{% endif %}
+            return copy.copy(dataset)[0]
+
+    try:
+        if same(read(), read()):
+            return None
+    except Exception:
+        return None
+    what = f"{name} ({type(dataset).__module__}.{type(dataset).__qualname__})"
+    seedable = not per_sample and rng.own_generators(dataset)  # an albumentations pipeline, under per_worker
+    advice = "use rng_mode=per_sample, which seeds its pipeline per sample, or " if seedable else ""
+    return (
+        f"{what} gives sample 0 twice differently under the same seed: it draws from a generator of its own (an "
+        f"augmentation library's?), which the run neither seeds nor saves: this run cannot be exact, nor a resume "
+        f"of it; {advice}draw from torch's, numpy's or python's generators"
+    )
+
+
+def same(a, b) -> bool:
+    """Whether two samples are equal, part by part: tensors and arrays by value, images by their bytes."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    if hasattr(a, "tobytes"):  # a PIL image
+        return type(a) is type(b) and a.tobytes() == b.tobytes()
+    return bool(a == b)
 
 
 def check_classes(found: dict, num_classes: int | None) -> None:

@@ -144,7 +144,7 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.skip = dataset, seed, skip
-        self.seeding = rng.SampleSeeding() if per_sample else None
+        self.seeding = rng.SampleSeeding(rng.own_generators(dataset)) if per_sample else None
 
     def __getitems__(self, batch: BatchIndices):
         if self.seeding is None:
@@ -180,7 +180,8 @@ class SeededSamples(torch.utils.data.Dataset):
     main process (num_workers=0) its RNG is put back."""
 
     def __init__(self, dataset, seed: int):
-        self.dataset, self.base, self.seeding = dataset, rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding()
+        self.dataset, self.base = dataset, rng.epoch_base(seed, rng.VALIDATION)
+        self.seeding = rng.SampleSeeding(rng.own_generators(dataset))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -570,11 +571,13 @@ class EvalStream(IterableDataset):
         # rng_mode=per_sample: each record seeded from (seed, shard, record), as SeededSamples seeds an indexed one's
         worker, workers = shard_plan.this_worker()
         base, shards = rng.epoch_base(self.seed, rng.VALIDATION), list(self.dataset.shards)
+        pipelines = rng.own_generators(self.dataset)
         for shard in range(self.rank * workers + worker, len(shards), self.world_size * workers):
             records, index = iter(self.dataset.read(shards[shard])), 0
             while True:
                 with rng.kept(get_worker_info() is None, cuda=False):  # the main process's RNG stays the loop's
-                    rng.seed_sample(rng.index_seed(base, shard << 32 | index))
+                    rng.seed_sample(seed := rng.index_seed(base, shard << 32 | index))
+                    rng.seed_pipelines(pipelines, seed)
                     record = next(records, records)  # the iterator itself: the shard has ended
                 if record is records:
                     break

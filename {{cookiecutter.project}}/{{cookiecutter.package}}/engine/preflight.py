@@ -34,7 +34,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from . import distributed, process, resume, run{% if cookiecutter.with_slurm == "yes" %}, slurm{% endif %}{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
-from .data_check import check_classes
+from .data_check import check_classes, own_draws
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import CodeError, UserError, first_line, reason
@@ -50,6 +50,7 @@ class Checked(NamedTuple):
     unexact: list[str]  # the ops the dry step ran without a deterministic kernel (deterministic=warn)
     resumed: tuple[Path, dict] | None  # the checkpoint a resume continues: its path and contents, read once
     problem: run.Problem  # the model, optimizer, task, callbacks and data, built once
+    own_draws: str | None  # the training data's generator of its own (data_check.own_draws): not exact
 
 
 def check(cfg: DictConfig) -> Checked:
@@ -114,7 +115,9 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     resumed = resume.precheck(cfg, run_dir, is_main) if cfg.resume else None
     process.allocator(cfg)  # before the first large block: glibc tunes itself as blocks are freed
     problem = run.build_problem(cfg, device, resuming=resumed is not None)
-    return Checked(dry_step(cfg, problem, resumed[1] if resumed else None), resumed, problem)
+    unexact = dry_step(cfg, problem, resumed[1] if resumed else None)
+    draws = own_draws(problem.train_set, "data.train", cfg.seed, cfg.rng_mode.value == "per_sample")
+    return Checked(unexact, resumed, problem, draws)
 
 
 class RunFolder(Callback):

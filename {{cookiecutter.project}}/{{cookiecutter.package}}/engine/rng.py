@@ -90,6 +90,27 @@ def seed_sample(seed: int) -> None:
     random.seed(seed)
 
 
+def own_generators(dataset) -> list:
+    """The augmentation pipelines among `dataset`'s attributes (and the items of a list, tuple or dict there) that
+    hold generators of their own and can be handed others: albumentations 2's Compose and transforms, through
+    their public `set_random_state(numpy_generator, python_random)`."""
+    try:
+        values = vars(dataset).values()
+    except TypeError:  # a data set without a __dict__ (__slots__)
+        return []
+    found = []
+    for value in values:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        found += [item for item in items if callable(getattr(item, "set_random_state", None))]
+    return found
+
+
+def seed_pipelines(pipelines: list, seed: int) -> None:
+    """Each pipeline of `own_generators` given fresh generators seeded with `seed` (one sample's)."""
+    for pipeline in pipelines:
+        pipeline.set_random_state(np.random.default_rng(seed), random.Random(seed))
+
+
 UNTOUCHED = 0x5EED  # numpy's and python's seed while a batch is made without seeding them
 # numpy's and python's first draws after that seed: a data set that drew from them leaves others
 UNTOUCHED_DRAWS = (np.random.RandomState(UNTOUCHED).random_sample(), random.Random(UNTOUCHED).random())
@@ -103,12 +124,14 @@ class SampleSeeding:
     those of all three seeded. Afterwards the generators stand where that leaves them, for a collate that draws, or
     with `keep` (the main process) as they were."""
 
-    def __init__(self):
+    def __init__(self, pipelines: list = ()):
         self.all = False  # numpy and python are seeded too
         self.last = 0  # the last sample's seed
+        self.pipelines = pipelines  # the data set's augmentation pipelines with generators of their own
 
     def seed(self, seed: int) -> None:
         self.last = seed
+        seed_pipelines(self.pipelines, seed)
         if self.all:
             seed_sample(seed)
         else:

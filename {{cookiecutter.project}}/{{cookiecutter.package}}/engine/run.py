@@ -75,6 +75,7 @@ class Run:
     monitor: Monitor
     checkpoints: CheckpointPolicy
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
+    own_draws: list  # the training data's generator of its own (data_check.own_draws): bit-exact when empty too
     carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
     meter: EpochMeter | None = None  # the epoch's running figures, which a mid-epoch checkpoint keeps
 
@@ -149,6 +150,7 @@ class Run:
         done = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # the epochs, once all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
+        notes += ["not bit-exact (data.train draws from a generator of its own)"] if self.own_draws else []
         go_on = self.callbacks.go_on()  # (overrides, words) that take the run past a callback's stop
         if self.callbacks.stopped_by and go_on is None and done is None:
             folder = resume.short(self.run_dir)
@@ -223,7 +225,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     built, a resume's checkpoint loaded into them. `cleanup` closes what this opens, however the run ends. `checked`
     (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
     once, the checkpoint a resume continues, and the problem."""
-    unexact, resumed, problem = checked
+    unexact, resumed, problem, own_draws = checked
     found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
     device = pick_device(cfg.device)
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -240,6 +242,8 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
             "deterministic=warn: %s ran without a deterministic kernel: this run is not bit-exact, and neither is a "
             "resume of it", ", ".join(unexact),
         )  # fmt: skip
+    if own_draws and world.is_main:
+        log.warning(own_draws)
     if cfg.init_from and ckpt:
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
     train_loader, val_loader = loaders(cfg, problem, world, device, run_dir, ckpt)
@@ -248,7 +252,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     run = Run(
         cfg, run_dir, overrides, world, device, stop, **problem._asdict(), train_loader=train_loader,
         val_loader=val_loader, **trained._asdict(), step=0, runlog=runlog, monitor=monitor, checkpoints=policy,
-        unexact=unexact,
+        unexact=unexact, own_draws=[own_draws] if own_draws else [],
     )  # fmt: skip
     if ckpt:  # every part of the run back as it was saved, the main RNG last (engine/run_state.py)
         run_state.load(run, ckpt{% if cookiecutter.with_fsdp == "yes" %}, found{% endif %})

@@ -153,6 +153,7 @@ def description(run) -> dict:
             "python": platform.python_version(),
         },
         "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
+        "nondeterministic_data": list(run.own_draws),  # a data set's generator of its own (data_check.own_draws)
     }
 
 

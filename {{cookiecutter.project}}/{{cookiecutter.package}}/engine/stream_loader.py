@@ -133,8 +133,10 @@ class ReaderStream(IterableDataset):
         size = None if self.sizes is None else self.sizes[shard]  # a plain stream has none
         index, records, held = start, iter(self.dataset) if plain else self._open(shard, start), None
         base = rng.epoch_base(self.seed, epoch)  # what each record's key is mixed with
+        pipelines = rng.own_generators(self.dataset)  # an augmentation library's generators, seeded per record too
         while True:
-            rng.seed_sample(rng.index_seed(base, key | index))
+            rng.seed_sample(seed := rng.index_seed(base, key | index))
+            rng.seed_pipelines(pipelines, seed)
             try:
                 bad, item = False, next(records)
             except StopIteration:
