@@ -6,12 +6,14 @@ one line, and docs/callbacks.md's confusion matrix run as the page gives it."""
 import math
 import re
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from {{ cookiecutter.package }}.callbacks import EarlyStopping
+from {{ cookiecutter.package }}.callbacks import EarlyStopping, SampleGrid, shown
 from tests.helpers import PROJECT, load_ckpt, printed_command, read_jsonl, run_torchrun, run_train, same_weights
 from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
 
@@ -188,11 +190,40 @@ def test_a_detection_batch_reports_its_real_samples_per_second(tmp_path, collate
         f"+data.collate._target_=tests.datasets.{collate}", "+data.collate._partial_=true",
         "model._target_=tests.datasets.PooledLinear", "~model.width", "task._target_=tests.datasets.DetectionTask",
         "~task.label_smoothing", "data.num_classes=4", "epochs=1", "loader.batch_size=8", "progress=false",
-        "callbacks=[]",
+        "callbacks=[sample_grid]",
     ]  # fmt: skip
     run_train(tmp_path, *run)
     (record,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert record["samples_per_s"] * record["epoch_time_s"] == pytest.approx(64, rel=1e-6)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    (drawn,) = events.Images("samples/train")  # the images of their own sizes, padded to the largest (8 px)
+    assert (drawn.height, drawn.width) == (2 + 2 * 10, 2 + 8 * 10), drawn
+
+
+class AsItIs:
+    """A run's `prepare` without data.normalize: the batch as it is."""
+
+    normalize = None
+
+    def __call__(self, batch):
+        return batch
+
+
+def test_the_sample_grid_draws_images_of_their_own_sizes_and_says_once_when_there_are_none(caplog):
+    images = (torch.rand(3, 6, 6), torch.rand(3, 8, 7))  # torchvision's detection collate: tuples
+    drawn = shown((images, ({"label": 0}, {"label": 1})), 0, None)
+    assert drawn.shape == (2, 3, 8, 7) and torch.equal(drawn[0, :, 6:, :], torch.zeros(3, 2, 7))  # padded, not cut
+    assert shown({"tokens": torch.zeros(2, 5, dtype=torch.long)}, "tokens", None) is None
+    logged = []
+    run = SimpleNamespace(world=SimpleNamespace(is_main=True), cfg=OmegaConf.create({"seed": 1, "data": {}}),
+                          train_set=[(torch.zeros(5), 0)] * 4, collate=None, device=torch.device("cpu"), step=0,
+                          prepare=AsItIs(), runlog=SimpleNamespace(image=logged.append))  # fmt: skip
+    grid = SampleGrid(count=2)
+    with caplog.at_level("INFO"):
+        for epoch in range(3):
+            grid.draw(run, epoch)
+    assert not logged and caplog.text.count("sample_grid draws nothing") == 1, caplog.text
 
 
 @pytest.mark.slow  # a start of torch; the fast tier refuses the same typo in process (test_config.py)

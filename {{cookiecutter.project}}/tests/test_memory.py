@@ -100,3 +100,17 @@ def test_builtin_image_data_is_planned_at_its_uint8_size(shapes_root):
     batch = default_collate([train_set[i] for i in range(64)])
     line = memory.plan(batch, loader_settings(64, 2)).line()
     assert "64x3x32x32 uint8" in line and f"{one / MiB:.2f} MiB" in line
+
+
+def test_the_plan_line_counts_the_tensors_of_a_detection_batch():
+    """torchvision's detection batches hold a tensor a sample (images of their own sizes, a dict of boxes and labels
+    each): the line counts them by kind with each size's range, not 24 shapes one by one; a plain batch is listed."""
+    images = tuple(torch.zeros(3, 6 + i % 3, 6 + i % 3) for i in range(8))
+    targets = tuple({"boxes": torch.zeros(1 + i % 3, 4), "labels": torch.zeros(1 + i % 3, dtype=torch.long)}
+                    for i in range(8))  # fmt: skip
+    assert memory.layout((images, targets)) == (
+        "24 tensors: 8 x 3x6-8x6-8 float32, boxes: 8 x 1-3x4 float32, labels: 8 x 1-3 int64"
+    )
+    assert memory.layout((torch.zeros(64, 3, 32, 32, dtype=torch.uint8), torch.zeros(64, dtype=torch.long))) == (
+        "64x3x32x32 uint8, 64 int64"
+    )

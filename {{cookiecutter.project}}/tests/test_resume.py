@@ -327,3 +327,23 @@ def test_changed_workers_continue_when_not_strict(tmp_path):
     )
     assert "no longer exact" in proc.stdout + proc.stderr
     assert load_ckpt(tmp_path / "second/checkpoints/last.pth")["step"] == 24
+
+
+def test_a_checkpoint_records_the_versions_of_the_libraries_its_targets_come_from():
+    found = resume.versions({"model": {"_target_": "sklearn.linear_model.LogisticRegression"}, "optim": {"lr": 0.1}})
+    assert {"torch", "torchvision", "numpy", "python", "scikit-learn"} <= found.keys(), found
+    assert resume.versions({"task": {"_target_": "{{ cookiecutter.package }}.tasks.Classification"}}).keys() == {
+        "torch", "torchvision", "numpy", "python"
+    }  # the project's own package is not a library
+
+
+@pytest.mark.slow  # two resumes
+def test_a_resume_under_other_library_versions_says_so(tmp_path):
+    run_train(tmp_path / "first", *DATA, "epochs=1", "max_steps=2")
+    ckpt = torch.load(tmp_path / "first/checkpoints/last.pth", weights_only=True)
+    same = run_train(tmp_path / "same", *DATA, "epochs=1", f"resume={tmp_path}/first/checkpoints/last.pth")
+    assert "library versions differ" not in same.stdout + same.stderr  # the control
+    ckpt["versions"]["torch"] = "2.0.0"
+    torch.save(ckpt, tmp_path / "older.pth")
+    proc = run_train(tmp_path / "older", *DATA, "epochs=1", f"resume={tmp_path}/older.pth")
+    assert "library versions differ from the checkpoint's (torch 2.0.0 -> 2." in proc.stdout + proc.stderr

@@ -178,6 +178,7 @@ def test_restart_epoch_starts_a_stateless_stream_over(tmp_path):
     resume = f"resume={tmp_path}/plain/checkpoints/last.pth"
     proc = run_train(tmp_path / "again", *stateless, RESTART_EPOCH, resume)
     assert "starts over" in proc.stdout + proc.stderr
+    assert "data.stream_resume exact -> restart_epoch" not in proc.stdout + proc.stderr  # not a change "the same"
     assert read_jsonl(tmp_path / "again/metrics.jsonl")[-1]["epoch"] == 0
 
 

@@ -8,6 +8,7 @@ the weights without them.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import torch
@@ -19,6 +20,8 @@ from .engine.data_check import first_samples
 from .engine.device import has_part, tensors, to_device
 from .engine.errors import UserError
 from .engine.schema import flatten
+
+log = logging.getLogger(__name__)
 
 
 class EarlyStopping:
@@ -74,6 +77,7 @@ class SampleGrid:
         if count < 1 or columns < 1:
             raise ValueError(f"count and columns must be at least 1, got {count} and {columns}")
         self.count, self.every_epoch, self.columns = count, every_epoch, columns
+        self.told = False  # that the batches hold no images to draw: said once
 
     def on_run_start(self, run) -> None:
         self.draw(run, run.train_loader.epoch)
@@ -90,8 +94,12 @@ class SampleGrid:
             samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
             batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))
         images = shown(batch, run.cfg.data.get("input", 0), run.prepare.normalize)
-        if images is not None:  # else no (N, C, H, W) images in the batch: nothing to show
+        if images is not None:
             run.runlog.image("samples/train", grid(images, self.columns), run.step)
+        elif not self.told:
+            self.told = True
+            log.info("callbacks: sample_grid draws nothing: data.input=%s of the batch holds no images (a tensor "
+                     "(N, C, H, W) or a list of (C, H, W), 1 or 3 channels)", run.cfg.data.get("input", 0))  # fmt: skip
 
 
 class HParams:
@@ -126,6 +134,8 @@ def shown(batch, key, normalize) -> torch.Tensor | None:
     half and half, 0 (the background) and 255 (no class) left clear."""
     found = tensors(batch)  # however nested
     images = batch[key] if has_part(batch, key) else found[0] if found else None
+    if isinstance(images, (list, tuple)) and images and all(torch.is_tensor(i) and i.dim() == 3 for i in images):
+        images = padded(images) if len({i.shape[0] for i in images}) == 1 else None  # a detection batch's images
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None
     side = images.shape[:1] + images.shape[2:]  # (N, H, W)
@@ -142,6 +152,13 @@ def shown(batch, key, normalize) -> torch.Tensor | None:
     colours = PALETTE.to(images.device)[(masks[0] % len(PALETTE)).long()].permute(0, 3, 1, 2)
     drawn = ((masks[0] > 0) & (masks[0] != 255)).unsqueeze(1)
     return torch.where(drawn, 0.5 * images + 0.5 * colours, images)
+
+
+def padded(images) -> torch.Tensor:
+    """Images (C, H, W) of their own sizes as one (N, C, H, W) batch, each padded at its bottom and right to the
+    largest height and width."""
+    h, w = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
+    return torch.stack([torch.nn.functional.pad(i, (0, w - i.shape[2], 0, h - i.shape[1])) for i in images])
 
 
 def grid(images: torch.Tensor, columns: int, pad: int = 2) -> torch.Tensor:

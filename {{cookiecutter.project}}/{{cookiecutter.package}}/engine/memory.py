@@ -68,8 +68,12 @@ def batch_bytes(batch) -> int:
     return sum(v.nbytes for _, v in leaves(batch))
 
 
+LISTED = 4  # tensors the plan line names one by one; more are counted
+
+
 def layout(batch) -> str:
-    """`64x3x32x32 float32, 64 int64` (`image: ...` in a dict): the tensors of a batch, for the log line."""
+    """`64x3x32x32 float32, 64 int64` (`image: ...` in a dict): the tensors of a batch, for the log line; more than
+    LISTED counted, e.g. `24 tensors: 8 x 3x6-8x6-8 float32, boxes: 8 x 1-3x4 float32, labels: 8 x 1-3 int64`."""
 
     def describe(v) -> str:
 {% if cookiecutter.with_photos == "yes" %}
@@ -78,7 +82,20 @@ def layout(batch) -> str:
 {% endif %}
         return "x".join(map(str, v.shape)) + " " + str(v.dtype).removeprefix("torch.")
 
-    return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in leaves(batch) if v.nbytes)
+    found = [(k, v) for k, v in leaves(batch) if v.nbytes]
+    if len(found) <= LISTED:
+        return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in found)
+    # a tensor a sample (a detection batch's images and targets): counted by key, dtype and rank, each size's range
+    kinds = {}
+    for k, v in found:
+        kinds.setdefault((k, getattr(v, "dtype", None), len(getattr(v, "shape", ()))), []).append(v)
+    counted = []
+    for (k, _, _), vs in kinds.items():
+        sizes = zip(*(v.shape for v in vs))
+        shape = "x".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ((min(d), max(d)) for d in sizes))
+        kind = describe(vs[0]).split(" ", 1)[-1] if len(vs) > 1 else describe(vs[0])
+        counted.append((f"{k}: " if k is not None else "") + (f"{len(vs)} x {shape} {kind}" if len(vs) > 1 else kind))
+    return f"{len(found)} tensors: " + ", ".join(counted)
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:

@@ -3,12 +3,17 @@ where a run goes on (its parts loaded back: run_state.py; the files: checkpoint.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import platform
 import shlex
 from fnmatch import fnmatch
+from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+import torch
 from hydra.utils import to_absolute_path
 from omegaconf import OmegaConf
 
@@ -145,6 +150,28 @@ def changes(ckpt: dict, cfg, same: bool = False) -> list[tuple[str, object, obje
     ]
 
 
+def versions(config: dict) -> dict:
+    """The versions a resume should run with (a checkpoint's `versions`): torch, torchvision, numpy, python, and the
+    installed distribution of each `_target_`'s top module in `config` (albumentations, timm...), the project's own
+    left out."""
+    targets = {v.split(".")[0] for k, v in flatten(config).items() if k.split(".")[-1] == "_target_" and v}
+    return {
+        "torch": str(torch.__version__),
+        # read, not imported: a project without images needs none
+        "torchvision": next((d.version for d in metadata.distributions(name="torchvision")), None),
+        "numpy": str(np.__version__),
+        "python": platform.python_version(),
+        **libraries(tuple(sorted(targets - {__package__.split(".")[0]}))),
+    }
+
+
+@functools.cache  # the installed distributions are read once a run, not at every save
+def libraries(modules: tuple) -> dict:
+    """{distribution: version} of the installed distributions that hold these top-level modules."""
+    owners = metadata.packages_distributions()
+    return {dist: metadata.version(dist) for module in modules for dist in owners.get(module, [])}
+
+
 def describe(changes) -> str:
     def show(v):
         text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
@@ -157,6 +184,9 @@ def report(ckpt: dict, cfg, path: Path, loader) -> None:
     """Log a resume that went in (from where, on how many processes, what changed, where the restored train `loader`
     goes on), only after every refusal, so that no line says a refused run goes on."""
     run, same = changes(ckpt, cfg), changes(ckpt, cfg, same=True)
+{% if cookiecutter.with_streams == "yes" %}
+    same = [change for change in same if change[0] != "data.stream_resume"]  # its own warning says what it does
+{% endif %}
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if written_by(ckpt) != loader.world_size:  # one wording whatever the counts ("on 1 processes" too): one search
         log.info("resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
@@ -167,6 +197,10 @@ def report(ckpt: dict, cfg, path: Path, loader) -> None:
                     "planned by this config, at step %d", describe(run), ckpt["step"])  # fmt: skip
     if same:
         log.info("resume: changed settings that keep the run the same: %s", describe(same))
+    now = versions(OmegaConf.to_container(cfg, resolve=True))
+    if moved := [(k, v, now.get(k)) for k, v in ckpt.get("versions", {}).items() if now.get(k) != v]:
+        log.warning("resume: library versions differ from the checkpoint's (%s): the run may not stay bit-exact",
+                    describe(moved))  # fmt: skip
     log.info("resumed from step %d (epoch %d, batch %d)", ckpt["step"], loader.epoch, loader.position)
 
 

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -36,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng
 from .checkpoint import FORMAT, LAST, {% if cookiecutter.with_fsdp == "yes" %}SHARDED, {% endif %}Checkpointer{% if cookiecutter.with_fsdp == "yes" %}, ShardedCheckpointer, fill{% endif +%}
 from .optim import parameter_groups
-from .resume import changes
+from .resume import changes, versions
 from .schedule import fast_forward
 
 log = logging.getLogger(__name__)
@@ -140,18 +137,13 @@ def tracked(trackers) -> dict:
 
 def description(run) -> dict:
     """What describes a save rather than a part of the run: read by a resume's checks and by people."""
+    config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
     return {
         "format": FORMAT,
         "epoch": run.train_loader.epoch,
         "progress": run.train_loader.progress(),
-        "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
-        "versions": {
-            "torch": str(torch.__version__),
-            # read, not imported: a project without images needs none
-            "torchvision": next((d.version for d in metadata.distributions(name="torchvision")), None),
-            "numpy": str(np.__version__),
-            "python": platform.python_version(),
-        },
+        "config": config,
+        "versions": versions(config),  # torch's and the libraries the config's _target_s come from
         "nondeterministic_ops": list(run.unexact),  # deterministic=warn: why this run is not bit-exact
         "nondeterministic_data": list(run.own_draws),  # a data set's generator of its own (data_check.own_draws)
     }
