@@ -36,7 +36,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .engine.data_check import first_samples
 from .engine.device import pick_device, to_device
-from .engine.errors import UserError, find_user_error
+from .engine.errors import CodeError, UserError, find_user_error, in_your_code
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 from .engine.optim import state_slots
 from .engine.preflight import refuse
@@ -346,14 +346,15 @@ def diagnose(cfg) -> dict:
 
 
 def run(cfg) -> None:
-    """diagnose(), a known failure (bad input, a dead worker) said in one `error:` line, exit 2."""
+    """diagnose(), a known failure (bad input, a dead worker) said in one `error:` line, exit 2; an exception in your
+    code with its traceback first, exit 1."""
     try:
         diagnose(cfg)
     except Exception as e:
-        error = find_user_error(e) or failures.worker_death(e)
+        error = find_user_error(e) or failures.worker_death(e) or in_your_code(e, "doctor")
         if error is None:
             raise
-        refuse(str(error))
+        refuse(str(error), trace=getattr(error, "trace", ""), code=1 if isinstance(error, CodeError) else 2)
 
 
 def main() -> None:
