@@ -332,9 +332,8 @@ def test_changed_workers_continue_when_not_strict(tmp_path):
 def test_a_checkpoint_records_the_versions_of_the_libraries_its_targets_come_from():
     found = resume.versions({"model": {"_target_": "sklearn.linear_model.LogisticRegression"}, "optim": {"lr": 0.1}})
     assert {"torch", "torchvision", "numpy", "python", "scikit-learn"} <= found.keys(), found
-    assert resume.versions({"task": {"_target_": "{{ cookiecutter.package }}.tasks.Classification"}}).keys() == {
-        "torch", "torchvision", "numpy", "python"
-    }  # the project's own package is not a library
+    own = resume.versions({"task": {"_target_": "{{ cookiecutter.package }}.tasks.Classification"}})
+    assert own.keys() == {"torch", "torchvision", "numpy", "python"}  # the project's own package is not a library
 
 
 @pytest.mark.slow  # two resumes
