@@ -5,10 +5,11 @@ traceback. In the config check's dry step and during training; under torchrun ra
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import tasks
-from {{ cookiecutter.package }}.engine import loader
-from {{ cookiecutter.package }}.engine.errors import user_trace, yours
+from {{ cookiecutter.package }}.engine import loader, parts
+from {{ cookiecutter.package }}.engine.errors import CodeError, UserError, user_trace, yours
 from {{ cookiecutter.package }}.engine.failures import EXIT_BAD_SAMPLE
 from tests.helpers import RNG_DATA, run_torchrun, run_train
 
@@ -76,10 +77,20 @@ def test_under_torchrun_rank_0_shows_it_once(tmp_path):
 
 
 def test_which_frames_are_yours():
-
     assert yours(tasks.__file__) and yours(__file__)  # the package outside engine/, and a module of the project
     assert not yours(loader.__file__) and not yours(torch.__file__) and not yours(pytest.__file__)
     try:
         torch.zeros(2) @ torch.zeros(3)  # raised in torch, called from here
     except RuntimeError as e:
         assert "test_errors.py" in user_trace(e)
+
+
+def test_a_check_of_its_arguments_is_bad_input_and_a_bug_is_not():
+    """A ValueError that a class of yours raises itself, in its own frame, refuses its arguments: one line (exit 2);
+    an error deeper in its code is a bug: CodeError, with the traceback."""
+    with pytest.raises(UserError, match=r"^callbacks.early_stopping: cannot build .*EarlyStopping: ValueError"):
+        parts.build(OmegaConf.create({"_target_": f"{tasks.__package__}.callbacks.EarlyStopping", "patience": 0}),
+                    "callbacks.early_stopping")  # fmt: skip
+    with pytest.raises(CodeError) as caught:
+        parts.build(OmegaConf.create({"_target_": "tests.datasets.BrokenInit"}), "model")
+    assert "in __init__" in caught.value.trace and str(caught.value).startswith("model: cannot build")

@@ -243,8 +243,12 @@ def test_data_collate_serves_both_loaders(example, tmp_path):
     run(copy, "python train.py", *RNG_DATA, *dicts, *task, "epochs=1", f"hydra.run.dir={tmp_path / 'dicts'}")
     (record,) = read_jsonl(tmp_path / "dicts/metrics.jsonl")
     assert 0 <= record["val_acc"] <= 1 and "val_loss" not in record
-    # negative control: without the collate the batches are tuples, which the dict task cannot read
-    assert "task tests.datasets.DictClassification: loss() fails" in refusal(copy, *RNG_DATA, *task)
+    # negative control: without the collate the batches are tuples, which the dict task cannot read: an error in
+    # the task's code, its traceback first (the line of loss() that reads the dict), then the line, exit 1
+    proc = run(copy, "python train.py", *RNG_DATA, *task, f"hydra.run.dir={tmp_path / 'refused'}", expect=1)
+    *trace, line = proc.stderr.strip().splitlines()
+    assert line.startswith("error: task tests.datasets.DictClassification: loss() fails"), proc.stderr
+    assert 'batch["image"]' in "\n".join(trace) and not (tmp_path / "refused").exists()
 
 
 def test_the_shipped_models_pool_without_adaptive_avg_pool(example):

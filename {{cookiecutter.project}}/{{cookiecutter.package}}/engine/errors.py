@@ -44,16 +44,19 @@ def yours(filename: str) -> bool:
 
 
 def user_trace(e: BaseException) -> str:
-    """`e`'s traceback from its first frame in the user's code on, the engine's frames left out, or ""
-    when none is theirs. An error Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch
-    puts in the message, shown whole."""
+    """`e`'s traceback from its first frame in the user's code on, the engine's frames left out, or "" when none is
+    theirs, or when it is a check of theirs refusing its input: a ValueError the first of their frames raised
+    itself (EarlyStopping(patience=0)), or an OSError (a file that cannot be read: bad data, not code). An error
+    Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch puts in the message, shown whole."""
     inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    if isinstance(inner, OSError):
+        return ""
     if "Original Traceback" in str(inner):  # raised in a worker: the worker's own traceback, as text
         files = re.findall(r'File "([^"]+)", line', str(inner))
         return str(inner).rstrip() + "\n" if any(map(yours, files)) else ""
     frames = traceback.extract_tb(inner.__traceback__)
     first = next((i for i, frame in enumerate(frames) if yours(frame.filename)), None)
-    if first is None:
+    if first is None or (isinstance(inner, ValueError) and first == len(frames) - 1):
         return ""
     shown = [frame for frame in frames[first:] if ENGINE not in Path(frame.filename).resolve().parents]
     head = "Traceback (most recent call last; the engine's own calls left out):\n"
