@@ -33,12 +33,11 @@ log = logging.getLogger("train")
 def train(cfg, checked: preflight.Checked) -> tuple[int, float]:
     """The run, once its checks passed; `checked`: what they found (a resume's checkpoint, ops run inexactly)."""
     hydra_cfg = HydraConfig.get()
-    overrides = list(hydra_cfg.overrides.task)
     stop = StopRequest()
     # the stop signals' handlers until train() leaves, installed before workers fork (they inherit a flag setter);
     # however train() leaves, exceptions included, `cleanup` closes what it opened, then the handlers go
     with stop.installed(), contextlib.ExitStack() as cleanup:
-        run = build(cfg, Path(hydra_cfg.runtime.output_dir), overrides, stop, cleanup, checked)
+        run = build(cfg, Path(hydra_cfg.runtime.output_dir), stop, cleanup, checked)
         run.callbacks.call("on_run_start", run)  # conf/callbacks: a sample grid, early stopping... (callbacks.py)
         stopping = False  # a signal or a callback asked to stop, and every rank agreed to stop at the same step
         while not stopping and not run.finished():

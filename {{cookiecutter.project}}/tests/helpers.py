@@ -244,11 +244,10 @@ def kill_mid_write(script: str, folder: Path, fifo, size: int) -> bytes:
     return head
 
 
-def printed_command(output: str) -> list[str]:
-    """The command a run's closing line printed to go on (the `  python train.py ...` line after it), to run as it
-    is, with this interpreter."""
-    lines = output.splitlines()
-    (at,) = [i for i, line in enumerate(lines[:-1]) if line.endswith(":") and lines[i + 1].startswith("  python ")]
-    command = shlex.split(lines[at + 1])
-    assert command[:2] == ["python", "train.py"]
-    return [sys.executable, *command[1:]]
+def printed_resume(output: str) -> list[str]:
+    """The overrides a run's closing line names to go on from its checkpoint (`resume=<path>`, and any override
+    printed beside it), to add to the command as printed."""
+    ends = ("; to continue: the same command with ", "; to train longer: ")
+    (line,) = [x for x in output.splitlines() if any(end in x for end in ends)]
+    printed = line.split(ends[0])[-1].split(ends[1])[-1]
+    return shlex.split(printed.split(" with more epochs=")[0].split(" and a max_steps above ")[0])

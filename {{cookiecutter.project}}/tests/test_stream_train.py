@@ -1,7 +1,6 @@
 """Streams through train.py: each record once per epoch over workers and processes, and a mid-epoch resume that
 is the run that never stopped (tests.datasets.CountingShards: 8 unequal shards; SplitStream, StatefulStream)."""
 
-import subprocess
 
 import pytest
 import torch
@@ -10,10 +9,9 @@ from {{ cookiecutter.package }}.engine import shard_plan
 from {{ cookiecutter.package }}.engine.stream_loader import RESTART_EPOCH, StreamLoader
 from tests.datasets import CountingShards
 from tests.helpers import (
-    PROJECT,
     load_ckpt,
     loader_settings,
-    printed_command,
+    printed_resume,
     read_jsonl,
     recorded_steps,
     run_torchrun,
@@ -197,15 +195,11 @@ def test_a_stream_without_sizes_trains_on_a_schedule_of_its_own_length(tmp_path)
     steps = recorded_steps(tmp_path / "samples")
     assert sorted(k for b in steps.values() for k in b[0]) == sorted(ALL + ALL)
     assert [r["epoch"] for r in read_jsonl(tmp_path / "ok/metrics.jsonl")] == [0, 1]
-    # the closing advice trains 2 more epochs on a schedule as long again (total_steps doubled with the epochs), so
-    # the LR still falls at its end; the control, the old advice, keeps total_steps=60 and its floor from step 60 on
-    command = printed_command(proc.stdout + proc.stderr)
-    assert command[-3:] == ["epochs=4", "resume_strict=false", "schedule.total_steps=120"]
-    control = [*command[:-1], "schedule.total_steps=60"]
-    for name, cmd in (("longer", command), ("control", control)):
-        done = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / name}"], cwd=PROJECT, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
+    # docs/resume.md's way to train longer: the printed resume= with 2 more epochs on a schedule as long again
+    # (total_steps doubled), so the LR still falls at its end; the control keeps total_steps=60, its floor from step 60
+    more = [*unsized, *printed_resume(proc.stdout + proc.stderr), "epochs=4", "resume_strict=false"]
+    for name, total in (("longer", 120), ("control", 60)):
+        run_train(tmp_path / name, *more, f"schedule.total_steps={total}")
     last = [r["lr"] for r in read_jsonl(tmp_path / "longer/steps.jsonl")][-10:]
     assert all(a > b for a, b in zip(last, last[1:]))
     assert len({r["lr"] for r in read_jsonl(tmp_path / "control/steps.jsonl")[-10:]}) == 1
@@ -297,16 +291,12 @@ def test_a_stateless_stream_goes_on_from_an_epochs_end_and_restart_epoch_adds_no
 def test_the_commands_a_stopped_stateless_stream_prints_work_as_printed(tmp_path):
     stateless = [*PLAIN, "data.train._target_=tests.datasets.SplitStream", "schedule=constant"]
     stopped = run_train(tmp_path / "stopped", *stateless, "max_steps=7")
-    command = printed_command(stopped.stdout + stopped.stderr)  # mid-epoch: the epoch starts over
-    assert RESTART_EPOCH in command
-    proc = subprocess.run([*command, f"hydra.run.dir={tmp_path}/continued"], cwd=PROJECT, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    go_on = printed_resume(stopped.stdout + stopped.stderr)  # mid-epoch: the epoch starts over
+    assert RESTART_EPOCH in go_on
+    proc = run_train(tmp_path / "continued", *stateless, *go_on)  # the same command, max_steps raised (none)
     assert "starts over" in proc.stdout + proc.stderr
-    more = printed_command(proc.stdout + proc.stderr)  # finished: "to train 2 more epochs"
-    proc = subprocess.run([*more, f"hydra.run.dir={tmp_path}/more"], cwd=PROJECT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    more = printed_resume(proc.stdout + proc.stderr)  # finished: resume= with more epochs (docs/resume.md)
+    run_train(tmp_path / "more", *stateless, *more, "epochs=4", "resume_strict=false")
     assert read_jsonl(tmp_path / "more/metrics.jsonl")[-1]["epoch"] == 3
     # the refusal of the plain resume names the addition that makes it work, which then does
     resume = f"resume={tmp_path}/stopped/checkpoints/last.pth"

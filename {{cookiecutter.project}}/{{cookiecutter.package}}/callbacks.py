@@ -52,14 +52,6 @@ class EarlyStopping:
             return None
         return f"{self.monitor} has not improved on {self.best} for {self.waited} validations"
 
-    def go_on(self, name: str) -> tuple[list[str], str]:
-        """The overrides and the words of a command that goes on past this stop: the patience raised by as
-        many validations again (a resume with the same patience would stop at its next validation)."""
-        more = self.patience
-        return [f"++callbacks.{name}.patience={self.waited + more}"], (
-            f"go on for up to {more} more validation{'s' * (more != 1)} without an improvement"
-        )
-
     def state_dict(self) -> dict:
         return {"best": self.best, "waited": self.waited}
 

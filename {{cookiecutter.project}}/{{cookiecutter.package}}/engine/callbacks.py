@@ -6,9 +6,6 @@ Hooks, each optional on a callback (`run` is engine/run.py's Run: model, loaders
 - `on_log(run, figures)`: at each steps.jsonl line, with the figures the loop has already read (no extra read);
 - `on_validation_end(run, record)`: with the record just written to metrics.jsonl, before the checkpoint that keeps
   it; a true value (True, or a string saying why) asks the run to stop there: it saves and exits 0;
-- `go_on(name) -> (overrides, words)`, for a callback that stops runs: the command-line overrides that let
-  a resume go on past its stop, and what that command then does; the closing line prints them. Without it,
-  the closing line says that the run is finished;
 - `on_run_end(run)`: once, however the loop ended (not after an error).
 
 A node with `state_dict()` / `load_state_dict()` (a callback, or any Stateful object of yours: a curriculum, a
@@ -37,7 +34,6 @@ class Callbacks:
         nodes = {name: node for name, node in (nodes or {}).items() if node is not None}
         self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items()}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
-        self.stopper: str | None = None  # that callback's name
 
     def call(self, hook: str, run, *args) -> dict:
         """`hook` of each callback that has it, in order: {name: what it returned}."""
@@ -49,13 +45,7 @@ class Callbacks:
         for name, answer in self.call("on_validation_end", run, record).items():
             if answer and self.stopped_by is None:
                 self.stopped_by = f"{name}: {answer}" if isinstance(answer, str) else name
-                self.stopper = name
         return self.stopped_by is not None
-
-    def go_on(self) -> tuple[list[str], str] | None:
-        """What the callback that stopped the run offers to go on past its stop (its `go_on`), or None."""
-        method = getattr(self.named.get(self.stopper), "go_on", None)
-        return method(self.stopper) if method is not None else None
 
     def state_dict(self) -> dict:
         return {name: obj.state_dict() for name, obj in self.named.items() if stateful(obj)}

@@ -259,39 +259,23 @@ def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | No
     return found, ckpt
 
 
-def where(run_dir: Path, last: Path, step: int, epochs: int | None, overrides: list[str], world_size: int,
-          notes: list[str] | tuple = (), extra: list[str] | tuple = (), promise: str | None = None{% if cookiecutter.with_streams == "yes" %},
+def where(run_dir: Path, last: Path, step: int, finished: bool, notes: list[str], max_steps: bool = False{% if cookiecutter.with_streams == "yes" %},
           restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
-    """The closing lines of a run: where it is (and `notes`, e.g. why it is not bit-exact), then on a line of its own
-    the command that goes on (paths `short`: about a terminal line); `epochs`: the run's once all trained, else None.
-    `extra`: overrides the command sets (each replacing one of the run's for the same key), `promise`: what
-    they make it do (a callback's `go_on`).{% if cookiecutter.with_streams == "yes" %} `restart_epoch`: a stream without state stopped mid-epoch,
-    which goes on only by starting that epoch over.{% endif %}"""
-    folder = "; ".join([f"run folder {short(run_dir)}", *notes])
-    replaced = {"resume", "resume_strict", "max_steps", *map(key, extra), *(["epochs"] if epochs else [])}
-    kept = [shlex.quote(o) for o in overrides if key(o) not in replaced]
+    """The closing line of a run: where it is (and `notes`, e.g. why it is not bit-exact), and the checkpoint with the
+    overrides that go on from it (paths `short`; docs/resume.md shows how to train longer). `max_steps`: the stop
+    point was reached.{% if cookiecutter.with_streams == "yes" %} `restart_epoch`: a stream without state stopped mid-epoch goes on only by starting that
+    epoch over.{% endif %}"""
+    at = f"{'finished' if finished else 'stopped'} at step {step}"
+    said = "; ".join([at, f"run folder {short(run_dir)}", *notes])
+    go_on = f"resume={shlex.quote(short(last))}"
+    if finished:
+        return f"{said}; to train longer: {go_on} with more epochs= and resume_strict=false (docs/resume.md)"
 {% if cookiecutter.with_streams == "yes" %}
     if restart_epoch:
-        kept = [o for o in kept if "data.stream_resume=" not in o] + [RESTART_EPOCH]
-        folder += "; the stream has no state to go on from mid-epoch: the command starts its epoch over"
+        go_on += f" {RESTART_EPOCH}"
 {% endif %}
-    launch = (
-        ["python", "train.py"]
-        if world_size == 1
-        else ["torchrun", f"--nproc_per_node={world_size}", "train.py", f"hydra.run.dir={shlex.quote(short(run_dir))}"]
-    )
-    kept.append(f"resume={shlex.quote(short(last))}")
-    said = f"stopped at step {step}; {folder}; to {promise or 'continue'}"
-    if epochs:
-        kept += [f"epochs={2 * epochs}", "resume_strict=false"]
-        upto = "up to " if promise else ""
-        said = f"finished at step {step}; {folder}; to train {upto}{epochs} more epoch{'s' * (epochs != 1)}"
-    return f"{said}:\n  {' '.join([*launch, *kept, *map(shlex.quote, extra)])}"
-
-
-def key(override: str) -> str:
-    """The config key a command-line override sets (`++a.b=1`: `a.b`)."""
-    return override.lstrip("+").split("=", 1)[0]
+    later = f" and a max_steps above {step} (or none)" if max_steps else ""
+    return f"{said}; to continue: the same command with {go_on}{later}"
 
 
 def short(path: Path) -> str:

@@ -42,7 +42,6 @@ log = logging.getLogger("train")
 class Run:
     cfg: object
     run_dir: Path
-    overrides: list  # the command's overrides: the closing line repeats them
     world: distributed.World
     device: torch.device
     stop: StopRequest
@@ -144,30 +143,16 @@ class Run:
                 yield batch
 
     def closing_line(self) -> str | None:
-        """Where the run is, and the command that continues it (rank 0, once a checkpoint is on disk)."""
+        """Where the run is, and the checkpoint that continues it (rank 0, once a checkpoint is on disk)."""
         if self.checkpoints.last is None:
             return None
-        done = self.cfg.epochs if self.train_loader.epoch >= self.cfg.epochs else None  # the epochs, once all trained
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
         notes += ["not bit-exact (data.train draws from a generator of its own)"] if self.own_draws else []
-        go_on = self.callbacks.go_on()  # (overrides, words) that take the run past a callback's stop
-        if self.callbacks.stopped_by and go_on is None and done is None:
-            folder = resume.short(self.run_dir)
-            return (
-                f"stopped at step {self.step}; run folder {folder}; {'; '.join(notes)}; the run is finished (that "
-                "callback offers no command that goes on past its stop)"
-            )
-        extra, promise = go_on or ([], None)
-        total = self.cfg.schedule.get("total_steps")
-        if done and total:  # a schedule of its own length spans the longer run too
-            extra = [*extra, f"schedule.total_steps={2 * total}"]
-{% if cookiecutter.with_streams == "yes" %}
-        restart = done is None and not self.train_loader.resumes_mid_epoch  # a stateless stream, mid-epoch
-{% endif %}
+        finished = self.train_loader.epoch >= self.cfg.epochs
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, done, self.overrides, self.world.world_size, notes,
-            extra, promise{% if cookiecutter.with_streams == "yes" %}, restart{% endif %},
+            self.run_dir, self.checkpoints.last, self.step, finished, notes, self.at_max_steps(){% if cookiecutter.with_streams == "yes" %},
+            not finished and not self.train_loader.resumes_mid_epoch{% endif %},
         )  # fmt: skip
 
 
@@ -220,7 +205,7 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
     return Problem(model, optimizer, task, callbacks, train_set, val_set, collate, prepare{% if cookiecutter.with_fsdp == "yes" %}, peak{% endif %})
 
 
-def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
+def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
     """Join the ranks, then build the loaders, what trains the model and the records around the problem the checks
     built, a resume's checkpoint loaded into them. `cleanup` closes what this opens, however the run ends. `checked`
     (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
@@ -250,7 +235,7 @@ def build(cfg, run_dir: Path, overrides: list, stop: StopRequest, cleanup: conte
     trained = training(cfg, problem, world, device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     runlog, monitor, policy = records(cfg, run_dir, world, ckpt, train_loader, cleanup{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     run = Run(
-        cfg, run_dir, overrides, world, device, stop, **problem._asdict(), train_loader=train_loader,
+        cfg, run_dir, world, device, stop, **problem._asdict(), train_loader=train_loader,
         val_loader=val_loader, **trained._asdict(), step=0, runlog=runlog, monitor=monitor, checkpoints=policy,
         unexact=unexact, own_draws=[own_draws] if own_draws else [],
     )  # fmt: skip
