@@ -176,4 +176,4 @@ def main(cfg) -> float:
 
 if __name__ == "__main__":
     schema.register()  # the schema Hydra checks conf/config.yaml against
-    preflight.one_line_errors(main, sys.argv[1:], Path(__file__).parent / "conf")  # a typo: one line, not a report
+    preflight.one_line_errors(main)  # a typo: one line, not a report

@@ -143,11 +143,11 @@ BAD = [
     ("optim.weight_decay=-0.1", "optim.weight_decay must be"),
     ("optim.momentum=1.5", "optim.momentum must be"),
     ("optim.momentum=0", "Nesterov momentum requires a momentum"),  # torch's own check, reached by building it
-    ("+optim.momentun=0.9", "optim.momentun is not an argument of torch.optim.SGD (did you mean optim.momentum?"),
+    ("+optim.momentun=0.9", "optim: cannot build torch.optim.SGD: TypeError: SGD.__init__() got an unexpected"),
     ("model.width=0", "model.width must be an integer >= 1"),
     ("model.width=-3", "model.width must be"),
-    ("+model.depth=3", "model.depth is not an argument of {{ cookiecutter.package }}.model.SmallCNN"),
-    ("model._target_=torch.nn.Nope", "model._target_=torch.nn.Nope cannot be imported"),
+    ("+model.depth=3", "model: cannot build {{ cookiecutter.package }}.model.SmallCNN: TypeError: SmallCNN.__init__()"),
+    ("model._target_=torch.nn.Nope", "model: cannot build torch.nn.Nope: ModuleNotFoundError: No module named"),
     ("data.num_classes=0", "data.num_classes must be an integer >= 2"),
     ("data.num_classes=1", "data.num_classes must be"),
     ("data.image_size=0", "data.image_size must be"),
@@ -156,9 +156,9 @@ BAD = [
 {% if cookiecutter.with_photos == "yes" %}
     ("data.decode=fast", "data.decode must be auto, pil, torchvision or gpu, got 'fast'"),
 {% endif %}
-    ("data.train._target_=no.such.Data", "data.train._target_=no.such.Data cannot be imported"),
+    ("data.train._target_=no.such.Data", "data.train: cannot build no.such.Data: ModuleNotFoundError: No module"),
     ("+loader.num_worker=3", "unknown config key loader.num_worker (did you mean loader.num_workers?)"),
-    ("+schedule.warmup=5", "schedule.warmup is not an argument of {{ cookiecutter.package }}.engine.schedule.warmup_cosine"),
+    ("+schedule.warmup=5", "schedule: cannot build {{ cookiecutter.package }}.engine.schedule.warmup_cosine: TypeError"),
     ("accumulate_steps=0", "accumulate_steps must be an integer >= 1"),
     ("val_every_steps=0", "val_every_steps must be an integer >= 1, or null"),
     ("ema.decay=1.5", "ema.decay must be a number in [0, 1], or null"),
@@ -282,7 +282,8 @@ def test_num_classes_must_match_the_image_folder(tmp_path, shapes_root, shapes):
     line = refused(tmp_path, "data=imagefolder", f"data.root={shapes_root}", "data.num_classes=5")
     assert "data.num_classes=5 but the train data holds 4 classes" in line and "set data.num_classes=4" in line
     line = refused(tmp_path, "+data.train.sizes=3", *shapes)
-    assert "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes" in line
+    assert "data.train: cannot build {{ cookiecutter.package }}.data.shapes: TypeError: shapes() got an" in line
+    assert "unexpected keyword argument 'sizes'" in line
 
 
 # What Hydra itself would refuse over several lines (check_command_line), and refusals of the data and of the
@@ -330,7 +331,7 @@ def run_main(monkeypatch, tmp_path, *argv) -> list:
     argv = [*argv, "~hydra.callbacks.checks", f"hydra.run.dir={tmp_path / 'run'}"]
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    preflight.one_line_errors(main, argv, PROJECT / "conf")
+    preflight.one_line_errors(main)
     return got
 
 
@@ -348,12 +349,6 @@ def test_composition_errors_are_one_line(capsys, monkeypatch, tmp_path, override
     "overrides, message",
     [
         (["data.num_classes=5"], "data.num_classes=5 but the train data holds 4 classes"),
-        (["+data.train.sizes=3"], "data.train.sizes is not an argument of {{ cookiecutter.package }}.data.shapes"),
-        (  # through train.py: tests/test_callbacks.py
-            ["callbacks=[early_stopping]", "+callbacks.early_stopping.patiense=2"],
-            "callbacks.early_stopping.patiense is not an argument of {{ cookiecutter.package }}.callbacks.EarlyStopping "
-            "(did you mean callbacks.early_stopping.patience?",
-        ),
     ],
 )
 def test_checks_before_work_refuse_without_opening_the_data(tmp_path, overrides, message):

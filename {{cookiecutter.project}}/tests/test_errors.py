@@ -45,7 +45,10 @@ def test_bad_input_beside_it_stays_one_line(tmp_path):
     """The control: an argument the model does not take is a config error, refused in one line (exit 2)."""
     proc = run_train(tmp_path / "run", *BUGGY, "+model.depth=3", expect=2)
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("error: model.depth is not an argument of tests.datasets.BuggyModel")
+    assert proc.stderr.startswith(
+        "error: model: cannot build tests.datasets.BuggyModel: TypeError: "
+        "BuggyModel.__init__() got an unexpected keyword argument 'depth'"
+    )
 
 
 @pytest.mark.slow  # a run to its first log line

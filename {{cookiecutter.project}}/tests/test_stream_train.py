@@ -1,7 +1,6 @@
 """Streams through train.py: each record once per epoch over workers and processes, and a mid-epoch resume that
 is the run that never stopped (tests.datasets.CountingShards: 8 unequal shards; SplitStream, StatefulStream)."""
 
-
 import pytest
 import torch
 

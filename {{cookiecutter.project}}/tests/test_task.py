@@ -156,9 +156,10 @@ def test_a_wrong_argument_of_the_pages_model_or_data_is_refused_in_one_line(exam
     copy, _ = example
     regression = [*REGRESSION, "checkpoint.monitor=val_mse"]
     line = refusal(copy, *regression, "+model.hiden=3")
-    assert "model.hiden is not an argument of regression.MLP (did you mean model.hidden?" in line
+    assert "model: cannot build regression.MLP: TypeError: MLP.__init__() got an unexpected keyword" in line
+    assert "argument 'hiden'" in line
     line = refusal(copy, *regression, "+data.train.jiter=0.1")
-    assert "data.train.jiter is not an argument of regression.Houses" in line
+    assert "data.train: cannot build regression.Houses: TypeError:" in line and "argument 'jiter'" in line
 
 
 def test_a_config_older_than_data_input_trains_as_it_did(trained):

@@ -142,10 +142,8 @@ def schedule(node, optim: torch.optim.Optimizer, total_steps: int):
 {% endif %}
     # never over max_steps: a run stopped there and resumed must see the lr of the run that never stopped
     factory = build(node, "schedule")
-    if node.get("total_steps") is not None:  # a schedule of its own length
-        return factory(optim)
-    try:
-        takes_total = "total_steps" in inspect.signature(factory).parameters
+    try:  # not when the schedule has a length of its own
+        takes_total = node.get("total_steps") is None and "total_steps" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes_total = False
 {% if cookiecutter.with_streams == "yes" %}
@@ -155,7 +153,8 @@ def schedule(node, optim: torch.optim.Optimizer, total_steps: int):
             "epoch length: set schedule.total_steps, give the data set `sizes`, or use schedule=constant"
         )
 {% endif %}
-    return factory(optim, total_steps=total_steps) if takes_total else factory(optim)
+    with one_line(f"schedule: cannot build {node._target_}"):  # an argument it does not take: named here
+        return factory(optim, **({"total_steps": total_steps} if takes_total else {}))
 
 
 def init_weights(model: torch.nn.Module, path: str, strict: bool) -> None:

@@ -2,9 +2,9 @@
 multirun alike.
 
 - `check_keys`, `precheck_data`: the checks that build nothing (every key known and in range, required values set,
-  every `_target_` importable and given only arguments it takes, what the data sets tell unopened), each refusal
-  one line (UserError) naming the key; then the run's model, task and data are built (run.build_problem) and
-  the dry step (dry_step.py) runs them once, its effects undone.
+  what the data sets tell unopened), each refusal one line (UserError) naming the key; then the run's model, task
+  and data are built (run.build_problem: a `_target_` that cannot be imported or is given an argument it does not
+  take is refused there, in one line naming both) and the dry step (dry_step.py) runs them once, its effects undone.
 - Hydra writes nothing into the run folder (`hydra.output_subdir: null`): `record` writes its `.hydra/` files once
   the checks pass, so a refused command leaves a run it would go on untouched, and a folder it made is removed.
 - `RunFolder` (`hydra.callbacks` in conf/config.yaml), before Hydra makes the run folder: one of the run's own
@@ -14,7 +14,6 @@ multirun alike.
 
 import dataclasses
 import difflib
-import inspect
 import itertools
 import logging
 import os
@@ -25,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from hydra import compose, initialize_config_dir
+from hydra.conf import HydraConf
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
@@ -37,7 +36,7 @@ from . import distributed, process, resume, run{% if cookiecutter.with_slurm == 
 from .data_check import check_classes, own_draws
 from .device import pick_device
 from .dry_step import dry_step
-from .errors import CodeError, UserError, first_line, reason
+from .errors import CodeError, UserError, first_line
 from .schema import LOOP_KEYS, OPEN, SHIPPED, Config, Open, flatten
 
 log = logging.getLogger("train")
@@ -197,7 +196,7 @@ def claim(path: str) -> str:
         return folder
 
 
-def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
+def one_line_errors(main: Callable) -> None:
     """Run Hydra's `main()`; a composition error becomes one `error:` line and exit code 2. HYDRA_FULL_ERROR (Hydra's
     documented switch) makes Hydra raise the error instead of printing its report and exiting 1."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -205,25 +204,16 @@ def one_line_errors(main: Callable, argv: list[str], config_dir: Path) -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         GlobalHydra.instance().clear()  # the failed composition left Hydra initialised
-        refuse(composition_error(e, argv, config_dir))
+        refuse(composition_error(e))
 
 
-def composition_error(e: BaseException, argv: list[str], config_dir: Path) -> str:
-    """Hydra's composition error in one line; for an unknown key, the nearest known one (in the config composed
-    without it)."""
+def composition_error(e: BaseException) -> str:
+    """Hydra's composition error in one line; for an unknown key, the nearest one the schema (or Hydra's) has there."""
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = cause.full_key  # an override of a key the config does not have
         parent, _, name = key.rpartition(".")
-        rest_argv = [a for a in argv if not a.startswith((key + "=", "-"))]
-        try:
-            with initialize_config_dir(str(Path(config_dir).resolve()), version_base="1.3", job_name="train"):
-                rest = compose("config", overrides=rest_argv, return_hydra_config=True)
-            node = OmegaConf.select(rest, parent) if parent else rest
-            known = list(node) if OmegaConf.is_dict(node) else []
-        except Exception:  # the other overrides fail too: no suggestion, the error still says which key
-            known = []
-        hint = did_you_mean(name, known, f"{parent}." if parent else "")
+        hint = did_you_mean(name, schema_keys(parent), f"{parent}." if parent else "")
         where = "Hydra's own config" if key.startswith("hydra.") else "the schema in schema.py"
         return f"unknown config key {key}{hint}: {where} has no such key"
     if isinstance(e, MissingConfigException) and e.options:  # a group's option (its options listed) not found
@@ -254,7 +244,18 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
     for name, node in raw["callbacks"].items():  # a dict: the schema's callback_nodes refused anything else
         if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
             raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
-    targets(raw, "")
+
+
+def schema_keys(path: str) -> list[str]:
+    """The keys the schema (Hydra's own under `hydra.`) has at the dotted `path`; none in an open group (`model`)."""
+    parts = path.split(".") if path else []
+    schema = HydraConf if parts[:1] == ["hydra"] else Config
+    for part in parts[schema is HydraConf :]:
+        field = {f.name: f for f in dataclasses.fields(schema)}.get(part)
+        if field is None or not dataclasses.is_dataclass(field.type):
+            return []
+        schema = field.type
+    return [f.name for f in dataclasses.fields(schema)]
 
 
 def did_you_mean(name: str, known, prefix: str, form: str = " (did you mean {}?)") -> str:
@@ -326,38 +327,6 @@ def added_data_keys(data: dict, overrides) -> None:
                 f"data.{found[1]} is not used by data.train or data.val{hint}: "
                 "remove it, or refer to it as ${data." + found[1] + "}"
             )
-
-
-def targets(tree, prefix: str) -> None:
-    """Every `_target_` names something importable (a typo would otherwise fail only when that node is built), and
-    every other key of its node is an argument the target takes: a class of yours may take any arguments, so they
-    are checked against its signature (a target taking **kwargs takes anything)."""
-    if isinstance(tree, list):
-        tree = dict(enumerate(tree))
-    if not isinstance(tree, dict):
-        return
-    target = tree.get("_target_")
-    if isinstance(target, str):
-        try:  # as Hydra's instantiate finds it: the longest importable module prefix, then attributes
-            found = pydoc.locate(target)  # None: no such module or attribute
-        except pydoc.ErrorDuringImport as e:  # a module that exists failed to import something
-            raise UserError(f"{prefix}_target_={target} cannot be imported: {reason(e.value)}") from None
-        if found is None:
-            raise UserError(f"{prefix}_target_={target} cannot be imported: no module or attribute of that name")
-        try:
-            parameters = inspect.signature(found).parameters.values()
-        except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
-            parameters = None
-        if parameters is not None and not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-            for name in tree:
-                if not (name.startswith("_") and name.endswith("_")) and name not in takes:
-                    hint = did_you_mean(name, takes, prefix, "did you mean {}? ")
-                    raise UserError(
-                        f"{prefix}{name} is not an argument of {target} ({hint}it takes {', '.join(takes) or 'none'})"
-                    )
-    for name, value in tree.items():
-        targets(value, f"{prefix}{name}.")
 
 
 def precheck_data(cfg) -> None:
