@@ -16,10 +16,17 @@ run folder (rank 0's under torchrun).
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+# OpenMP reads its wait policy once, as torch loads: process.omp_wait_policy from the command line (else passive, as
+# in conf/config.yaml) unless the environment has one; null is no policy OpenMP knows: its default
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", dict(a.split("=", 1) for a in sys.argv if "=" in a).get("process.omp_wait_policy", "passive")
+)
 
 import hydra
 import torch

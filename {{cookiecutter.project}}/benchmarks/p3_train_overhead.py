@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# process.omp_wait_policy=passive (the default) as its run log asks: exported before python, for both loops alike
+# process.omp_wait_policy=passive, which train.py sets before torch loads: exported for both loops alike
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 EPOCHS, ROUNDS = 3, 3
 

@@ -131,7 +131,7 @@ print(torch.get_num_threads(), os.environ["CUBLAS_WORKSPACE_CONFIG"])
 @glibc
 @pytest.mark.parametrize("exported", [None, "PASSIVE"])
 def test_setup_names_its_changes_and_says_when_the_wait_policy_comes_too_late(exported):
-    """OpenMP read OMP_WAIT_POLICY as torch loaded: setup() says how to apply the key unless it is exported."""
+    """OpenMP read OMP_WAIT_POLICY as torch loaded: setup() says when it started with another policy than the key's."""
     env = {k: v for k, v in clean_env().items() if k not in ("OMP_WAIT_POLICY", "CUBLAS_WORKSPACE_CONFIG")}
     out = subprocess.run([sys.executable, "-c", SETUP, "passive"], cwd=PROJECT, capture_output=True, text=True,
                          env={**env, "OMP_WAIT_POLICY": exported} if exported else env)  # fmt: skip
@@ -142,8 +142,7 @@ def test_setup_names_its_changes_and_says_when_the_wait_policy_comes_too_late(ex
     assert after.split() == ["1", ":4096:8"]
     changes = f"process: {frozen} objects frozen, malloc thresholds mmap 32 MiB, trim 1024 MiB, torch threads 1, " \
         "deterministic kernels, CUBLAS_WORKSPACE_CONFIG=:4096:8"  # fmt: skip
-    late = "process.omp_wait_policy=passive: OpenMP already started; export OMP_WAIT_POLICY=PASSIVE before python " \
-        "to apply it"  # fmt: skip
+    late = "process.omp_wait_policy=passive does not apply: OpenMP started with OMP_WAIT_POLICY="
     assert lines == ([changes] if exported else [late, changes])  # an exported policy: nothing to say (the control)
 
 
@@ -169,7 +168,7 @@ print(spun)
 
 @pytest.mark.slow  # three starts of torch; the fast tier: what setup() says about it (the test above)
 def test_openmp_reads_its_wait_policy_as_torch_loads_not_later():
-    """Why process.omp_wait_policy must be exported: set before `import torch` the threads spin through the sleeps;
+    """Why train.py sets the wait policy before `import torch`: set before it, the threads spin through the sleeps;
     set after it, before any parallel op, nothing changes (as with no policy at all, the control)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     spun = {}
@@ -180,6 +179,20 @@ def test_openmp_reads_its_wait_policy_as_torch_loads_not_later():
     # (0.25 s seen in CI), so against the two controls, not a fixed share
     assert spun["before"] > 0.1 and spun["before"] > 5 * max(spun["after"], spun["never"]), spun
     assert spun["after"] < 0.2 and spun["never"] < 0.2, spun
+
+
+@pytest.mark.slow  # two runs; the fast tier: what setup() says (above)
+def test_train_py_sets_the_wait_policy_from_its_command_line(tmp_path):
+    """train.py sets OMP_WAIT_POLICY from its command line before it imports torch (the test above shows why): the
+    key applies as given; the control, another policy exported, wins and the log says the key does not apply."""
+    run = ["experiment=debug", "max_steps=1", "process.omp_wait_policy=active"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    applied = subprocess.run([sys.executable, "train.py", *run, f"hydra.run.dir={tmp_path / 'applied'}"], cwd=PROJECT,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert applied.returncode == 0 and "does not apply" not in applied.stdout + applied.stderr, applied.stderr[-2000:]
+    exported = run_train(tmp_path / "exported", *run, env={"OMP_WAIT_POLICY": "PASSIVE"})
+    line = "process.omp_wait_policy=active does not apply: OpenMP started with OMP_WAIT_POLICY=passive"
+    assert line in exported.stdout + exported.stderr
 
 
 def test_stop_signals_are_ours_inside_installed_only_and_the_previous_handlers_come_back():

@@ -8,10 +8,10 @@ logger.use mlflow, MLflow's request bounds{% endif %}:
 forked loader workers share the allocator's settings, which live in the process's memory, and run one thread
 each. What each key does and what it measured: docs/training-step.md (#speed-on-the-cpu).
 `process.omp_wait_policy` keeps OpenMP's threads from spinning on the cores the loader workers decode on;
-OpenMP (libgomp) reads OMP_WAIT_POLICY once, as torch loads it, before any config exists: setup() can only
-check that the environment has it, and says so when it does not. `process.keep_freed_memory`: glibc's malloc
-hands free memory at its heap's top back to the kernel, and the next step faults it in again, page by page;
-fixed thresholds end that.
+OpenMP (libgomp) reads OMP_WAIT_POLICY once, as torch loads it, before any config exists: train.py and eval.py
+set it from their command line before they import torch, and setup() says when OpenMP runs with another.
+`process.keep_freed_memory`: glibc's malloc hands free memory at its heap's top back to the kernel, and the next
+step faults it in again, page by page; fixed thresholds end that.
 
 And one setting no key changes: the objects that exist when setup() runs (torch, torchvision, hydra: ~550,000)
 are frozen (`gc.freeze`), out of the reach of every later collection; objects made later are collected as
@@ -43,11 +43,13 @@ MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PA
 
 def setup(cfg) -> None:
     """The `process` keys and `deterministic`, applied once; one log line names the changes, one more says when
-    `process.omp_wait_policy` came too late."""
+    OpenMP started with another wait policy than `process.omp_wait_policy` (the entry point sets it from the
+    command line: another set in a config file, or exported, comes too late or wins)."""
     wanted = getattr(cfg.process.omp_wait_policy, "value", cfg.process.omp_wait_policy)  # the enum's value, or None
-    if wanted is not None and os.environ.get("OMP_WAIT_POLICY", "").lower() != wanted:
-        log.info("process.omp_wait_policy=%s: OpenMP already started; export OMP_WAIT_POLICY=%s before python to "
-                 "apply it", wanted, wanted.upper())  # fmt: skip
+    started = os.environ.get("OMP_WAIT_POLICY", "").lower()
+    if wanted is not None and started != wanted:
+        log.warning("process.omp_wait_policy=%s does not apply: OpenMP started with OMP_WAIT_POLICY=%s", wanted,
+                    started)  # fmt: skip
     gc.freeze()  # what the imports and the config made lives as long as the process: no collection walks it again
     changes = [f"{gc.get_freeze_count()} objects frozen"]
     changes += allocator(cfg)  # set before the checks built the model; named here, once
