@@ -174,6 +174,7 @@ BAD = [
     ("init_from=/no/such/file.pth", "init_from=/no/such/file.pth: no checkpoint at"),
     ("resume=no/such/last.pth", "resume: no checkpoint at"),  # through train.py: EARLY below
     ("amp=fp8", "amp must be off, bf16 or fp16"),  # through train.py: tests/test_device.py
+    ("amp=true", "amp must be off, bf16 or fp16, got True"),
     ("log_every_steps=0", "log_every_steps must be an integer >= 1"),
     ("+foo=1", "unknown config key foo"),
     ("+data.per_clas=3", "data.per_clas is not used by data.train or data.val (did you mean data.per_class?)"),

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from {{ cookiecutter.package }}.engine import shard_plan
-from {{ cookiecutter.package }}.engine.stream_loader import RESTART_EPOCH, StreamLoader
+from {{ cookiecutter.package }}.engine.shard_plan import RESTART_EPOCH
+from {{ cookiecutter.package }}.engine.stream_loader import StreamLoader
 from tests.datasets import CountingShards
 from tests.helpers import (
     load_ckpt,

@@ -33,13 +33,12 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from .engine import failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from .engine import distributed, failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .engine.data_check import first_samples
 from .engine.device import pick_device, to_device
 from .engine.errors import CodeError, UserError, find_user_error, in_your_code
 from .engine.loader import TrainLoader, resolve_settings, usable_cpus
 from .engine.optim import state_slots
-from .engine.preflight import refuse
 {% if cookiecutter.with_streams == "yes" %}
 from .engine.stream_loader import StreamLoader
 {% endif %}
@@ -354,7 +353,7 @@ def run(cfg) -> None:
         error = find_user_error(e) or failures.worker_death(e) or in_your_code(e, "doctor")
         if error is None:
             raise
-        refuse(str(error), trace=getattr(error, "trace", ""), code=1 if isinstance(error, CodeError) else 2)
+        distributed.refuse(str(error), trace=getattr(error, "trace", ""), code=1 if isinstance(error, CodeError) else 2)
 
 
 def main() -> None:
@@ -363,8 +362,8 @@ def main() -> None:
     folders = (Path.cwd() / "conf", Path(__file__).resolve().parents[1] / "conf")
     folder = next((f for f in folders if (f / "config.yaml").is_file()), None)
     if folder is None:
-        refuse(f"no conf/config.yaml in {str(Path.cwd())!r}: run the doctor from your project's root, the folder "
-               "holding train.py and conf/")  # fmt: skip
+        where = f"no conf/config.yaml in {str(Path.cwd())!r}"
+        distributed.refuse(f"{where}: run the doctor from your project's root, the folder holding train.py and conf/")
     schema.register()  # the schema conf/config.yaml lists first
     hydra.main(config_path=str(folder), config_name="config", version_base="1.3")(run)()
 

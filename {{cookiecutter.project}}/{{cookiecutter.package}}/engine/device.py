@@ -146,13 +146,13 @@ def sum_and_read(values: Sequence, device: torch.device, world=None) -> list[flo
     return distributed.all_reduce(torch.cat(parts), world)
 
 
-AMP = {"off": None, "false": None, "bf16": torch.bfloat16, "fp16": torch.float16, "true": torch.float16}
+AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def amp_dtype(value, device: torch.device):
-    """The autocast dtype for `amp` (the older true/false mean fp16/off), or None for float32: fp16 needs a GradScaler
+    """The autocast dtype for `amp`, or None for float32: fp16 needs a GradScaler
     and is for CUDA only, ignored on the CPU (the caller says so)."""
-    dtype = AMP[str(value).lower()]  # the schema refused any other value
+    dtype = AMP[value]  # the schema refused any other value
     return None if dtype is torch.float16 and device.type != "cuda" else dtype
 
 

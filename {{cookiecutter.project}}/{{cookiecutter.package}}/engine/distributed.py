@@ -149,3 +149,16 @@ def gather_all(obj, world: World) -> list:
 def leave(world: World) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def refuse(error: str, world: World | None = None, quiet: bool = False, trace: str = "", code: int = 2):
+    """Exit with `code` (2: bad input), saying `error` in one line, after `trace` (your code's traceback), unless
+    `quiet` (another rank says it). With `world`, every rank at once: rank 0 says it, and no rank exits before it
+    has, since torchrun stops the other ranks as soon as one exits; the ranks then leave their group (a rank leaving
+    a live gloo group as its peer exits can abort, SIGABRT)."""
+    if not quiet and (world is None or world.is_main):
+        print(f"{trace}error: {error}", file=sys.stderr, flush=True)
+    if world is not None:
+        gather_all(None, world)
+        leave(world)
+    sys.exit(code)

@@ -419,7 +419,7 @@ class EpochLoader:
     def load_state_dict(self, state: dict, strict: bool = True, reseed: int | None = None) -> None:
         """Continue from `state`, a rank's `state_dict()` (`reseed`: another number of processes wrote it)."""
 {% if cookiecutter.with_streams == "yes" %}
-        kind = state.get("kind", "indexed")  # older checkpoints of an indexed data set have none
+        kind = state["kind"]
         if kind != self.kind:
             said = {"indexed": "an indexed data set", "stream": "a stream", "shard_stream": "a shard stream"}
             raise UserError(
@@ -428,7 +428,7 @@ class EpochLoader:
             )
 {% endif %}
         self.epoch, self.position = state["epoch"], state["position"]
-        self.skipped = state.get("skipped", 0) if self.position else 0  # older checkpoints: none
+        self.skipped = state["skipped"] if self.position else 0
         self.load_own(state, strict, reseed)
 
 
@@ -533,7 +533,6 @@ class TrainLoader(EpochLoader):
         must_match = ["batches_per_epoch", "global_batch", "rng_mode"]
         if self.rng_mode == "per_worker" and reseed is None:
             must_match += ["num_workers", "persistent_workers"]
-        state = {"global_batch": state["batch_size"] * state["world_size"], **state}  # older checkpoints: derived
         changed = [f"{k} {state[k]} -> {v}" for k, v in self.state_dict().items() if k in must_match and state[k] != v]
         if changed:
             what = ", ".join(changed)

@@ -19,7 +19,6 @@ import logging
 import os
 import pydoc
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -72,7 +71,7 @@ def check(cfg: DictConfig) -> Checked:
     if first is not None:
         if world is None or world.is_main:
             unclaim(run_dir)
-        refuse(first[0], world, trace=first[1], code=first[2])
+        distributed.refuse(first[0], world, trace=first[1], code=first[2])
     if world.is_main:
         record(cfg, run_dir / HYDRA_FILES)
     return checked
@@ -157,7 +156,7 @@ class RunFolder(Callback):
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
             world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
-            refuse(f"a sweep (-m) cannot run under torchrun: {advice}", world)
+            distributed.refuse(f"a sweep (-m) cannot run under torchrun: {advice}", world)
 
     @staticmethod
     def refusing(work: Callable, quiet: bool = False):
@@ -165,20 +164,7 @@ class RunFolder(Callback):
         try:
             return work()
         except UserError as e:
-            refuse(str(e), quiet=quiet)
-
-
-def refuse(error: str, world: distributed.World | None = None, quiet: bool = False, trace: str = "", code: int = 2):
-    """Exit with `code` (2: bad input), saying `error` in one line, after `trace` (your code's traceback), unless
-    `quiet` (another rank says it). With `world`, every rank at once: rank 0 says it, and no rank exits before it
-    has, since torchrun stops the other ranks as soon as one exits; the ranks then leave their group (a rank leaving
-    a live gloo group as its peer exits can abort, SIGABRT)."""
-    if not quiet and (world is None or world.is_main):
-        print(f"{trace}error: {error}", file=sys.stderr, flush=True)
-    if world is not None:
-        distributed.gather_all(None, world)
-        distributed.leave(world)
-    sys.exit(code)
+            distributed.refuse(str(e), quiet=quiet)
 
 
 def claim(path: str) -> str:
@@ -204,7 +190,7 @@ def one_line_errors(main: Callable) -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         GlobalHydra.instance().clear()  # the failed composition left Hydra initialised
-        refuse(composition_error(e))
+        distributed.refuse(composition_error(e))
 
 
 def composition_error(e: BaseException) -> str:

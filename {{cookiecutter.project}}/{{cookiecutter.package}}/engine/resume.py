@@ -22,7 +22,7 @@ from . import checkpoint
 from .errors import UserError, yours
 from .schema import flatten
 {% if cookiecutter.with_streams == "yes" %}
-from .stream_loader import RESTART_EPOCH, plain_stream_refusal
+from .shard_plan import RESTART_EPOCH, plain_stream_refusal
 {% endif %}
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,8 @@ def written_by(ckpt: dict) -> int:
 
 
 def global_batch(ckpt: dict) -> int:
-    """The checkpoint's global batch: samples per step over all processes (older checkpoints: derived)."""
-    if "progress" in ckpt:
-        return int(ckpt["progress"]["global_batch"])
-    first = ckpt["ranks"][0]["loader"]
-    return int(first.get("global_batch", first["batch_size"] * written_by(ckpt)))
+    """The checkpoint's global batch: samples per step over all processes."""
+    return int(ckpt["progress"]["global_batch"])
 
 
 def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:

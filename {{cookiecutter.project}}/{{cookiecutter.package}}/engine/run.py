@@ -302,7 +302,7 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader{% 
     around the problem's model and optimizer, as a fresh run starts them (a resume loads its checkpoint after)."""
     model, optimizer = problem.model, problem.optimizer
     amp = amp_dtype(cfg.amp, device)  # None: float32
-    if amp is None and str(cfg.amp).lower() in ("fp16", "true"):
+    if amp is None and cfg.amp == "fp16":
         log.warning("amp=fp16 needs CUDA: training in float32 (amp=bf16 works on the CPU)")
 {% if cookiecutter.with_streams == "yes" %}
     per_epoch = train_loader.batches_per_epoch  # None: a stream without sizes, whose length shows as it ends

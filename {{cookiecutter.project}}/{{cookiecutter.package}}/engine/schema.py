@@ -83,13 +83,12 @@ def text(v):
         return "a non-empty string"
 
 
-def one_of(*allowed, also=()) -> Callable:
-    """One of the strings `allowed` (or a value in `also`, e.g. the booleans an older config used)."""
+def one_of(*allowed) -> Callable:
+    """One of the strings `allowed`."""
 
     def check(v):
-        if not (isinstance(v, str) and v in allowed) and not any(v is a for a in also):
-            shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
-            return shown + (f" ({'/'.join(str(a).lower() for a in also)} also work)" if also else "")
+        if not (isinstance(v, str) and v in allowed):
+            return ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
 
     return check
 
@@ -257,7 +256,7 @@ class Config:
     resume_strict: bool = key()
     device: Device = key()
     deterministic: Any = key(or_word(flag, "warn"))  # warn: ops without a deterministic kernel run, named once
-    amp: Any = key(one_of("off", "bf16", "fp16", also=(True, False)))  # true/false (older configs) mean fp16/off
+    amp: Any = key(one_of("off", "bf16", "fp16"))  # "off" quoted in YAML, where a bare off is false
     channels_last: bool = key()
     compile: bool = key()
     device_prefetch: bool = key()

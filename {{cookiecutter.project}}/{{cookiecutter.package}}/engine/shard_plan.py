@@ -1,7 +1,8 @@
 """The epoch plan of a shard stream (`shards`, `read(shard)`, optionally `sizes`: see stream.py): which reader (one
 DataLoader worker of one rank, `rank * num_workers + worker`) reads which shards, from which record, and how many
 batches a rank takes. All pure functions of (seed, epoch, sizes, readers, consumed counts): every worker and rank
-computes the same plan, and a resume computes it again instead of saving it.
+computes the same plan, and a resume computes it again instead of saving it. Also what a plain stream's mid-epoch
+checkpoint needs to go on (`plain_stream_refusal`), which the resume checks ask before the loader exists.
 """
 
 from __future__ import annotations
@@ -116,3 +117,23 @@ def first_records(dataset, count: int) -> list:
     """The stream's first `count` records, read in this process from a shallow copy (a data set that opens files on
     first use does so on the copy): a shard stream's from its first shards, any other stream's from its iterator."""
     return list(itertools.islice(records(copy.copy(dataset)), count))
+
+
+# How a command sets data.stream_resume whether or not the data config names it (`+` fails where it does)
+RESTART_EPOCH = "++data.stream_resume=restart_epoch"
+
+
+def plain_stream_refusal(state: dict, readers: int, stateful: bool, stream_resume: str) -> str | None:
+    """Why a plain stream's mid-epoch loader `state` cannot continue with `readers` readers (processes x workers),
+    or None. `stateful`: the stream has state_dict() and load_state_dict()."""
+    if not stateful and stream_resume != "restart_epoch":
+        return (
+            f"is a stream without state_dict() and load_state_dict(), so where epoch {state['epoch']} stood cannot be "
+            f"restored: give it both, or add {RESTART_EPOCH} to the command to start the epoch over"
+        )
+    if stateful and state["readers"] != readers:
+        return (
+            f"saved its state for {state['readers']} readers (processes x workers) and this run has {readers}: a plain "
+            f"stream's state belongs to its reader; resume with loader.num_workers={state['num_workers']}"
+        )
+    return None

@@ -322,7 +322,7 @@ class StreamLoader(EpochLoader):
                     state["readers"], self.readers, self.epoch,
                 )  # fmt: skip
         elif self.position:
-            why = plain_stream_refusal(state, self.readers, self.stream.stateful, self.stream_resume)
+            why = shard_plan.plain_stream_refusal(state, self.readers, self.stream.stateful, self.stream_resume)
             if why:
                 raise UserError(f"resume: data.train ({type(self.stream.dataset).__name__}) {why}")
             if not self.stream.stateful:
@@ -336,23 +336,3 @@ class StreamLoader(EpochLoader):
                 self.stream.resume = (self.epoch, dict(self.states))
         self.first = state["first"] if same and self.position else 0
         self._plan()
-
-
-def plain_stream_refusal(state: dict, readers: int, stateful: bool, stream_resume: str) -> str | None:
-    """Why a plain stream's mid-epoch loader `state` cannot continue with `readers` readers (processes x workers),
-    or None. `stateful`: the stream has state_dict() and load_state_dict()."""
-    if not stateful and stream_resume != "restart_epoch":
-        return (
-            f"is a stream without state_dict() and load_state_dict(), so where epoch {state['epoch']} stood cannot be "
-            f"restored: give it both, or add {RESTART_EPOCH} to the command to start the epoch over"
-        )
-    if stateful and state["readers"] != readers:
-        return (
-            f"saved its state for {state['readers']} readers (processes x workers) and this run has {readers}: a plain "
-            f"stream's state belongs to its reader; resume with loader.num_workers={state['num_workers']}"
-        )
-    return None
-
-
-# How a command sets data.stream_resume whether or not the data config names it (`+` fails where it does)
-RESTART_EPOCH = "++data.stream_resume=restart_epoch"
