@@ -14,8 +14,7 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 
 EPOCHS = 5
 START_COST_S = 0.5

@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader
 from benchmarks.common import samples_per_s, train_transform
 from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import rng
-from {{ cookiecutter.package }}.engine.loader import BatchIndices, SeededBatches, TrainLoader
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import BatchIndices, LoaderSettings, SeededBatches, TrainLoader
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader

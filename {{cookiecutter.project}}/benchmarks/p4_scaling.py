@@ -16,8 +16,7 @@ from hydra import compose, initialize_config_dir
 from benchmarks.common import samples_per_s, train_transform
 from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import schema
-from {{ cookiecutter.package }}.engine.loader import TrainLoader, resolve_settings, usable_cpus
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader, resolve_settings, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, ROUNDS = 2, 2  # the two settings take turns; the best round of each counts

@@ -32,8 +32,7 @@ from torch.utils.data import Dataset
 from benchmarks.common import train_transform
 from {{ cookiecutter.package }}.data import shapes
 from {{ cookiecutter.package }}.engine import memory, monitor
-from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 
 MiB = 2**20
 

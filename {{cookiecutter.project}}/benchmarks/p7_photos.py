@@ -48,8 +48,7 @@ from torchvision.transforms import v2
 
 from {{ cookiecutter.package }}.data import ImageFiles
 from {{ cookiecutter.package }}.engine.device import device_batches, input_transform
-from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 from {{ cookiecutter.package }}.engine.parts import collate
 
 PROJECT = Path(__file__).resolve().parents[1]

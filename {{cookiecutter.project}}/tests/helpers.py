@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings
 from tests.warm_train import WarmTrain
 
 PROJECT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine.loader import TrainLoader
-from {{ cookiecutter.package }}.engine.memory import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, TrainLoader
 from tests.datasets import RngDrawingDataset
 
 

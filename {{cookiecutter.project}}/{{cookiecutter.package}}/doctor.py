@@ -299,7 +299,7 @@ def diagnose(cfg) -> dict:
     run_dir, current = Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices.get("loader", "balanced")
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("loader=")]
     available_mib, cores = psutil.virtual_memory().available / MiB, usable_cpus()
-    space = memory.shm_space()  # (free, size) of where the batches in flight live, or None (memory.py)
+    space = failures.shm_space()  # (free, size) of where the batches in flight live, or None
     shm_free, shm_size = (None, None) if space is None else (n / MiB for n in space)
     began = time.perf_counter()
     train_set = parts.data_set(cfg.data, "train")
@@ -336,7 +336,7 @@ def diagnose(cfg) -> dict:
     lines[-1] += f"; parallel=fsdp: {ranks} ranks"
 {% endif %}
     if shm_free is not None:
-        lines.append(f"{memory.SHM_DIR}: {shm_free:.1f} MiB free of {shm_size:.1f} MiB (batches in flight)")
+        lines.append(f"{failures.SHM_DIR}: {shm_free:.1f} MiB free of {shm_size:.1f} MiB (batches in flight)")
     lines += [f"{r['profile']}: {r['budget_change']}" for r in results if r.get("budget_change")]
     line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
     lines += [f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]), f"written: {run_dir / 'doctor.json'}"]

@@ -26,10 +26,10 @@ import psutil
 from torch.utils.data import DataLoader
 
 from .errors import UserError, causes, reason, user_trace
-from .memory import SHM_DIR, MiB, shm_space
 
 EXIT_BAD_SAMPLE = 3  # the data has a bad sample: restarting as is meets it again
 EXIT_RETRY = 75  # sysexits' EX_TEMPFAIL: the run can go on from its checkpoint (resume=latest) once restarted
+SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open names files there)
 STALL_STACKS = "stall_stacks.txt"  # in the run folder: every train worker's Python stack when a stall fired
 BAD_SAMPLES = "bad_samples.txt"  # in the run folder: the samples data.on_bad_sample=skip dropped
 # The signal that makes a worker write its stack: a real-time one nobody else sends (USR1/USR2 are preemption
@@ -163,7 +163,7 @@ def shm_full() -> LoaderFailure | None:
     used = space[1] - space[0]
     size = space[1]
     return LoaderFailure(
-        f"{SHM_DIR} is {used / size:.0%} full ({used / MiB:.1f} of {size / MiB:.1f} MiB used): a DataLoader "
+        f"{SHM_DIR} is {used / size:.0%} full ({used / 2**20:.1f} of {size / 2**20:.1f} MiB used): a DataLoader "
         f"worker found no room for a batch there; something besides this run's batches filled it (see `du -sh "
         f"{SHM_DIR}/*`), or it is too small: free it or give it more room (docker run --shm-size=1g), or lower "
         "loader.num_workers / loader.prefetch_factor, then resume=latest"
@@ -310,3 +310,13 @@ class BadSampleLog:
         self.seen.update(new)
         with open(self.path, "a") as f:  # short appends: ranks writing at once do not interleave lines
             f.writelines(line + "\n" for line in new)
+
+
+def shm_space() -> tuple[int, int] | None:
+    """(free bytes, size in bytes) of the file system holding torch's shared memory; None where there is none
+    (macOS, Windows: shared memory is not a file system there)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

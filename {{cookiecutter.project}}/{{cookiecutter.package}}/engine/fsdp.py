@@ -32,10 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import distributed
 from .checkpoint import SafeLoadPlanner
 from .errors import UserError, reason
-from .memory import MiB
 from .optim import state_slots
 
 log = logging.getLogger("train")
+MiB = 2**20
 
 
 def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -30,7 +30,6 @@ from . import failures, rng
 {% endif %}
 from .device import map_tensors
 from .errors import UserError
-from .memory import LoaderSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,23 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """A loader profile after validation: what actually reaches the DataLoader."""
+
+    batch_size: int
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    timeout: float
+
+    def in_main(self) -> LoaderSettings:
+        """These settings with the main process loading (num_workers=0): prefetch, persistent workers and the workers'
+        timeout do not apply (DataLoader refuses the first two without workers)."""
+        return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
 
 
 def resolve_settings(cfg, device_type: str) -> LoaderSettings:

@@ -24,29 +24,13 @@ from torch.utils.data import default_collate
 
 from . import rng{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
 from .errors import UserError
+from .failures import SHM_DIR, shm_space
+from .loader import LoaderSettings
 
 MiB = 2**20
-SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open names files there)
 # Beyond the batches counted in shm_need: tmpfs rounds every tensor file up to whole pages (a label
 # tensor of 512 bytes takes 4 KiB), and a batch of the validation set may be larger than a train batch.
 SHM_MARGIN = 1.25
-
-
-@dataclass(frozen=True)
-class LoaderSettings:
-    """A loader profile after validation: what actually reaches the DataLoader."""
-
-    batch_size: int
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
-    persistent_workers: bool
-    timeout: float
-
-    def in_main(self) -> LoaderSettings:
-        """These settings with the main process loading (num_workers=0): prefetch, persistent workers and the workers'
-        timeout do not apply (DataLoader refuses the first two without workers)."""
-        return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
 
 
 def leaves(batch, key=None):
@@ -179,16 +163,6 @@ def plan(batch, settings: LoaderSettings) -> Plan:
 
 
 # --- /dev/shm ---------------------------------------------------------------------------------------------------
-
-
-def shm_space() -> tuple[int, int] | None:
-    """(free bytes, size in bytes) of the file system holding torch's shared memory; None where there is none
-    (macOS, Windows: shared memory is not a file system there)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except (OSError, AttributeError):
-        return None
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def local_ranks() -> int:

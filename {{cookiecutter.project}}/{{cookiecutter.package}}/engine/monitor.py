@@ -22,9 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psutil
 
 from .failures import ended_worker
-from .memory import MiB
 
 log = logging.getLogger(__name__)
+MiB = 2**20
 
 
 def shared_batches(pids) -> int:

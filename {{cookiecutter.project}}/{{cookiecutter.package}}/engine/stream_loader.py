@@ -31,8 +31,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
 from .errors import UserError
-from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, SeedWorker
-from .memory import LoaderSettings
+from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, LoaderSettings, SeedWorker
 
 log = logging.getLogger(__name__)
 
