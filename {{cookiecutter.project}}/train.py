@@ -25,12 +25,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from {{ cookiecutter.package }}.engine import {% if cookiecutter.with_fsdp == "yes" %}distributed, fsdp, {% endif %}preflight, process, schema
+from {{ cookiecutter.package }}.engine.epoch_meter import EpochMeter
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error, in_your_code
 from {{ cookiecutter.package }}.engine.failures import worker_death
 from {{ cookiecutter.package }}.engine.optim import clip_gradients
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from {{ cookiecutter.package }}.engine.run import Run, build
-from {{ cookiecutter.package }}.engine.runlog import EpochMeter
 from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
 
 log = logging.getLogger("train")

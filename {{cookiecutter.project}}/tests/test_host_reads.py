@@ -22,6 +22,7 @@ LOOP = (
     "{{ cookiecutter.package }}/engine/task_results.py",
     "{{ cookiecutter.package }}/engine/device.py",
     "{{ cookiecutter.package }}/engine/runlog.py",
+    "{{ cookiecutter.package }}/engine/epoch_meter.py",
     "{{ cookiecutter.package }}/engine/distributed.py",
     "{{ cookiecutter.package }}/engine/optim.py",
     "{{ cookiecutter.package }}/engine/ema.py",

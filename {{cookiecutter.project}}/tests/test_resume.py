@@ -180,17 +180,17 @@ def test_the_closing_line_fits_a_line(tmp_path, monkeypatch):
     last = run_dir / "checkpoints/last.pth"
     monkeypatch.chdir(tmp_path)
     rel = "outputs/2026-12-01/10-00-00_train_balanced"
-    line = resume.where(run_dir, last, 296, True, [])
+    line = resume.where(run_dir, last, 296, True, [], False)
     assert line == (f"finished at step 296; run folder {rel}; to train longer: resume={rel}/checkpoints/last.pth "
                     "with more epochs= and resume_strict=false (docs/resume.md)")  # fmt: skip
-    line = resume.where(run_dir, last, 3, False, ["not bit-exact (put_)"], max_steps=True)
+    line = resume.where(run_dir, last, 3, False, ["not bit-exact (put_)"], True)
     assert line == (f"stopped at step 3; run folder {rel}; not bit-exact (put_); to continue: the same command with "
                     f"resume={rel}/checkpoints/last.pth and a max_steps above 3 (or none)")  # fmt: skip
     assert "\n" not in line
     # negative control: a run outside the working directory keeps its absolute path
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    assert f"resume={last} " in resume.where(run_dir, last, 296, True, [])
+    assert f"resume={last} " in resume.where(run_dir, last, 296, True, [], False)
 
 
 @pytest.mark.slow

@@ -1,14 +1,10 @@
-"""What a run writes for people (runlog.py): lines past a resumed checkpoint are dropped, other ranks write nothing,
-and an epoch's running sums carried over a stop give the figures of the run that never stopped."""
+"""What a run writes for people (runlog.py): lines past a resumed checkpoint are dropped, other ranks write nothing."""
 
 {% if cookiecutter.with_tracking == "yes" %}
 import csv
 
 {% endif %}
-import torch
-
-from {{ cookiecutter.package }}.engine.distributed import World
-from {{ cookiecutter.package }}.engine.runlog import EpochMeter, RunLog
+from {{ cookiecutter.package }}.engine.runlog import RunLog
 from tests.helpers import read_jsonl
 
 
@@ -66,25 +62,3 @@ def test_disabled_runlog_writes_nothing(tmp_path):
     log.epoch({"epoch": 0, "step": 1})
     log.close()
     assert not (tmp_path / "rank1").exists()
-
-
-def fed(meter: EpochMeter, losses: list[float]) -> EpochMeter:
-    for i, loss in enumerate(losses):  # float32 losses, as a step gives them; a batch of 3
-        parts = {"aux": torch.tensor(loss / 3, dtype=torch.float32)}
-        meter.add(torch.tensor(loss, dtype=torch.float32), torch.tensor(2.0 * loss), parts, 3, i + 1)
-    return meter
-
-
-def test_running_sums_carried_over_a_stop_give_the_straight_figures():
-    losses = [0.7310, 1.9137, 0.3333, 2.5e-3, 1.4142, 0.9999, 3.1416]
-    world, cpu = World(), torch.device("cpu")
-    straight = fed(EpochMeter(cpu), losses)
-    window, epoch = straight.read_window(False, world)[0], straight.read_epoch(1.0, False, world)[0]
-    assert set(window) == {"loss", "grad_norm", "loss_aux"}
-    stopped = fed(EpochMeter(cpu), losses[:4])
-    stopped.read_window(False, world, keep=True)  # a stop off the log interval: the window goes on
-    resumed = fed(EpochMeter(cpu, stopped.state(world)), losses[4:])
-    assert resumed.read_window(False, world)[0] == window and resumed.read_epoch(1.0, False, world)[0] == epoch
-    control = fed(EpochMeter(cpu), losses[4:])  # the same steps without the carried sums
-    assert control.read_window(False, world)[0]["loss"] != window["loss"]
-    assert control.read_epoch(1.0, False, world)[0] != epoch

@@ -1,4 +1,4 @@
-"""A resumed run writes the record of the run that never stopped (engine/runlog.py's EpochMeter.state in every
+"""A resumed run writes the record of the run that never stopped (engine/epoch_meter.py's EpochMeter.state in every
 mid-epoch checkpoint): metrics.jsonl and steps.jsonl equal but for the fields that measure time, memory or the
 processes, after a stop mid-epoch and one at an epoch's end, whose validation runs before the stop."""
 

@@ -256,7 +256,7 @@ def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | No
     return found, ckpt
 
 
-def where(run_dir: Path, last: Path, step: int, finished: bool, notes: list[str], max_steps: bool = False{% if cookiecutter.with_streams == "yes" %},
+def where(run_dir: Path, last: Path, step: int, finished: bool, notes: list[str], max_steps: bool{% if cookiecutter.with_streams == "yes" %},
           restart_epoch: bool = False{% endif %}) -> str:  # fmt: skip
     """The closing line of a run: where it is (and `notes`, e.g. why it is not bit-exact), and the checkpoint with the
     overrides that go on from it (paths `short`; docs/resume.md shows how to train longer). `max_steps`: the stop

@@ -24,11 +24,12 @@ from .data_check import check_classes
 from .device import amp_dtype, device_batches, pick_device
 from .dry_step import two_prepared, undone
 from .ema import EMA
+from .epoch_meter import EpochMeter
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
 from .run_state import CheckpointPolicy
-from .runlog import EpochMeter, RunLog
+from .runlog import RunLog
 {% if cookiecutter.with_streams == "yes" %}
 from .shard_plan import is_stream
 from .stream_loader import StreamLoader
