@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
-
 {% if cookiecutter.with_tracking == "yes" %}
+
 from .tracking import Tracking
 {% endif %}
 
@@ -132,9 +132,9 @@ class RunLog:
             self.tb.close()
         for file in self.files.values():
             file.close()
-
-
 {% if cookiecutter.with_tracking == "yes" %}
+
+
 def numbers(line: dict) -> dict:
     """A jsonl line's numbers (not mid_epoch's flag nor the worker pids)."""
     return {k: v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
