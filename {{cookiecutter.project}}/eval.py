@@ -39,7 +39,7 @@ from {{ cookiecutter.package }}.engine.device import pick_device
 from {{ cookiecutter.package }}.engine.errors import UserError, find_user_error, in_your_code
 from {{ cookiecutter.package }}.engine.loader import eval_loader, resolve_settings
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
-from {{ cookiecutter.package }}.engine.task_results import evaluate
+from {{ cookiecutter.package }}.engine.validation import evaluate
 
 log = logging.getLogger("eval")
 

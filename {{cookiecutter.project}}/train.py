@@ -31,7 +31,8 @@ from {{ cookiecutter.package }}.engine.failures import worker_death
 from {{ cookiecutter.package }}.engine.optim import clip_gradients
 from {{ cookiecutter.package }}.engine.preempt import StopRequest
 from {{ cookiecutter.package }}.engine.run import Run, build
-from {{ cookiecutter.package }}.engine.task_results import evaluate, split_loss
+from {{ cookiecutter.package }}.engine.task_results import split_loss
+from {{ cookiecutter.package }}.engine.validation import evaluate
 
 log = logging.getLogger("train")
 

@@ -20,6 +20,7 @@ LOOP = (
     "train.py",
     "{{ cookiecutter.package }}/engine/run.py",
     "{{ cookiecutter.package }}/engine/task_results.py",
+    "{{ cookiecutter.package }}/engine/validation.py",
     "{{ cookiecutter.package }}/engine/device.py",
     "{{ cookiecutter.package }}/engine/runlog.py",
     "{{ cookiecutter.package }}/engine/epoch_meter.py",
