@@ -5,8 +5,7 @@ import shutil
 import pytest
 import torch
 
-from {{ cookiecutter.package }}.engine.checkpoint import Checkpointer
-from {{ cookiecutter.package }}.engine.run_state import Best
+from {{ cookiecutter.package }}.engine.checkpoint import Best, Checkpointer, improves
 from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train
 
 
@@ -83,3 +82,11 @@ def test_a_resumed_run_does_not_overwrite_a_better_best(tmp_path):
             assert {k: got[k] for k in SAME} == {k: expected[k] for k in SAME}
         else:
             assert got["epoch"] > expected["epoch"]  # a worse epoch overwrote the best one
+
+
+def test_one_rule_judges_best_pth_and_early_stopping():
+    """`improves`: a NaN beats nothing, anything else beats no best; min_delta is a margin (EarlyStopping's)."""
+    assert improves(0.5, None, "max") and not improves(float("nan"), None, "max")
+    assert improves(0.6, 0.5, "max") and improves(0.4, 0.5, "min") and not improves(0.5, 0.5, "max")
+    assert not improves(0.55, 0.5, "max", min_delta=0.1) and improves(0.65, 0.5, "max", min_delta=0.1)
+    assert not improves(float("nan"), 0.5, "min")

@@ -9,6 +9,7 @@ What these files use of the engine, its public surface (the rest of `engine/` ma
 - `engine.rng`: seeding, `kept`; `engine.device`: a batch's tensors and parts, `to_device`;
 - `engine.data_check`: a data set's first samples, its classes checked; `engine.files`: durable writes;
 - `engine.schema`: the rules for a config value, `flatten`;
+- `engine.checkpoint`: `improves`, the rule by which best.pth keeps an epoch (EarlyStopping judges by it too);
 {% if cookiecutter.with_photos == "yes" %}
 - `engine.decode`: CropDecoder;
 {% endif %}

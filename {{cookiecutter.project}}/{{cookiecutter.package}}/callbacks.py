@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
 from .engine import rng
+from .engine.checkpoint import improves
 from .engine.data_check import first_samples
 from .engine.device import has_part, tensors, to_device
 from .engine.errors import UserError
@@ -42,11 +42,7 @@ class EarlyStopping:
             figures = ", ".join(k for k in record if k == "train_loss" or k.startswith("val_"))
             raise UserError(f"callbacks: EarlyStopping's monitor {self.monitor} is not reported; pick one of {figures}")
         value = record[self.monitor]
-        if self.best is None:  # the first validation sets the best (a NaN never does)
-            better = not math.isnan(value)
-        else:
-            gain = value - self.best if self.mode == "max" else self.best - value
-            better = gain > self.min_delta  # False for NaN
+        better = improves(value, self.best, self.mode, self.min_delta)  # as best.pth judges, with min_delta
         self.best, self.waited = (value, 0) if better else (self.best, self.waited + 1)
         if self.waited < self.patience:
             return None

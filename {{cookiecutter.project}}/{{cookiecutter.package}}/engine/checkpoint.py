@@ -1,7 +1,8 @@
 """Checkpoint files, all of them: how a save is written (atomically), whole or{% if cookiecutter.with_fsdp == "yes" %} sharded,{% endif %} and the one safe read of any
 saved file and its one refusal (`read`), which `load` holds to this project's checkpoints. Everything saved is
 tensors, numbers, strings and containers, so it loads with `torch.load(weights_only=True)`: a checkpoint cannot run
-code. What goes into one, and when: run_state.py; resuming: resume.py.
+code. When the run saves and which epoch best.pth holds: `CheckpointPolicy`, `Best` (below); what goes into a
+save: run_state.py; resuming: resume.py.
 {% if cookiecutter.with_fsdp == "yes" %}
 
 Sharded saves (`parallel=fsdp`): one torch.distributed.checkpoint (DCP) folder per save, published whole. A save is a
@@ -20,6 +21,7 @@ from __future__ import annotations
 {% if cookiecutter.with_fsdp == "yes" %}
 import io
 {% endif %}
+import math
 import os
 {% if cookiecutter.with_fsdp == "yes" %}
 import pickle
@@ -27,6 +29,7 @@ import shutil
 import uuid
 {% endif %}
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,11 +37,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+{% endif %}
 
 from . import distributed
-{% else %}
-
-{% endif %}
 from .errors import UserError, reason
 from .files import durable{% if cookiecutter.with_fsdp == "yes" %}, sync{% endif +%}
 
@@ -269,3 +270,89 @@ class ShardedCheckpointer:
             if not save.name.startswith(".") and save.resolve() not in named:
                 shutil.rmtree(save)
 {% endif %}
+
+
+def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether `value` beats `best` by more than `min_delta` (`mode` max: higher is better; min: lower): anything but
+    a NaN beats no best at all, and a NaN beats nothing. best.pth and callbacks.EarlyStopping judge by it."""
+    if math.isnan(value):
+        return False
+    return best is None or (value - best if mode == "max" else best - value) > min_delta
+
+
+class Best:
+    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode`
+    max or min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never
+    overwrites a better best.pth."""
+
+    def __init__(self, monitor: str, mode: str):
+        self.monitor, self.mode = monitor, mode
+        self.value: float | None = None
+
+    def state(self) -> dict:
+        return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
+
+    def load(self, saved: dict | None) -> None:
+        """A checkpoint's best, when it was judged by the same rule."""
+        saved = saved or {}
+        if saved.get("monitor") == self.monitor and saved.get("mode") == self.mode:
+            self.value = saved.get("value")
+
+    def judge(self, record: dict) -> bool:
+        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does
+        not report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
+        better = improves(record[self.monitor], self.value, self.mode)
+        if better:
+            self.value = record[self.monitor]
+        return better
+
+
+class CheckpointPolicy:
+    """When the run saves: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps` optimizer
+    steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. All ranks
+    wait for the write: rank 0's{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: every rank's shards){% endif %}."""
+
+    def __init__(self, folder: Path, cfg, world, snapshot: Callable, saved_step: int | None = None{% if cookiecutter.with_fsdp == "yes" %},
+                 sharded: bool = False{% endif %}):  # fmt: skip
+{% if cookiecutter.with_fsdp == "yes" %}
+        if sharded:
+            self.writer = ShardedCheckpointer(folder, cfg.keep, world)
+        else:
+            self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
+{% else %}
+        self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
+{% endif %}
+        # cfg: the run's `checkpoint` node; snapshot(run): the state to save (run_state.snapshot)
+        self.folder, self.every_steps, self.world, self.snapshot = folder, cfg.every_steps, world, snapshot
+        self.best = Best(cfg.monitor, cfg.mode.value)  # the best epoch so far, a resumed run's included
+        self.saved_step = saved_step  # the step of the newest checkpoint (a resume's, at first)
+
+    def due(self, step: int) -> bool:
+        """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, run, record: dict | None = None) -> None:
+        """Save `run`'s parts (engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line,
+        kept in best.pth when the epoch is the best so far."""
+        better = record is not None and self.best.judge(record)
+        state = self.snapshot(run)  # every rank: collectives among the parts
+        if self.writer is not None:
+            self.writer.save(state, record if better else None)
+        self.saved_step = run.step
+        distributed.gather_all(None, self.world)  # a barrier: no rank goes on before the save is on disk
+
+    def diverged(self, first_bad: int, step: int) -> str:
+        """The one line for a loss that became NaN or inf: nothing is saved past the last good checkpoint."""
+        then = (
+            f"{self.folder / 'last.pth'} holds step {self.saved_step}, the last good weights: lower optim.lr or set "
+            "optim.grad_clip, then resume from it with resume_strict=false"
+            if self.saved_step
+            else "no checkpoint was written yet: lower optim.lr or set optim.grad_clip and start again"
+        )
+        return f"the loss became nan or inf at step {first_bad} (seen at step {step}): stopped without saving; {then}"
+
+    @property
+    def last(self) -> Path | None:
+        """The newest `last.pth` on rank 0, once one is on disk."""
+        last = self.folder / LAST
+        return last if self.world.is_main and last.exists() else None

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from . import {% if cookiecutter.with_tracking == "yes" %}checkpoint, {% endif %}distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .data_check import check_classes
@@ -28,7 +28,6 @@ from .epoch_meter import EpochMeter
 from .loader import TrainLoader, eval_loader, resolve_settings
 from .monitor import Monitor
 from .preempt import StopRequest
-from .run_state import CheckpointPolicy
 from .runlog import RunLog
 {% if cookiecutter.with_streams == "yes" %}
 from .shard_plan import is_stream
@@ -73,7 +72,7 @@ class Run:
     # the records (`records`)
     runlog: RunLog
     monitor: Monitor
-    checkpoints: CheckpointPolicy
+    checkpoints: checkpoint.CheckpointPolicy
     unexact: list  # ops run without a deterministic kernel (deterministic=warn): the run is bit-exact when empty
     own_draws: list  # the training data's generator of its own (data_check.own_draws): bit-exact when empty too
     carried: dict | None = None  # a mid-epoch checkpoint's running sums (EpochMeter.state), for the first epoch
@@ -354,7 +353,8 @@ def records(cfg, run_dir: Path, world, ckpt: dict | None, train_loader, cleanup{
     """The checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %}) and the
     worker health monitor; a resume's logs go on from the step after its checkpoint's."""
     saved_step = ckpt["step"] if ckpt else None
-    policy = CheckpointPolicy(run_dir / "checkpoints", cfg.checkpoint, world, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
+    folder, snapshot = run_dir / "checkpoints", run_state.snapshot
+    policy = checkpoint.CheckpointPolicy(folder, cfg.checkpoint, world, snapshot, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
     purge = saved_step + 1 if ckpt else None
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B

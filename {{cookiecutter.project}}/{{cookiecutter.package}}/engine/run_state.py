@@ -14,9 +14,10 @@ The files themselves, written whole and atomically, and read safely: checkpoint.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
+{% if cookiecutter.with_fsdp == "yes" %}
 from pathlib import Path
+{% endif %}
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 {% endif %}
 
 from . import distributed, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}rng
-from .checkpoint import FORMAT, LAST, {% if cookiecutter.with_fsdp == "yes" %}SHARDED, {% endif %}Checkpointer{% if cookiecutter.with_fsdp == "yes" %}, ShardedCheckpointer, fill{% endif +%}
+from .checkpoint import FORMAT{% if cookiecutter.with_fsdp == "yes" %}, SHARDED, fill{% endif +%}
 from .optim import parameter_groups
 from .resume import changes, versions
 from .schedule import fast_forward
@@ -233,82 +234,7 @@ def load_ranks(saved: list[dict], run) -> None:
     rng.seed_everything(rng.derived(run.cfg.seed, rank, run.step, 0))
 
 
-class Best:
-    """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode`
-    max or min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never
-    overwrites a better best.pth."""
-
-    def __init__(self, monitor: str, mode: str):
-        self.monitor, self.mode = monitor, mode
-        self.value: float | None = None
-
-    def state(self) -> dict:
-        return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
-
-    def load(self, saved: dict | None) -> None:
-        """A checkpoint's best, when it was judged by the same rule."""
-        saved = saved or {}
-        if saved.get("monitor") == self.monitor and saved.get("mode") == self.mode:
-            self.value = saved.get("value")
-
-    def judge(self, record: dict) -> bool:
-        """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does
-        not report). A NaN, a diverged epoch, is never the best, and must not block the ones after it."""
-        value = record[self.monitor]
-        better = not math.isnan(value) and (
-            self.value is None or (value > self.value if self.mode == "max" else value < self.value)
-        )
-        if better:
-            self.value = value
-        return better
-
-
-class CheckpointPolicy:
-    """When the run saves: `last.pth` (plus `step-*.pth`) at every epoch end, every `every_steps` optimizer
-    steps, at a stop and at `max_steps`; `best.pth` at an epoch end that beats the best so far. All ranks
-    wait for the write: rank 0's{% if cookiecutter.with_fsdp == "yes" %} (parallel=fsdp: every rank's shards){% endif %}."""
-
-    def __init__(self, folder: Path, cfg, world, saved_step: int | None = None{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool = False{% endif %}):
-{% if cookiecutter.with_fsdp == "yes" %}
-        if sharded:
-            self.writer = ShardedCheckpointer(folder, cfg.keep, world)
-        else:
-            self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
-{% else %}
-        self.writer = Checkpointer(folder, cfg.keep) if world.is_main else None
-{% endif %}
-        # cfg: the run's `checkpoint` node
-        self.folder, self.every_steps, self.world = folder, cfg.every_steps, world
-        self.best = Best(cfg.monitor, cfg.mode.value)  # the best epoch so far, a resumed run's included
-        self.saved_step = saved_step  # the step of the newest checkpoint (a resume's, at first)
-
-    def due(self, step: int) -> bool:
-        """A save every `every_steps` steps, besides the ones at epoch ends and stops."""
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def save(self, run, record: dict | None = None) -> None:
-        """Save `run`'s parts (engine/run.py); `record`, at an epoch end, is that epoch's metrics.jsonl line,
-        kept in best.pth when the epoch is the best so far."""
-        better = record is not None and self.best.judge(record)
-        # every rank: collectives among the parts
-        state = {name: part.state_dict() for name, part in parts(run).items()}
-        if self.writer is not None:
-            self.writer.save({**state, **description(run)}, record if better else None)
-        self.saved_step = run.step
-        distributed.gather_all(None, self.world)  # a barrier: no rank goes on before the save is on disk
-
-    def diverged(self, first_bad: int, step: int) -> str:
-        """The one line for a loss that became NaN or inf: nothing is saved past the last good checkpoint."""
-        then = (
-            f"{self.folder / 'last.pth'} holds step {self.saved_step}, the last good weights: lower optim.lr or set "
-            "optim.grad_clip, then resume from it with resume_strict=false"
-            if self.saved_step
-            else "no checkpoint was written yet: lower optim.lr or set optim.grad_clip and start again"
-        )
-        return f"the loss became nan or inf at step {first_bad} (seen at step {step}): stopped without saving; {then}"
-
-    @property
-    def last(self) -> Path | None:
-        """The newest `last.pth` on rank 0, once one is on disk."""
-        last = self.folder / LAST
-        return last if self.world.is_main and last.exists() else None
+def snapshot(run) -> dict:
+    """The run's checkpoint: every part's state (collectives among the parts: every rank calls it), and what
+    describes the save."""
+    return {**{name: part.state_dict() for name, part in parts(run).items()}, **description(run)}
