@@ -54,25 +54,11 @@ def train(cfg, checked: preflight.Checked) -> tuple[int, float]:
                 boundary = run.window_ends()  # the accumulation window's last micro-batch: the optimizer steps
                 drawn = run.train_loader.drawn  # the samples collated into this batch, counted by the loader
                 meter.add(*train_step(run, batch, boundary), drawn, step=run.step if boundary else run.step + 1)
-                if not boundary:
-                    continue  # logs, stops, saves and validations fall on optimizer steps
-                # One process acts on a signal at the next step (the flag is a Python bool, no device read);
-                # ranks agree on it where they read the loss anyway, so all stop after the same step.
-                stopping = stop.requested and not run.world.distributed
-                # the loss read to the host (each read waits for the device) at log lines, saves among them, only
-                if stopping or run.log_line_due() or run.at_max_steps():
-                    stopping = log_step(run, meter)  # a non-finite loss stops here, before anything is saved
-                run.monitor.step(run.step, meter.data_wait, meter.started)  # health every monitor.every_steps
-                if run.train_loader.at_epoch_end:
-                    continue  # the epoch's end validates and saves below, whatever stops the run there
-                if run.validation_due():  # val_every_steps: validate mid-epoch and save with its record
-                    stopping = validate(run, meter, epoch_end=False) or stopping
-                elif stopping or run.at_max_steps() or run.checkpoints.due(run.step):
-                    run.checkpoints.save(run)
-                if stopping or run.at_max_steps():
+                stopping = boundary and step_end(run, meter)  # logs, stops, saves and validations: optimizer steps
+                if stopping or (run.at_max_steps() and not run.train_loader.at_epoch_end):
                     break  # mid-epoch: no validation; the checkpoint holds the position in the epoch and its sums
             else:
-                stopping = validate(run, meter) or stopping  # and save, best.pth too when this epoch is the best
+                stopping = validate(run, meter)  # the epoch's end, a stop asked read there too: save, best.pth
         run.callbacks.call("on_run_end", run)
         closing = run.closing_line() if run.world.is_main else None
         if closing:
@@ -106,6 +92,26 @@ def train_step(run: Run, batch, boundary: bool) -> tuple[torch.Tensor, torch.Ten
         run.ema.update()
     run.step += 1
     return loss.detach(), grad_norm, parts
+
+
+def step_end(run: Run, meter: EpochMeter) -> bool:
+    """What an optimizer step ends with: its log line, a health sample, then (off an epoch's end) a mid-epoch
+    validation or a save; True when every rank stops after this step, mid-epoch. An epoch's end is `validate`'s to
+    judge: it reads a stop asked as well."""
+    # One process acts on a signal at the next step (the flag is a Python bool, no device read);
+    # ranks agree on it where they read the loss anyway, so all stop after the same step.
+    stopping = run.stop.requested and not run.world.distributed
+    # the loss read to the host (each read waits for the device) at log lines, saves among them, only
+    if stopping or run.log_line_due() or run.at_max_steps():
+        stopping = log_step(run, meter)  # a non-finite loss stops here, before anything is saved
+    run.monitor.step(run.step, meter.data_wait, meter.started)  # health every monitor.every_steps
+    if run.train_loader.at_epoch_end:
+        return False
+    if run.validation_due():  # val_every_steps: validate mid-epoch and save with its record
+        return validate(run, meter, epoch_end=False) or stopping
+    if stopping or run.at_max_steps() or run.checkpoints.due(run.step):
+        run.checkpoints.save(run)
+    return stopping
 
 
 def log_step(run: Run, meter: EpochMeter) -> bool:
