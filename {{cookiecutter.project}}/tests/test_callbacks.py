@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from {{ cookiecutter.package }}.callbacks import EarlyStopping, SampleGrid, shown
+from {{ cookiecutter.package }}.engine.callbacks import SEEN, RunView
 from tests.helpers import load_ckpt, printed_resume, read_jsonl, run_torchrun, run_train, same_weights
 from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
 
@@ -240,3 +241,16 @@ def test_the_confusion_matrix_of_the_docs_runs_as_the_page_gives_it(tmp_path):
     events.Reload()
     confusion = events.Images("val/confusion")
     assert [c.step for c in confusion] == [5, 10] and (confusion[0].height, confusion[0].width) == (64, 64)
+
+
+def test_a_callback_sees_the_documented_view_of_the_run_only():
+    """The hooks get engine/callbacks.RunView: the names docs/callbacks.md lists, read live; nothing else, no writes."""
+    run = SimpleNamespace(**dict.fromkeys(SEEN, 0), optimizer="not for callbacks")
+    view = RunView(run)
+    run.step = 7
+    assert view.step == 7 and view.cfg == 0  # read from the run when asked
+    with pytest.raises(AttributeError, match="has no 'optimizer'; it offers model, evaluated"):
+        _ = view.optimizer
+    with pytest.raises(AttributeError, match="read-only"):
+        view.step = 8
+    assert run.step == 7 and run.optimizer == "not for callbacks"  # the control: the run itself has both

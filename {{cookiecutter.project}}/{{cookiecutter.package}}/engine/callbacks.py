@@ -1,7 +1,7 @@
 """The callbacks seam: the `callbacks` config key's named nodes, built once, called at the loop's hooks, and their
 state saved in every checkpoint under their names.
 
-Hooks, each optional on a callback (`run` is engine/run.py's Run: model, loaders, step, runlog, device, cfg...):
+Hooks, each optional on a callback (`run`: a read-only `RunView` of the run, the names in `SEEN`):
 - `on_run_start(run)`: once, before the first step (after a resume's state is back);
 - `on_log(run, figures)`: at each steps.jsonl line, with the figures the loop has already read (no extra read);
 - `on_validation_end(run, record)`: with the record just written to metrics.jsonl, before the checkpoint that keeps
@@ -23,6 +23,29 @@ from .errors import UserError
 log = logging.getLogger("train")
 
 
+# What a callback's hooks see of the run (docs/callbacks.md says what each is): these names, read when asked
+SEEN = ("model", "evaluated", "train_loader", "val_loader", "train_set", "collate", "prepare", "step", "device", "cfg",
+        "world", "run_dir", "runlog")  # fmt: skip
+
+
+class RunView:
+    """The run as its callbacks see it: the names in SEEN, each read from the run when asked (`step` is the current
+    one); any other name, or setting one, fails naming what there is."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run):
+        object.__setattr__(self, "_run", run)
+
+    def __getattr__(self, name: str):
+        if name not in SEEN:
+            raise AttributeError(f"a callback's run has no {name!r}; it offers {', '.join(SEEN)} (docs/callbacks.md)")
+        return getattr(self._run, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"a callback's run is read-only (set {name!r}): a callback must not change the run")
+
+
 def stateful(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -38,7 +61,8 @@ class Callbacks:
     def call(self, hook: str, run, *args) -> dict:
         """`hook` of each callback that has it, in order: {name: what it returned}."""
         methods = {name: getattr(callback, hook, None) for name, callback in self.named.items()}
-        return {name: method(run, *args) for name, method in methods.items() if method is not None}
+        view = RunView(run)
+        return {name: method(view, *args) for name, method in methods.items() if method is not None}
 
     def validation_end(self, run, record: dict) -> bool:
         """`on_validation_end` of each; True when one asked to stop (each is still called: all see the record)."""
