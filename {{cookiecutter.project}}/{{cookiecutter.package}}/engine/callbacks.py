@@ -24,13 +24,13 @@ log = logging.getLogger("train")
 
 
 # What a callback's hooks see of the run (docs/callbacks.md says what each is): these names, read when asked
-SEEN = ("model", "evaluated", "train_loader", "val_loader", "train_set", "collate", "prepare", "step", "device", "cfg",
-        "world", "run_dir", "runlog")  # fmt: skip
+SEEN = ("model", "evaluated", "train_loader", "val_loader", "train_set", "collate", "prepare", "step",
+        "device", "cfg", "world", "run_dir", "runlog")  # fmt: skip
 
 
 class RunView:
-    """The run as its callbacks see it: the names in SEEN, each read from the run when asked (`step` is the current
-    one); any other name, or setting one, fails naming what there is."""
+    """The run as its callbacks see it: the names in SEEN, each read from the run when asked (`step` is
+    the current one); any other name, or setting one, fails naming what there is."""
 
     __slots__ = ("_run",)
 
@@ -39,11 +39,12 @@ class RunView:
 
     def __getattr__(self, name: str):
         if name not in SEEN:
-            raise AttributeError(f"a callback's run has no {name!r}; it offers {', '.join(SEEN)} (docs/callbacks.md)")
+            offers = ", ".join(SEEN)
+            raise AttributeError(f"a callback's run has no {name!r}; it offers {offers} (docs/callbacks.md)")
         return getattr(self._run, name)
 
     def __setattr__(self, name: str, value) -> None:
-        raise AttributeError(f"a callback's run is read-only (set {name!r}): a callback must not change the run")
+        raise AttributeError(f"a callback's run is read-only (set {name!r}): callbacks must not change the run")
 
 
 def stateful(obj) -> bool:

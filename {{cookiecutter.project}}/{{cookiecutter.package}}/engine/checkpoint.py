@@ -273,8 +273,8 @@ class ShardedCheckpointer:
 
 
 def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
-    """Whether `value` beats `best` by more than `min_delta` (`mode` max: higher is better; min: lower): anything but
-    a NaN beats no best at all, and a NaN beats nothing. best.pth and callbacks.EarlyStopping judge by it."""
+    """Whether `value` beats `best` by more than `min_delta` (`mode` max: higher is better; min: lower):
+    anything but a NaN beats no best at all, and a NaN beats nothing. best.pth and EarlyStopping judge by it."""
     if math.isnan(value):
         return False
     return best is None or (value - best if mode == "max" else best - value) > min_delta

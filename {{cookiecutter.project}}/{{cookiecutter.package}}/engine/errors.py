@@ -98,7 +98,7 @@ def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
     inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
-    if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra's wrapper of the import's own error
+    if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra wraps the import's own error
         inner = inner.__cause__
     return f"{type(inner).__name__}: {first_line(inner)}"[:300]
 

@@ -48,8 +48,8 @@ def setup(cfg) -> None:
     wanted = getattr(cfg.process.omp_wait_policy, "value", cfg.process.omp_wait_policy)  # the enum's value, or None
     started = os.environ.get("OMP_WAIT_POLICY", "").lower()
     if wanted is not None and started != wanted:
-        log.warning("process.omp_wait_policy=%s does not apply: OpenMP started with OMP_WAIT_POLICY=%s", wanted,
-                    started)  # fmt: skip
+        line = "process.omp_wait_policy=%s does not apply: OpenMP started with OMP_WAIT_POLICY=%s"
+        log.warning(line, wanted, started)
     gc.freeze()  # what the imports and the config made lives as long as the process: no collection walks it again
     changes = [f"{gc.get_freeze_count()} objects frozen"]
     changes += allocator(cfg)  # set before the checks built the model; named here, once
