@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"            # lightning among the extras
     python -m benchmarks.p9_lightning    # --passive: OMP_WAIT_POLICY=PASSIVE exported for both
+                                         # --lean: Lightning without logger, checkpoints and sanity check
 
 The default config (SmallCNN on the shapes, loader=balanced: batch 64, 2 persistent workers, SGD) for EPOCHS epochs:
 `python train.py` with its defaults, and a LightningModule over the same model, data sets, optimizer settings and
@@ -25,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, ROUNDS = 4, 5
 
 
-def lightning_rate() -> float:
-    """The Lightning run, in this process: the best epoch's training samples/s after the first."""
+def lightning_rate(lean: bool) -> float:
+    """The Lightning run, in this process: the best epoch's training samples/s after the first. `lean`: its leanest
+    loop (no logger, no checkpoints, no sanity validation)."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -83,8 +85,9 @@ def lightning_rate() -> float:
     val = DataLoader(instantiate(cfg.data.val), **loader)
     rate = Rate()
     with tempfile.TemporaryDirectory() as folder:
+        lean_only = {"logger": False, "enable_checkpointing": False, "num_sanity_val_steps": 0} if lean else {}
         trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, default_root_dir=folder,
-                            enable_progress_bar=False, callbacks=[rate])  # fmt: skip
+                            enable_progress_bar=False, callbacks=[rate], **lean_only)  # fmt: skip
         trainer.fit(Classifier(), train, val)
     return max(rate.rates[1:])
 
@@ -97,15 +100,15 @@ def train_py_rate(env: dict) -> float:
         return max(json.loads(line)["samples_per_s"] for line in lines[1:])
 
 
-def lightning_run(env: dict) -> float:
-    command = [sys.executable, "-m", "benchmarks.p9_lightning", "--lightning"]
+def lightning_run(env: dict, lean: bool) -> float:
+    command = [sys.executable, "-m", "benchmarks.p9_lightning", "--lightning", *(["--lean"] if lean else [])]
     out = subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--lightning"]:
-        print(json.dumps(lightning_rate()))
+    if "--lightning" in sys.argv[1:]:
+        print(json.dumps(lightning_rate("--lean" in sys.argv[1:])))
         return
     try:
         import lightning  # noqa: F401 - only whether it is there
@@ -114,15 +117,17 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # as a user's shell has it
     if "--passive" in sys.argv[1:]:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    lean = "--lean" in sys.argv[1:]
     ratios = []
     for i in range(ROUNDS):
-        runs = [("train.py", train_py_rate), ("lightning", lightning_run)]
+        runs = [("train.py", train_py_rate), ("lightning", lambda env: lightning_run(env, lean))]
         rates = dict((name, run(env)) for name, run in (runs if i % 2 == 0 else runs[::-1]))
         ratios.append(rates["train.py"] / rates["lightning"])
         print(f"round {i + 1}: train.py {rates['train.py']:.0f}, Lightning {rates['lightning']:.0f} samples/s, "
               f"ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
     print(f"P9 train.py / Lightning Trainer, default config, best epoch of 2-{EPOCHS}, {ROUNDS} rounds in turns"
-          f"{' (OMP_WAIT_POLICY=PASSIVE for both)' if 'OMP_WAIT_POLICY' in env else ''}: median "
+          f"{' (OMP_WAIT_POLICY=PASSIVE for both)' if 'OMP_WAIT_POLICY' in env else ''}"
+          f"{' (Lightning lean)' if lean else ''}: median "
           f"{statistics.median(ratios):.3f}, lowest {min(ratios):.3f}, highest {max(ratios):.3f}")  # fmt: skip
 
 
