@@ -199,13 +199,14 @@ def test_stop_signals_are_ours_inside_installed_only_and_the_previous_handlers_c
     """A signal inside the block sets the flag; after it the handler that was there before answers again."""
     heard = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: heard.append(signum))
+    interrupt = signal.getsignal(signal.SIGINT)  # Python's default handler, or SIG_IGN when started in the background
     try:
         stop = StopRequest()
         with stop.installed():
             assert signal.getsignal(signal.SIGINT) == stop._handle
             signal.raise_signal(signal.SIGUSR1)
         assert stop.requested and not heard
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is interrupt
         assert signal.set_wakeup_fd(-1) == -1  # no wakeup pipe left behind
         signal.raise_signal(signal.SIGUSR1)
         assert heard == [signal.SIGUSR1]  # the handler from before the block (the control)
