@@ -149,10 +149,10 @@ class Run:
         notes = [f"stopped by callback {self.callbacks.stopped_by}"] if self.callbacks.stopped_by else []
         notes += [f"not bit-exact ({', '.join(self.unexact)}: no deterministic kernel)"] if self.unexact else []
         notes += ["not bit-exact (data.train draws from a generator of its own)"] if self.own_draws else []
-        finished = self.train_loader.epoch >= self.cfg.epochs
+        all_epochs = self.train_loader.epoch >= self.cfg.epochs  # finished(), but not at max_steps
         return resume.where(
-            self.run_dir, self.checkpoints.last, self.step, finished, notes, self.at_max_steps(){% if cookiecutter.with_streams == "yes" %},
-            not finished and not self.train_loader.resumes_mid_epoch{% endif %},
+            self.run_dir, self.checkpoints.last, self.step, all_epochs, notes, self.at_max_steps(){% if cookiecutter.with_streams == "yes" %},
+            not all_epochs and not self.train_loader.resumes_mid_epoch{% endif %},
         )  # fmt: skip
 
 
