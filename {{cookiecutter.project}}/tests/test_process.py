@@ -62,8 +62,15 @@ def faults_per_step(mode: str, **env) -> float:
 @glibc
 @pytest.mark.slow  # two starts of torch, about 10 s; the fast tier: the settings are applied and kept (tests below)
 def test_a_step_no_longer_faults_back_the_memory_the_last_one_freed():
-    kept, default = faults_per_step("keep"), faults_per_step("default")
-    # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step
+    kept = faults_per_step("keep")
+    # glibc's own policy hands the step's activations back and faults them in again: thousands of pages a step in
+    # most processes. Its threshold moves with where the heap's top lands (address randomisation), so one process in
+    # about fifteen faults less (0 to 4,480 a step seen): up to four tries, the most counts.
+    default = 0.0
+    for _ in range(4):
+        default = max(default, faults_per_step("default"))
+        if default > 500:
+            break
     assert default > 500, default
     assert kept < 0.01 * default, (kept, default)
 
