@@ -12,8 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from {{ cookiecutter.package }}.callbacks import EarlyStopping, SampleGrid, shown
+from {{ cookiecutter.package }}.callbacks import EarlyStopping
 from {{ cookiecutter.package }}.engine.callbacks import SEEN, RunView
+from {{ cookiecutter.package }}.sample_grid import SampleGrid, shown
 from tests.helpers import load_ckpt, printed_resume, read_jsonl, run_torchrun, run_train, same_weights
 from tests.test_task import FILE_BLOCK, doc_section, project_copy, run
 
@@ -210,6 +211,21 @@ def test_the_sample_grid_draws_images_of_their_own_sizes_and_says_once_when_ther
         for epoch in range(3):
             grid.draw(run, epoch)
     assert not logged and caplog.text.count("sample_grid draws nothing") == 1, caplog.text
+
+
+def test_the_sample_grid_draws_each_class_of_a_mask_over_its_image_in_one_colour():
+    """Class 3 tinted half and half, the same colour in both images; 0 (background) and 255 (no class) left clear."""
+    images = torch.rand(2, 3, 4, 4)
+    masks = torch.zeros(2, 4, 4, dtype=torch.long)
+    masks[:, :2, :2], masks[:, 3, 3], masks[1, 2, 2] = 3, 255, 5
+    unit = SimpleNamespace(mean=torch.zeros(3, 1, 1), std=torch.ones(3, 1, 1))  # data.normalize, undone as is
+    drawn = shown((images, masks), 0, unit)
+    clear = (masks == 0) | (masks == 255)
+    assert torch.equal(drawn.permute(1, 0, 2, 3)[:, clear], images.permute(1, 0, 2, 3)[:, clear])
+    colour = 2 * drawn[:, :, 0, 0] - images[:, :, 0, 0]
+    assert torch.allclose(colour[0], colour[1], atol=1e-6) and not torch.allclose(colour[0], images[0, :, 0, 0])
+    assert not torch.allclose(2 * drawn[1, :, 2, 2] - images[1, :, 2, 2], colour[0], atol=1e-3)  # class 5: another
+    assert torch.equal(shown((images, masks.float()), 0, unit), images)  # the control: a float tensor is no mask
 
 
 @pytest.mark.slow  # a start of torch; the fast tier refuses the same typo in process (test_config.py)
