@@ -24,9 +24,10 @@ $(VENV)/.installed: requirements-dev.txt requirements-demo.txt
 	$(VPY) -m pip install -r requirements-dev.txt
 	touch $@ $(VENV)/.installed-demo
 
-# Bakes, refusals, ruff on the baked project, and the generated project's fast tier (about 10 minutes on 2 cores).
+# Bakes, refusals, ruff on the baked project, and the generated project's fast tier, on two pytest workers: the fast
+# tiers one after the other (tests/test_generated_suite.py), the rest beside them.
 test: $(VENV)/.installed
-	$(VPY) -m pytest -q -rA tests -m "not slow"
+	$(VPY) -m pytest -q -rA tests -m "not slow" -n 2 --dist loadgroup
 
 # The generated project's slow tier, once (torchrun, every resume case, signals, SLURM stand-ins, sweeps), then the
 # Quick start test. One after the other: beside the slow tier, the Quick start's pip install slowed it from 15 to 19

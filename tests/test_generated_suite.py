@@ -76,6 +76,9 @@ def run_generated(project, log_path, *args, timeout, env=None):
 WORKERS, PER_TEST_S = 2, 900
 
 
+# make test runs the template's tests on two xdist workers, with --dist loadgroup: the three fast tiers (each on two
+# workers of its own) share one group, so they run one after the other while the bakes and checks run beside them.
+@pytest.mark.xdist_group("generated-fast-tier")
 @pytest.mark.parametrize(
     "answers, paths",
     [({}, []), (NON_DEFAULT, QUICK), (MINIMAL, WHERE_PARTS_CHANGE_CODE)],
