@@ -12,7 +12,6 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -39,13 +38,10 @@ log = logging.getLogger("train")
 
 
 @dataclass
-class Run:
-    cfg: object
-    run_dir: Path
-    world: distributed.World
-    device: torch.device
-    stop: StopRequest
-    # the problem (`Problem`), built before the checks' dry step
+class Problem:
+    """The run's model, optimizer, task, callbacks and data, built once (`build_problem`): the checks' dry step runs
+    them on two samples, then the run trains them."""
+
     model: torch.nn.Module  # the plain model: checkpoints, validation
     optimizer: torch.optim.Optimizer
     task: object  # conf/task: loss(model, batch) and metrics(model, batch)
@@ -55,8 +51,19 @@ class Run:
     collate: object  # the loaders' collate (None: torch's default_collate)
     prepare: object  # data.normalize on the device, for whole batches
 {% if cookiecutter.with_fsdp == "yes" %}
-    peak: object  # parallel=fsdp: fsdp.PeakMemory
+    peak: object  # parallel=fsdp: fsdp.PeakMemory, from before the model existed
 {% endif %}
+
+
+@dataclass
+class Run(Problem):
+    """The problem (`Problem`, built before the checks' dry step) and everything the run builds around it."""
+
+    cfg: object
+    run_dir: Path
+    world: distributed.World
+    device: torch.device
+    stop: StopRequest
     # the loaders (`loaders`)
     train_loader: TrainLoader{% if cookiecutter.with_streams == "yes" %} | StreamLoader{% endif +%}
     val_loader: object
@@ -156,23 +163,6 @@ class Run:
         )  # fmt: skip
 
 
-class Problem(NamedTuple):
-    """The run's model, optimizer, task, callbacks and data, built once (`build_problem`): the checks' dry step runs
-    them on two samples, then the run trains them."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    task: object
-    callbacks: Callbacks
-    train_set: object
-    val_set: object
-    collate: object  # None: torch's default_collate
-    prepare: object  # data.normalize on the device, for whole batches
-{% if cookiecutter.with_fsdp == "yes" %}
-    peak: object  # parallel=fsdp: fsdp.PeakMemory, from before the model existed
-{% endif %}
-
-
 def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
     """Seed, then build the model (its init_from weights in, unless `resuming`), optimizer, task, callbacks, data
     sets and their collate and preparation, cheapest first: a refusal comes before the data is read."""
@@ -246,10 +236,11 @@ def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, 
     runlog = RunLog(run_dir, saved_step + 1 if ckpt else None, world.is_main)
 {% endif %}
     cleanup.callback(runlog.close)
+    monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds
     run = Run(
-        cfg, run_dir, world, device, stop, **problem._asdict(), train_loader=train_loader, val_loader=val_loader,
-        **trained, step=0, runlog=runlog, monitor=Monitor(train_loader, runlog, cfg.monitor.every_steps),
-        checkpoints=policy, unexact=unexact, own_draws=[own_draws] if own_draws else [],
+        **vars(problem), cfg=cfg, run_dir=run_dir, world=world, device=device, stop=stop, train_loader=train_loader,
+        val_loader=val_loader, **trained, step=0, runlog=runlog, monitor=monitor, checkpoints=policy, unexact=unexact,
+        own_draws=[own_draws] if own_draws else [],
     )  # fmt: skip
     if ckpt:  # every part of the run back as it was saved, the main RNG last (engine/run_state.py)
         run_state.load(run, ckpt{% if cookiecutter.with_fsdp == "yes" %}, found{% endif %})
