@@ -131,8 +131,8 @@ class Run(Problem):
 
     def epoch_meter(self) -> EpochMeter:
         """A new epoch's running figures (`meter`); the first after a mid-epoch resume from the checkpoint's sums."""
-        carried = self.carried if self.train_loader.position else None  # a stream that starts its epoch over: none
-        self.meter = EpochMeter(self.device, carried)
+        # a stream that starts its epoch over carries none
+        self.meter = EpochMeter(self.device, self.carried if self.train_loader.position else None)
         self.carried = None
         return self.meter
 
