@@ -67,7 +67,7 @@ def snapshot(run) -> dict:
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
         "meter": None if run.meter is None else run.meter.state(run.world),
 {% if cookiecutter.with_tracking == "yes" %}
-        # the MLflow / W&B run ids a resume continues: read as the trackers start (run.records), before `load`
+        # the MLflow / W&B run ids a resume continues: read as the trackers start (run.build), before `load`
         "tracking": {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {},
 {% endif %}
         # what differs between data-parallel processes: each one's train loader (its worker streams), main RNG
@@ -140,7 +140,8 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
 
 def regroup(saved: dict, ckpt: dict, model, optimizer) -> None:
     """`saved` (an optimizer's state_dict) into `optimizer`, each parameter's state found by the grouping the
-    checkpoint's config made of this model."""
+    checkpoint's config made of this model: parameters grouped otherwise (resume_strict=false with other
+    `optim.param_groups`) get their state (momentum, Adam's moments) carried over to where they are now."""
     then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
     now = [p for group in optimizer.param_groups for p in group["params"]]
     sizes = [len(group["params"]) for group in optimizer.param_groups]
