@@ -25,8 +25,8 @@ class EpochMeter:
 
     def __init__(self, device: torch.device, carried: dict | None = None):
         self.device = device
-        # the sums of loss x batch size over the epoch, of micro-batch losses and of gradient norms (before clipping)
-        # since the last read, and the first step with a non-finite loss (float64 holds any step exactly)
+        # the sums of loss x batch size over the epoch, of micro-batch losses and of gradient norms (before
+        # clipping) since the last read, and the first step with a non-finite loss (float64 holds any step exactly)
         sums = torch.zeros(4, dtype=torch.float64, device=device).unbind()
         self.epoch_loss, self.window_loss, self.window_norm, self.first_bad = sums
         self.window_parts = {}  # sums (device tensors) of a task's loss parts since the last read, by name

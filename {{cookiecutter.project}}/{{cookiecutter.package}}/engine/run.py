@@ -223,11 +223,11 @@ def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, 
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
     train_loader, val_loader = loaders(cfg, problem, world, device, run_dir, ckpt)
     trained = training(cfg, problem, world, device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
-    # the records: the checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %}) and the
-    # worker health monitor; a resume's logs go on from the step after its checkpoint's
+    # the records: the checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %})
+    # and the worker health monitor; a resume's logs go on from the step after its checkpoint's
     saved_step = ckpt["step"] if ckpt else None
     policy = checkpoint.CheckpointPolicy(
-        run_dir / "checkpoints", cfg.checkpoint, world, run_state.snapshot, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %}
+        run_dir / "checkpoints", cfg.checkpoint, world, run_state.snapshot, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
     )  # fmt: skip
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
@@ -238,9 +238,9 @@ def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, 
     cleanup.callback(runlog.close)
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds
     run = Run(
-        **vars(problem), cfg=cfg, run_dir=run_dir, world=world, device=device, stop=stop, train_loader=train_loader,
-        val_loader=val_loader, **trained, step=0, runlog=runlog, monitor=monitor, checkpoints=policy, unexact=unexact,
-        own_draws=[own_draws] if own_draws else [],
+        **vars(problem), cfg=cfg, run_dir=run_dir, world=world, device=device, stop=stop,
+        train_loader=train_loader, val_loader=val_loader, **trained, step=0, runlog=runlog, monitor=monitor,
+        checkpoints=policy, unexact=unexact, own_draws=[own_draws] if own_draws else [],
     )  # fmt: skip
     if ckpt:  # every part of the run back as it was saved, the main RNG last (engine/run_state.py)
         run_state.load(run, ckpt{% if cookiecutter.with_fsdp == "yes" %}, found{% endif %})
@@ -337,7 +337,15 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader{% 
 {% if cookiecutter.with_fsdp == "yes" %}
     amp = None if sharded else amp  # FSDP: its mixed-precision policy, not autocast
 {% endif %}
-    return dict(net=net, scheduler=scheduler, scaler=scaler, amp=amp, ema=ema, batch_transform=batch_transform, ddp=ddp)
+    return dict(
+        net=net,
+        scheduler=scheduler,
+        scaler=scaler,
+        amp=amp,
+        ema=ema,
+        batch_transform=batch_transform,
+        ddp=ddp,
+    )
 {% if cookiecutter.with_tracking == "yes" %}
 
 

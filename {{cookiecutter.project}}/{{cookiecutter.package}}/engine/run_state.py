@@ -50,9 +50,9 @@ def tensors(run) -> dict:
 
 
 def snapshot(run) -> dict:
-    """The run's checkpoint: every part's state in the order `load` puts them back (collectives among the parts, the
-    epoch's running sums and the ranks': every rank calls it), and what describes the save (read by a resume's checks
-    and by people)."""
+    """The run's checkpoint: every part's state in the order `load` puts them back (collectives among the
+    parts, the epoch's running sums and the ranks': every rank calls it), and what describes the save
+    (read by a resume's checks and by people)."""
     config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
 {% if cookiecutter.with_tracking == "yes" %}
     trackers = run.runlog.tracking  # rank 0's; none elsewhere
@@ -85,18 +85,20 @@ def snapshot(run) -> dict:
 
 
 def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% endif %}) -> None:
-    """Every part of the checkpoint `ckpt` back into the live run, in `snapshot`'s order{% if cookiecutter.with_fsdp == "yes" %}; a sharded one's tensor parts
-    first read from the shards at `path` into the live tensors they are slices of (a collective){% endif %}.
-    A changed run (resume_strict=false): the optimizer groups' settings (lr, weight decay...) are this run's config's,
-    and this config plans the schedule from here on; loading the saved schedule would bring back the checkpoint's
-    plan (its total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor)."""
+    """Every part of the checkpoint `ckpt` back into the live run, in `snapshot`'s order{% if cookiecutter.with_fsdp == "yes" %}; a sharded one's
+    tensor parts first read from the shards at `path` into the live tensors they are slices of (a collective){% endif %}.
+    A changed run (resume_strict=false): the optimizer groups' settings (lr, weight decay...) are this run's
+    config's, and this config plans the schedule from here on; loading the saved schedule would bring back the
+    checkpoint's plan (its total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old
+    schedule's floor)."""
     model, optimizer, changed = run.model, run.optimizer, changes(ckpt, run.cfg)
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 {% if cookiecutter.with_fsdp == "yes" %}
     sharded = fsdp.is_sharded(model)
     if ckpt.get("sharded"):  # the EMA's when both the save and this run have one
         live = tensors(run)
-        wanted = [name for name in SHARDED if name != "ema" or live["ema"] is not None and ckpt["ema"] is not None]
+        both = live["ema"] is not None and ckpt["ema"] is not None
+        wanted = [name for name in SHARDED if name != "ema" or both]
         ckpt = {**ckpt, **fill(path, {name: live[name] for name in wanted})}
 
     def weights(module, saved) -> None:  # a model's tensors by name (sharded: this rank's slices)
@@ -117,7 +119,8 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
     if changed:
         for group, ours in zip(optimizer.param_groups, fresh, strict=True):
             group.update(ours)
-    if run.ema is not None:  # after the model: a checkpoint without EMA weights starts the average from the model's
+    # after the model: a checkpoint without EMA weights starts the average from the model's
+    if run.ema is not None:
         if ckpt.get("ema") is None:
             log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
 {% if cookiecutter.with_fsdp == "yes" %}
@@ -129,12 +132,12 @@ def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% e
         fast_forward(run.scheduler, ckpt["step"])
     else:
         run.scheduler.load_state_dict(ckpt["scheduler"])
-    if run.scaler.is_enabled() and ckpt.get("scaler") is not None:  # fp16's loss scale; float32, bf16 saved none
+    if run.scaler.is_enabled() and ckpt.get("scaler") is not None:  # fp16's loss scale (float32, bf16: none)
         run.scaler.load_state_dict(ckpt["scaler"])
     run.step = ckpt["step"]
     run.checkpoints.best.load(ckpt.get("best"))
     run.callbacks.load_state_dict(ckpt.get("callbacks") or {}, run.cfg.resume_strict)
-    run.carried = ckpt.get("meter")  # mid-epoch, the epoch's running sums: the resumed run logs the same figures
+    run.carried = ckpt.get("meter")  # mid-epoch, the epoch's running sums: the same figures logged
     load_ranks(ckpt["ranks"], run)
 
 

@@ -122,7 +122,8 @@ class Tracker:
     name = ""
 
     def __init__(self, cfg, run_dir: Path, sweep: str | None):
-        self.cfg, self.run_dir, self.sweep, self.timeout_s = cfg[self.name], run_dir, sweep, float(cfg.timeout_s)
+        self.cfg, self.run_dir, self.sweep = cfg[self.name], run_dir, sweep
+        self.timeout_s = float(cfg.timeout_s)
         self.run_id = None  # the tracked run's id, once `start` made or found it
 
 
