@@ -30,6 +30,7 @@ import uuid
 {% endif %}
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -280,23 +281,23 @@ def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0
     return best is None or (value - best if mode == "max" else best - value) > min_delta
 
 
+@dataclass
 class Best:
     """Which epoch `best.pth` holds: the best `monitor` value so far (`train_loss` or a `val_<name>`), `mode`
     max or min. The value travels in every checkpoint (`best`), so a resumed run, in any folder, never
     overwrites a better best.pth."""
 
-    def __init__(self, monitor: str, mode: str):
-        self.monitor, self.mode = monitor, mode
-        self.value: float | None = None
+    monitor: str
+    mode: str
+    value: float | None = None
 
     def state(self) -> dict:
-        return {"monitor": self.monitor, "mode": self.mode, "value": self.value}
+        return asdict(self)
 
     def load(self, saved: dict | None) -> None:
-        """A checkpoint's best, when it was judged by the same rule."""
-        saved = saved or {}
-        if saved.get("monitor") == self.monitor and saved.get("mode") == self.mode:
-            self.value = saved.get("value")
+        """A checkpoint's best (its `state()`), when it was judged by the same rule."""
+        if saved and saved["monitor"] == self.monitor and saved["mode"] == self.mode:
+            self.value = saved["value"]
 
     def judge(self, record: dict) -> bool:
         """Whether this epoch is the best so far, then kept (the dry step refused a `monitor` the task does

@@ -25,16 +25,12 @@ class EpochMeter:
 
     def __init__(self, device: torch.device, carried: dict | None = None):
         self.device = device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.epoch_loss = zero.clone()  # sum of loss x batch size over the epoch
-        self.window_loss = zero.clone()  # sum of micro-batch losses since the last read
-        self.window_norm = zero.clone()  # sum of gradient norms (before clipping) since the last read
-        self.first_bad = zero.clone()  # first step with a non-finite loss (float64 holds any step exactly)
+        # the sums of loss x batch size over the epoch, of micro-batch losses and of gradient norms (before
+        # clipping) since the last read, and the first step with a non-finite loss (float64 holds any step exactly)
+        sums = torch.zeros(4, dtype=torch.float64, device=device).unbind()
+        self.epoch_loss, self.window_loss, self.window_norm, self.first_bad = sums
         self.window_parts = {}  # sums (device tensors) of a task's loss parts since the last read, by name
-        self.window_batches = 0
-        self.window_norms = 0
-        self.samples = 0
-        self.batches = 0
+        self.window_batches = self.window_norms = self.samples = self.batches = 0
         self.data_wait = 0.0
         self.carried = carried or {"window": NO_WINDOW, "epoch": {"loss": 0.0, "samples": 0}}
         self.started = time.perf_counter()
@@ -86,10 +82,8 @@ class EpochMeter:
             self.device,
             world,
         )
-        parts = dict(zip(names, rest))  # the parts, then `more`
-        rest = rest[len(names) :]
-        window = self.carried["window"]
-        epoch = self.carried["epoch"]
+        parts, rest = dict(zip(names, rest)), rest[len(names) :]  # the parts, then `more`
+        window, epoch = self.carried["window"], self.carried["epoch"]
         window = {
             "loss": window["loss"] + loss,
             "batches": window["batches"] + world.world_size * self.window_batches,

@@ -157,11 +157,10 @@ SHM_FULL = 0.05  # /dev/shm with less free than this share of its size, as the l
 def shm_full() -> LoaderFailure | None:
     """The line for a loader failure when /dev/shm is full now (a check of its space, whatever the error says:
     a worker's failed allocation, its SIGBUS); else None."""
-    space = shm_space()
-    if space is None or space[0] >= SHM_FULL * space[1]:  # a size of 0 ends here too
+    free, size = shm_space() or (0, 0)  # none (macOS, Windows) or a size of 0: not full
+    if free >= SHM_FULL * size:
         return None
-    used = space[1] - space[0]
-    size = space[1]
+    used = size - free
     return LoaderFailure(
         f"{SHM_DIR} is {used / size:.0%} full ({used / 2**20:.1f} of {size / 2**20:.1f} MiB used): a DataLoader "
         f"worker found no room for a batch there; something besides this run's batches filled it (see `du -sh "

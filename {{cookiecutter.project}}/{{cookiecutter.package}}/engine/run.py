@@ -12,7 +12,6 @@ import logging
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -39,13 +38,10 @@ log = logging.getLogger("train")
 
 
 @dataclass
-class Run:
-    cfg: object
-    run_dir: Path
-    world: distributed.World
-    device: torch.device
-    stop: StopRequest
-    # the problem (`Problem`), built before the checks' dry step
+class Problem:
+    """The run's model, optimizer, task, callbacks and data, built once (`build_problem`): the checks' dry step runs
+    them on two samples, then the run trains them."""
+
     model: torch.nn.Module  # the plain model: checkpoints, validation
     optimizer: torch.optim.Optimizer
     task: object  # conf/task: loss(model, batch) and metrics(model, batch)
@@ -55,12 +51,23 @@ class Run:
     collate: object  # the loaders' collate (None: torch's default_collate)
     prepare: object  # data.normalize on the device, for whole batches
 {% if cookiecutter.with_fsdp == "yes" %}
-    peak: object  # parallel=fsdp: fsdp.PeakMemory
+    peak: object  # parallel=fsdp: fsdp.PeakMemory, from before the model existed
 {% endif %}
+
+
+@dataclass
+class Run(Problem):
+    """The problem (`Problem`, built before the checks' dry step) and everything the run builds around it."""
+
+    cfg: object
+    run_dir: Path
+    world: distributed.World
+    device: torch.device
+    stop: StopRequest
     # the loaders (`loaders`)
     train_loader: TrainLoader{% if cookiecutter.with_streams == "yes" %} | StreamLoader{% endif +%}
     val_loader: object
-    # what trains the model (`Training`)
+    # what trains the model (`training`)
     net: torch.nn.Module  # what the step calls: the model under DDP and torch.compile when on
     scheduler: object  # conf/schedule, stepped once per optimizer step
     scaler: torch.amp.GradScaler
@@ -69,7 +76,7 @@ class Run:
     ema: EMA | None  # ema.decay: the averaged weights, what validation uses when on
     batch_transform: SeededBatchTransform | None  # data.batch_transform (MixUp, CutMix), training batches only
     ddp: torch.nn.parallel.DistributedDataParallel | None  # the DDP module under torch.compile's wrapper, when on
-    # the records (`records`)
+    # the records (`build`)
     runlog: RunLog
     monitor: Monitor
     checkpoints: checkpoint.CheckpointPolicy
@@ -124,8 +131,8 @@ class Run:
 
     def epoch_meter(self) -> EpochMeter:
         """A new epoch's running figures (`meter`); the first after a mid-epoch resume from the checkpoint's sums."""
-        carried = self.carried if self.train_loader.position else None  # a stream that starts its epoch over: none
-        self.meter = EpochMeter(self.device, carried)
+        # a stream that starts its epoch over carries none
+        self.meter = EpochMeter(self.device, self.carried if self.train_loader.position else None)
         self.carried = None
         return self.meter
 
@@ -154,23 +161,6 @@ class Run:
             self.run_dir, self.checkpoints.last, self.step, all_epochs, notes, self.at_max_steps(){% if cookiecutter.with_streams == "yes" %},
             not all_epochs and not self.train_loader.resumes_mid_epoch{% endif %},
         )  # fmt: skip
-
-
-class Problem(NamedTuple):
-    """The run's model, optimizer, task, callbacks and data, built once (`build_problem`): the checks' dry step runs
-    them on two samples, then the run trains them."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    task: object
-    callbacks: Callbacks
-    train_set: object
-    val_set: object
-    collate: object  # None: torch's default_collate
-    prepare: object  # data.normalize on the device, for whole batches
-{% if cookiecutter.with_fsdp == "yes" %}
-    peak: object  # parallel=fsdp: fsdp.PeakMemory, from before the model existed
-{% endif %}
 
 
 def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
@@ -233,11 +223,24 @@ def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, 
         log.info("init_from=%s is not used: resuming, the checkpoint holds the weights", cfg.init_from)
     train_loader, val_loader = loaders(cfg, problem, world, device, run_dir, ckpt)
     trained = training(cfg, problem, world, device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
-    runlog, monitor, policy = records(cfg, run_dir, world, ckpt, train_loader, cleanup{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
+    # the records: the checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %})
+    # and the worker health monitor; a resume's logs go on from the step after its checkpoint's
+    saved_step = ckpt["step"] if ckpt else None
+    policy = checkpoint.CheckpointPolicy(
+        run_dir / "checkpoints", cfg.checkpoint, world, run_state.snapshot, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif +%}
+    )  # fmt: skip
+{% if cookiecutter.with_tracking == "yes" %}
+    trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
+    runlog = RunLog(run_dir, saved_step + 1 if ckpt else None, world.is_main, trackers, cfg.logger.use)
+{% else %}
+    runlog = RunLog(run_dir, saved_step + 1 if ckpt else None, world.is_main)
+{% endif %}
+    cleanup.callback(runlog.close)
+    monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds
     run = Run(
-        cfg, run_dir, world, device, stop, **problem._asdict(), train_loader=train_loader,
-        val_loader=val_loader, **trained._asdict(), step=0, runlog=runlog, monitor=monitor, checkpoints=policy,
-        unexact=unexact, own_draws=[own_draws] if own_draws else [],
+        **vars(problem), cfg=cfg, run_dir=run_dir, world=world, device=device, stop=stop,
+        train_loader=train_loader, val_loader=val_loader, **trained, step=0, runlog=runlog, monitor=monitor,
+        checkpoints=policy, unexact=unexact, own_draws=[own_draws] if own_draws else [],
     )  # fmt: skip
     if ckpt:  # every part of the run back as it was saved, the main RNG last (engine/run_state.py)
         run_state.load(run, ckpt{% if cookiecutter.with_fsdp == "yes" %}, found{% endif %})
@@ -285,19 +288,7 @@ def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, c
     return train_loader, eval_loader(problem.val_set, settings, **shared, seed=seed)  # as eval.py's
 
 
-class Training(NamedTuple):
-    """What trains the problem's model (`training`)."""
-
-    net: torch.nn.Module
-    scheduler: object
-    scaler: torch.amp.GradScaler
-    amp: torch.dtype | None
-    ema: EMA | None
-    batch_transform: SeededBatchTransform | None
-    ddp: torch.nn.parallel.DistributedDataParallel | None
-
-
-def training(cfg, problem: Problem, world, device: torch.device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> Training:
+def training(cfg, problem: Problem, world, device: torch.device, train_loader{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> dict:
     """The LR schedule, the loss scaler, the EMA, the batch transform and the net the step calls (DDP, torch.compile)
     around the problem's model and optimizer, as a fresh run starts them (a resume loads its checkpoint after)."""
     model, optimizer = problem.model, problem.optimizer
@@ -346,24 +337,15 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader{% 
 {% if cookiecutter.with_fsdp == "yes" %}
     amp = None if sharded else amp  # FSDP: its mixed-precision policy, not autocast
 {% endif %}
-    return Training(net, scheduler, scaler, amp, ema, batch_transform, ddp)
-
-
-def records(cfg, run_dir: Path, world, ckpt: dict | None, train_loader, cleanup{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> tuple:
-    """The checkpoint policy, the run's logs (steps.jsonl, metrics.jsonl, TensorBoard{% if cookiecutter.with_tracking == "yes" %}, MLflow, W&B{% endif %}) and the
-    worker health monitor; a resume's logs go on from the step after its checkpoint's."""
-    saved_step = ckpt["step"] if ckpt else None
-    folder, snapshot = run_dir / "checkpoints", run_state.snapshot
-    policy = checkpoint.CheckpointPolicy(folder, cfg.checkpoint, world, snapshot, saved_step{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
-    purge = saved_step + 1 if ckpt else None
-{% if cookiecutter.with_tracking == "yes" %}
-    trackers = tracking.start(cfg, run_dir, ckpt) if world.is_main else None  # MLflow, W&B
-    runlog = RunLog(run_dir, purge, world.is_main, trackers, cfg.logger.use)
-{% else %}
-    runlog = RunLog(run_dir, purge, world.is_main)
-{% endif %}
-    cleanup.callback(runlog.close)
-    return runlog, Monitor(train_loader, runlog, cfg.monitor.every_steps), policy  # monitor: workers, memory, fds
+    return dict(
+        net=net,
+        scheduler=scheduler,
+        scaler=scaler,
+        amp=amp,
+        ema=ema,
+        batch_transform=batch_transform,
+        ddp=ddp,
+    )
 {% if cookiecutter.with_tracking == "yes" %}
 
 

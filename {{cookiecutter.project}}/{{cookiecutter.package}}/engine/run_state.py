@@ -1,9 +1,8 @@
 """The run's state as named parts (torchtitan's `states`), and when it is saved.
 
-A checkpoint is `{name: part.state_dict()}` for the parts `parts(run)` names, plus what describes the
-save (format, epoch, config, versions: `description`). Each part saves itself and loads itself back
-(`load`), in the order the dict gives: the tensors first, the ranks' loaders and main RNG last, just
-before the loop.
+A checkpoint is the run's parts by name (`snapshot`), plus what describes the save (format, epoch, config,
+versions). `load` puts each part back in the order the dict gives: the tensors first, the ranks' loaders and
+main RNG last, just before the loop.
 {% if cookiecutter.with_fsdp == "yes" %}
 A sharded run (parallel=fsdp) has the same parts: its tensor parts (`SHARDED`) are each rank's slices,
 which the writer saves as shards and a resume reads back into the live tensors (checkpoint.py).
@@ -14,13 +13,10 @@ The files themselves, written whole and atomically, and read safely: checkpoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 {% if cookiecutter.with_fsdp == "yes" %}
 from pathlib import Path
 {% endif %}
-from typing import NamedTuple
 
-import torch
 from omegaconf import OmegaConf
 {% if cookiecutter.with_fsdp == "yes" %}
 from torch.distributed.checkpoint.state_dict import (
@@ -40,106 +36,44 @@ from .schedule import fast_forward
 log = logging.getLogger(__name__)
 
 
-class Part(NamedTuple):
-    """One named part of the run's state: `state_dict()` is what a checkpoint keeps of it;
-    `load_state_dict(saved, ckpt)` puts it back (`ckpt`: the whole checkpoint, for a part whose loading
-    depends on how the run was saved)."""
-
-    state_dict: Callable[[], object]
-    load_state_dict: Callable[[object, dict], None]
-
-
-def parts(run) -> dict[str, Part]:
-    """The run's state by name, in the order a resume loads it. Some parts are collectives (the ranks'
-    loaders, the epoch's running sums): every rank asks for all of them."""
+def tensors(run) -> dict:
+    """The run's tensor parts: the model's, the optimizer's and the EMA's (None without){% if cookiecutter.with_fsdp == "yes" %}; sharded, this rank's
+    slices{% endif %}."""
 {% if cookiecutter.with_fsdp == "yes" %}
-    sharded = fsdp.is_sharded(run.model)
+    if fsdp.is_sharded(run.model):
+        ema = None if run.ema is None else get_model_state_dict(run.ema.model)
+        return {"model": get_model_state_dict(run.model),
+                "optimizer": get_optimizer_state_dict(run.model, run.optimizer), "ema": ema}  # fmt: skip
+{% endif %}
+    ema = None if run.ema is None else run.ema.model.state_dict()
+    return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "ema": ema}
+
+
+def snapshot(run) -> dict:
+    """The run's checkpoint: every part's state in the order `load` puts them back (collectives among the
+    parts, the epoch's running sums and the ranks': every rank calls it), and what describes the save
+    (read by a resume's checks and by people)."""
+    config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
+{% if cookiecutter.with_tracking == "yes" %}
+    trackers = run.runlog.tracking  # rank 0's; none elsewhere
 {% endif %}
     return {
-        "model": weights(run.model{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %}),
-        "optimizer": Part(
-{% if cookiecutter.with_fsdp == "yes" %}
-            lambda: get_optimizer_state_dict(run.model, run.optimizer) if sharded else run.optimizer.state_dict(),
-{% else %}
-            run.optimizer.state_dict,
-{% endif %}
-            lambda saved, ckpt: load_optimizer(saved, ckpt, run),
-        ),
-        # after the model: a checkpoint without EMA weights starts the average from the model's
-        "ema": ema_part(run{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %}) if run.ema is not None else Part(lambda: None, lambda saved, ckpt: None),
-        "scheduler": Part(run.scheduler.state_dict, lambda saved, ckpt: load_schedule(saved, ckpt, run)),
-        "scaler": Part(
-            lambda: run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            lambda saved, ckpt: load_scaler(saved, run.scaler),
-        ),
-        "step": Part(lambda: run.step, lambda saved, ckpt: setattr(run, "step", saved)),
-        "best": Part(run.checkpoints.best.state, lambda saved, ckpt: run.checkpoints.best.load(saved)),
-        "callbacks": Part(
-            run.callbacks.state_dict,
-            lambda saved, ckpt: run.callbacks.load_state_dict(saved or {}, run.cfg.resume_strict),
-        ),
+        **tensors(run),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+        "step": run.step,
+        "best": run.checkpoints.best.state(),
+        "callbacks": run.callbacks.state_dict(),
         # mid-epoch, the epoch's running sums (a collective): the resumed run logs the same figures
-        "meter": Part(
-            lambda: None if run.meter is None else run.meter.state(run.world),
-            lambda saved, ckpt: setattr(run, "carried", saved),
-        ),
+        "meter": None if run.meter is None else run.meter.state(run.world),
 {% if cookiecutter.with_tracking == "yes" %}
-        # the MLflow / W&B runs a resume continues: read as the trackers start (run.records), before this load
-        "tracking": Part(lambda: tracked(run.runlog.tracking), lambda saved, ckpt: None),
+        # the MLflow / W&B run ids a resume continues: read as the trackers start (run.build), before `load`
+        "tracking": {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {},
 {% endif %}
         # what differs between data-parallel processes: each one's train loader (its worker streams), main RNG
-        "ranks": Part(
-            lambda: distributed.gather_all(own(run), run.world),
-            lambda saved, ckpt: load_ranks(saved, run),
+        "ranks": distributed.gather_all(
+            {"rng": rng.capture_main(), "loader": run.train_loader.state_dict()}, run.world
         ),
-    }
-
-
-def weights(model: torch.nn.Module{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> Part:
-    """A model's tensors by name{% if cookiecutter.with_fsdp == "yes" %} (sharded: this rank's slices){% endif %}."""
-{% if cookiecutter.with_fsdp == "yes" %}
-    if sharded:
-        return Part(lambda: get_model_state_dict(model), lambda saved, ckpt: set_model_state_dict(model, saved))
-{% endif %}
-    return Part(model.state_dict, lambda saved, ckpt: model.load_state_dict(saved))
-
-
-def ema_part(run{% if cookiecutter.with_fsdp == "yes" %}, sharded: bool{% endif %}) -> Part:
-    """The EMA's weights; a checkpoint without them (ema.decay set on resuming) starts the average from the
-    model's."""
-    average = weights(run.ema.model{% if cookiecutter.with_fsdp == "yes" %}, sharded{% endif %})
-
-    def load(saved, ckpt) -> None:
-        if saved is None:
-            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
-            saved = run.model.state_dict()
-        average.load_state_dict(saved, ckpt)
-
-    return Part(average.state_dict, load)
-
-
-def load_scaler(saved: dict | None, scaler: torch.amp.GradScaler) -> None:
-    """fp16's loss scale as it was; a run saved without one (float32, bf16) leaves this run's as it starts."""
-    if scaler.is_enabled() and saved is not None:
-        scaler.load_state_dict(saved)
-
-
-def own(run) -> dict:
-    """This rank's part of `ranks`."""
-    return {"rng": rng.capture_main(), "loader": run.train_loader.state_dict()}
-{% if cookiecutter.with_tracking == "yes" %}
-
-
-def tracked(trackers) -> dict:
-    """The run ids of the MLflow / W&B runs (rank 0's; none elsewhere)."""
-    return {t.name: t.run_id for t in trackers.trackers} if trackers is not None else {}
-{% endif %}
-
-
-def description(run) -> dict:
-    """What describes a save rather than a part of the run: read by a resume's checks and by people."""
-    config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
-    return {
         "format": FORMAT,
         "epoch": run.train_loader.epoch,
         "progress": run.train_loader.progress(),
@@ -151,42 +85,66 @@ def description(run) -> dict:
 
 
 def load(run, ckpt: dict{% if cookiecutter.with_fsdp == "yes" %}, path: Path{% endif %}) -> None:
-    """Every part of the checkpoint `ckpt` back into the live run, in order{% if cookiecutter.with_fsdp == "yes" %}; a sharded one's tensor parts
-    first read from the shards at `path` into the live tensors they are slices of (a collective){% endif %}."""
-    named = parts(run)
-{% if cookiecutter.with_fsdp == "yes" %}
-    if ckpt.get("sharded"):  # the EMA's when both the save and this run have one
-        both = run.ema is not None and ckpt["ema"] is not None
-        wanted = [name for name in SHARDED if name != "ema" or both]
-        ckpt = {**ckpt, **fill(path, {name: named[name].state_dict() for name in wanted})}
-{% endif %}
-    for name, part in named.items():
-        part.load_state_dict(ckpt.get(name), ckpt)
-
-
-def load_optimizer(saved: dict, ckpt: dict, run) -> None:
-    """The checkpoint's optimizer state. Parameters grouped otherwise (resume_strict=false with other
-    `optim.param_groups`): each one's state (momentum, Adam's moments) is carried over to where it is now,
-    found through the checkpoint's grouping of this model. A changed run (resume_strict=false): the groups'
-    settings (lr, weight decay...) are this run's config's."""
-    model, optimizer = run.model, run.optimizer
+    """Every part of the checkpoint `ckpt` back into the live run, in `snapshot`'s order{% if cookiecutter.with_fsdp == "yes" %}; a sharded one's
+    tensor parts first read from the shards at `path` into the live tensors they are slices of (a collective){% endif %}.
+    A changed run (resume_strict=false): the optimizer groups' settings (lr, weight decay...) are this run's
+    config's, and this config plans the schedule from here on; loading the saved schedule would bring back the
+    checkpoint's plan (its total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old
+    schedule's floor)."""
+    model, optimizer, changed = run.model, run.optimizer, changes(ckpt, run.cfg)
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 {% if cookiecutter.with_fsdp == "yes" %}
-    if fsdp.is_sharded(model):  # by parameter name: the grouping does not matter
-        set_optimizer_state_dict(model, optimizer, saved)
+    sharded = fsdp.is_sharded(model)
+    if ckpt.get("sharded"):  # the EMA's when both the save and this run have one
+        live = tensors(run)
+        both = live["ema"] is not None and ckpt["ema"] is not None
+        wanted = [name for name in SHARDED if name != "ema" or both]
+        ckpt = {**ckpt, **fill(path, {name: live[name] for name in wanted})}
+
+    def weights(module, saved) -> None:  # a model's tensors by name (sharded: this rank's slices)
+        if sharded:
+            set_model_state_dict(module, saved)
+        else:
+            module.load_state_dict(saved)
+
+    weights(model, ckpt["model"])
+    if sharded:  # by parameter name: the grouping does not matter
+        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"])
     else:
-        regroup(saved, ckpt, model, optimizer)
+        regroup(ckpt["optimizer"], ckpt, model, optimizer)
 {% else %}
-    regroup(saved, ckpt, model, optimizer)
+    model.load_state_dict(ckpt["model"])
+    regroup(ckpt["optimizer"], ckpt, model, optimizer)
 {% endif %}
-    if changes(ckpt, run.cfg):
+    if changed:
         for group, ours in zip(optimizer.param_groups, fresh, strict=True):
             group.update(ours)
+    # after the model: a checkpoint without EMA weights starts the average from the model's
+    if run.ema is not None:
+        if ckpt.get("ema") is None:
+            log.warning("resume: the checkpoint has no EMA weights; the average starts from its model weights")
+{% if cookiecutter.with_fsdp == "yes" %}
+        weights(run.ema.model, ckpt.get("ema") or model.state_dict())
+{% else %}
+        run.ema.model.load_state_dict(ckpt.get("ema") or model.state_dict())
+{% endif %}
+    if changed:
+        fast_forward(run.scheduler, ckpt["step"])
+    else:
+        run.scheduler.load_state_dict(ckpt["scheduler"])
+    if run.scaler.is_enabled() and ckpt.get("scaler") is not None:  # fp16's loss scale (float32, bf16: none)
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.step = ckpt["step"]
+    run.checkpoints.best.load(ckpt.get("best"))
+    run.callbacks.load_state_dict(ckpt.get("callbacks") or {}, run.cfg.resume_strict)
+    run.carried = ckpt.get("meter")  # mid-epoch, the epoch's running sums: the same figures logged
+    load_ranks(ckpt["ranks"], run)
 
 
 def regroup(saved: dict, ckpt: dict, model, optimizer) -> None:
     """`saved` (an optimizer's state_dict) into `optimizer`, each parameter's state found by the grouping the
-    checkpoint's config made of this model."""
+    checkpoint's config made of this model: parameters grouped otherwise (resume_strict=false with other
+    `optim.param_groups`) get their state (momentum, Adam's moments) carried over to where they are now."""
     then = [p for group in parameter_groups(model, ckpt["config"]["optim"]) for p in group["params"]]
     now = [p for group in optimizer.param_groups for p in group["params"]]
     sizes = [len(group["params"]) for group in optimizer.param_groups]
@@ -201,17 +159,6 @@ def regroup(saved: dict, ckpt: dict, model, optimizer) -> None:
         "resume: the parameters are grouped otherwise (optim.param_groups): each one's optimizer state is carried "
         "over, and the groups' lr and weight decay are this run's"
     )
-
-
-def load_schedule(saved: dict, ckpt: dict, run) -> None:
-    """The same run: the schedule's state as it was, bit for bit. A changed run (resume_strict=false): this
-    run's config plans the schedule from here on; loading the saved state would bring back the checkpoint's
-    plan (its total steps: `epochs=8` on an `epochs=2` checkpoint would train on at the old schedule's floor).
-    """
-    if changes(ckpt, run.cfg):
-        fast_forward(run.scheduler, ckpt["step"])
-    else:
-        run.scheduler.load_state_dict(saved)
 
 
 def load_ranks(saved: list[dict], run) -> None:
@@ -232,9 +179,3 @@ def load_ranks(saved: list[dict], run) -> None:
     combined = loader.combined([state["loader"] for state in saved])
     loader.load_state_dict(combined, strict=strict, reseed=rng.derived(run.cfg.seed, rank, run.step, 1))
     rng.seed_everything(rng.derived(run.cfg.seed, rank, run.step, 0))
-
-
-def snapshot(run) -> dict:
-    """The run's checkpoint: every part's state (collectives among the parts: every rank calls it), and what
-    describes the save."""
-    return {**{name: part.state_dict() for name, part in parts(run).items()}, **description(run)}

@@ -73,9 +73,7 @@ class Tracking:
     """The trackers behind one queue and thread: `log` never waits; `close` at most `timeout_s`, naming what is left."""
 
     def __init__(self, trackers: list, timeout_s: float):
-        self.trackers = trackers
-        self.timeout_s = timeout_s
-        self.queue = queue.Queue()
+        self.trackers, self.timeout_s, self.queue = trackers, timeout_s, queue.Queue()
         self.failed = set()  # names of the trackers whose errors were already reported: one warning each
         self.thread = threading.Thread(target=self._drain, name="trackers", daemon=True)
         self.thread.start()
@@ -117,10 +115,6 @@ class Tracking:
             self._call(tracker, "finish", files, finished)
 
 
-def picture(value) -> bool:
-    return hasattr(value, "shape")  # a numpy array among the floats: Tracking.log's pictures
-
-
 class Tracker:
     """One tracked run per training run: `start` makes it or, given the id a checkpoint kept, continues it; `log`
     sends a batch of (step, {name: float or picture}); `finish` hands it the checkpoint paths and ends it."""
@@ -128,9 +122,7 @@ class Tracker:
     name = ""
 
     def __init__(self, cfg, run_dir: Path, sweep: str | None):
-        self.cfg = cfg[self.name]
-        self.run_dir = run_dir
-        self.sweep = sweep
+        self.cfg, self.run_dir, self.sweep = cfg[self.name], run_dir, sweep
         self.timeout_s = float(cfg.timeout_s)
         self.run_id = None  # the tracked run's id, once `start` made or found it
 
@@ -203,7 +195,7 @@ class MlflowTracker(Tracker):
         metrics = []
         for step, m in points:
             for key, value in m.items():
-                if picture(value):
+                if hasattr(value, "shape"):  # a numpy array among the floats: Tracking.log's pictures
                     self.client.log_image(self.run_id, value, key=key.replace("/", "_"), step=step)
                 else:
                     metrics.append(Metric(key, float(value), now, step))
@@ -256,7 +248,7 @@ class WandbTracker(Tracker):
 
     def log(self, points: list) -> None:
         for step, m in points:
-            self.run.log({k: self.image(v) if picture(v) else v for k, v in m.items()}, step=step)
+            self.run.log({k: self.image(v) if hasattr(v, "shape") else v for k, v in m.items()}, step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
