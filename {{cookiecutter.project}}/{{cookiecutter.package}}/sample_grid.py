@@ -63,9 +63,8 @@ def shown(batch, key, normalize) -> torch.Tensor | None:
     images = batch[key] if has_part(batch, key) else found[0] if found else None
     if isinstance(images, (list, tuple)) and images and all(torch.is_tensor(i) and i.dim() == 3 for i in images):
         h, w = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
-        pads = [(0, w - i.shape[2], 0, h - i.shape[1]) for i in images]
-        same = len({i.shape[0] for i in images}) == 1
-        images = torch.stack([torch.nn.functional.pad(i, p) for i, p in zip(images, pads)]) if same else None
+        padded = [torch.nn.functional.pad(i, (0, w - i.shape[2], 0, h - i.shape[1])) for i in images]
+        images = torch.stack(padded) if len({i.shape[0] for i in images}) == 1 else None  # one channel count
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None
     side = images.shape[:1] + images.shape[2:]  # (N, H, W)

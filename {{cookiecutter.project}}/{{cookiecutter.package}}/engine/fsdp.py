@@ -159,9 +159,8 @@ def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
     live = getattr(model.get_submodule(owner), key)
     with torch.no_grad():
         if isinstance(live, DTensor):  # each rank cuts its own slice of the same whole tensor: no communication
-            live.copy_(distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None))
-        else:
-            live.copy_(whole)
+            whole = distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
+        live.copy_(whole)
 
 
 def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:

@@ -66,7 +66,7 @@ class StopRequest:
                     os.close(fd)
                     return
                 if signal.SIGTERM in came:
-                    if term_at is not None and self.waiting is not None:
+                    if term_at and self.waiting:
                         _exit_now("a second SIGTERM")
                     term_at = term_at or time.monotonic()
             waiting = self.waiting
