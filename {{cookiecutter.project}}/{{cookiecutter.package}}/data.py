@@ -75,7 +75,7 @@ class ImageFiles(datasets.ImageFolder):
                 "train/ and val/, each with one subfolder of images per class"
             )
         try:
-            return find_classes(str(root))[0]
+            return find_classes(root)[0]
         except FileNotFoundError as e:
             raise UserError(
                 f"no class folders under {str(root)!r} ({e}): put one subfolder of images per class there"
@@ -257,7 +257,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
 
     @staticmethod
     def pairs(root, split: str) -> np.ndarray:
-        """The image paths and the mask paths of the split, an array of shape (2, n); a missing piece is a UserError."""
+        """The split's image paths and mask paths, an array (2, n); a missing piece is a UserError."""
         folder = Path(root) / split
         layout = f"{folder}/images/<name>.png|jpg and {folder}/masks/<name>.png"
         if not folder.is_dir():

@@ -44,13 +44,14 @@ class SampleGrid:
             rng.seed_everything(rng.derived(run.cfg.seed, epoch, 7))  # this epoch's draws, the same on every run
             samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
             batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))
-        images = shown(batch, run.cfg.data.get("input", 0), run.prepare.normalize)
+        key = run.cfg.data.get("input", 0)
+        images = shown(batch, key, run.prepare.normalize)
         if images is not None:
             run.runlog.image("samples/train", make_grid(images.cpu(), nrow=self.columns), run.step)
         elif not self.told:
             self.told = True
             log.info("callbacks: sample_grid draws nothing: data.input=%s of the batch holds no images (a tensor "
-                     "(N, C, H, W) or a list of (C, H, W), 1 or 3 channels)", run.cfg.data.get("input", 0))  # fmt: skip
+                     "(N, C, H, W) or a list of (C, H, W), 1 or 3 channels)", key)  # fmt: skip
 
 
 def shown(batch, key, normalize) -> torch.Tensor | None:

@@ -154,11 +154,11 @@ class ShardDataset(Dataset):
         self.root, self.transform = Path(root), transform
 {% endif %}
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
-        self.classes, shards = list(index["classes"]), index["shards"]
+        self.classes, shards = index["classes"], index["shards"]
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
         self.shard_bytes = np.array([s["bytes"] for s in shards], dtype=np.int64)
         counts = [len(s["keys"]) for s in shards]
-        self.starts = np.concatenate([[0], np.cumsum(counts)])  # sample number of each shard's first sample
+        self.starts = np.cumsum([0, *counts])  # sample number of each shard's first sample
         self.shard = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
         # int64 whatever numpy's default integer is (int32 on Windows before NumPy 2): offsets past 2 GiB
         columns = [[v for s in shards for v in s[k]] for k in ("offsets", "sizes", "labels")]
@@ -175,7 +175,7 @@ class ShardDataset(Dataset):
     def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
         """The split's classes, or the UserError the constructor would raise (no index, a wrong data.num_classes or
         shuffle_window, a missing or truncated shard), before Hydra writes a run folder."""
-        return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
+        return checked_index(Path(root), num_classes, shuffle_window)["classes"]
 
     def __len__(self) -> int:
         return len(self.offset)

@@ -48,7 +48,7 @@ def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
         found = None
         with contextlib.suppress(Exception):
             found = get_class(name)
-        if not isinstance(found, type) or not issubclass(found, torch.nn.Module):
+        if found is None or not issubclass(found, torch.nn.Module):  # get_class returns a class or raises
             raise UserError(
                 f"parallel.shard_modules: {name!r} is not an importable torch.nn.Module class: give its import path, "
                 "e.g. torchvision.models.vision_transformer.EncoderBlock or a block of your own model"

@@ -22,7 +22,7 @@ def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
     """The optimizer's groups: the parameters no `param_groups` entry's glob `match` matches first, then each entry's
     (the first that matches wins) with its `lr x lr_scale` and weight decay, each split by `_split_decay`. Without
     entries: the optimizer's own one or two groups."""
-    entries = list(optim_cfg.get("param_groups") or [])
+    entries = optim_cfg.get("param_groups") or []
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(entries) + 1)]  # [0]: matched by no entry
     for name, p in model.named_parameters():
         if p.requires_grad:
