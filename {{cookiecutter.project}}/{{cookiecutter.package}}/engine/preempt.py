@@ -105,7 +105,7 @@ class StopRequest:
         ignores USR1/USR2/INT, and takes a SIGTERM only from its parent (how the parent shuts it down at exit):
         SIGTERM is blocked and a thread waits for it, reading who sent it."""
         signal.set_wakeup_fd(-1)  # the parent's watcher pipe, inherited through fork, is not ours to write to
-        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        for signum in StopRequest.SIGNALS[1:]:  # all but SIGTERM
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         parent = os.getppid()
