@@ -136,7 +136,10 @@ class Monitor:
         now = time.perf_counter()
         if died := ended_worker(self.loader.worker_pids):
             raise died
-        steps, wait, elapsed = (end - start for end, start in zip((step, data_wait, now), self._mark))
+        start_step, start_wait, start_time = self._mark
+        steps = step - start_step
+        wait = data_wait - start_wait
+        elapsed = now - start_time
         self._mark = (step, data_wait, now)
         window = {
             "wait_ms_per_step": 1000 * wait / steps,
