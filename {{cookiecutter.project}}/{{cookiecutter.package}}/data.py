@@ -211,9 +211,10 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Im
 def ignore_edge(mask: np.ndarray) -> np.ndarray:
     """`mask` with the shape's pixels that touch the background (4-neighbours) set to IGNORE: a resized image blends
     the shape into the background there, and which class such a pixel holds is a matter of taste."""
-    inside = np.pad(mask > 0, 1, mode="edge")  # the image border is no edge
-    core = inside[1:-1, 1:-1] & inside[:-2, 1:-1] & inside[2:, 1:-1] & inside[1:-1, :-2] & inside[1:-1, 2:]
-    return np.where(inside[1:-1, 1:-1] & ~core, IGNORE, mask).astype(np.uint8)
+    shape = mask > 0
+    inside = np.pad(shape, 1, mode="edge")  # the image border is no edge
+    core = shape & inside[:-2, 1:-1] & inside[2:, 1:-1] & inside[1:-1, :-2] & inside[1:-1, 2:]
+    return np.where(shape & ~core, IGNORE, mask).astype(np.uint8)
 
 
 class SegmentationFolder(torch.utils.data.Dataset):
