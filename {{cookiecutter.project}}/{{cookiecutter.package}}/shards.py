@@ -253,8 +253,9 @@ def check_size(path, expected: int) -> None:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        listed = Path(path).parent / INDEX
-        raise UserError(f"shard {path} is missing (listed in {listed}): restore it or pack again") from None
+        raise UserError(
+            f"shard {path} is missing (listed in {Path(path).parent / INDEX}): restore it or pack again"
+        ) from None
     if size != expected:
         what = "truncated" if size < expected else "changed"
         raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")
