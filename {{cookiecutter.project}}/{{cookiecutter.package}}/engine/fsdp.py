@@ -92,7 +92,7 @@ def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channe
                 mine.copy_(theirs)
         return model
     blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
-    initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
+    initialize(blueprint, parallel_cfg, seed, model)
     return model
 
 
@@ -101,11 +101,11 @@ def tensors(module: nn.Module, recurse: bool = False):
     return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
 
 
-def initialize(blueprint: nn.Module, parallel_cfg, seed: int, put=None) -> None:
+def initialize(blueprint: nn.Module, parallel_cfg, seed: int, into=None) -> None:
     """The units' tensors initialised one unit at a time (this module's docstring), as a constructor would: each
     module's `reset_parameters()`, children first, then the model's own `init_weights()` when it has one (timm's and
-    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. `put(name, whole)` takes
-    each tensor (None: only check); a tensor nothing set is refused in one line."""
+    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. Each tensor goes into
+    the sharded model `into` (`put`; None: only check); a tensor nothing set is refused in one line."""
     init_weights = getattr(blueprint, "init_weights", None)
     paths = unit_paths(blueprint, parallel_cfg)
     units: dict[str, list] = {path: [] for path in paths}
@@ -142,8 +142,8 @@ def initialize(blueprint: nn.Module, parallel_cfg, seed: int, put=None) -> None:
                         f"{type(module).__name__} a reset_parameters(), or the model an init_weights() that sets it "
                         "(docs/distributed.md)"
                     )
-                if put is not None:
-                    put(full, t)
+                if into is not None:
+                    put(into, full, t)
             module.to_empty(device="meta", recurse=False)
 
 
