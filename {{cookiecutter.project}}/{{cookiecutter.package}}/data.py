@@ -176,7 +176,7 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
         os.rename(tmp, root)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "shapes.json").exists():
+        if not marker.exists():
             raise
 
 
