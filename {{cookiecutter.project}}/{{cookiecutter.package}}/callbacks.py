@@ -32,8 +32,10 @@ class EarlyStopping:
             figures = ", ".join(k for k in record if k == "train_loss" or k.startswith("val_"))
             raise UserError(f"callbacks: EarlyStopping's monitor {self.monitor} is not reported; pick one of {figures}")
         value = record[self.monitor]
-        better = improves(value, self.best, self.mode, self.min_delta)  # as best.pth judges, with min_delta
-        self.best, self.waited = (value, 0) if better else (self.best, self.waited + 1)
+        if improves(value, self.best, self.mode, self.min_delta):  # as best.pth judges, with min_delta
+            self.best, self.waited = value, 0
+        else:
+            self.waited += 1
         if self.waited < self.patience:
             return None
         return f"{self.monitor} has not improved on {self.best} for {self.waited} validations"

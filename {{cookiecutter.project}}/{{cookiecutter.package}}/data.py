@@ -75,7 +75,7 @@ class ImageFiles(datasets.ImageFolder):
                 "train/ and val/, each with one subfolder of images per class"
             )
         try:
-            return find_classes(str(root))[0]
+            return find_classes(root)[0]
         except FileNotFoundError as e:
             raise UserError(
                 f"no class folders under {str(root)!r} ({e}): put one subfolder of images per class there"
@@ -111,12 +111,12 @@ def shapes(
     root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026, decode="auto"
 ):
     """One split of the shapes data set, drawn into `root` on first use."""
-    make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
+    make_shapes(Path(root), per_class, image_size, data_seed)
     return ImageFiles(Path(root) / split, transform=transform, decode=decode)
 {% else %}
 def shapes(root, split: str, transform=None, per_class: int = 600, image_size: int = 32, data_seed: int = 2026):
     """One split of the shapes data set, drawn into `root` on first use."""
-    make_shapes(Path(root), per_class=per_class, image_size=image_size, data_seed=data_seed)
+    make_shapes(Path(root), per_class, image_size, data_seed)
     return ImageFiles(Path(root) / split, transform=transform)
 {% endif %}
 
@@ -139,7 +139,8 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
     folder of image/mask pairs is your data, read as it is. `draw=False`: those refusals alone, nothing drawn
     (the prechecks)."""
     wanted = {"format": SHAPES_FORMAT, "per_class": per_class, "image_size": image_size, "data_seed": data_seed}
-    wanted.update({"layout": "segmentation"} if masks else {})
+    if masks:
+        wanted["layout"] = "segmentation"
     marker = root / "shapes.json"
     if marker.exists():
         if json.loads(marker.read_text()) != wanted:
@@ -165,12 +166,9 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
         for name in SHAPES:
             for i in range(count):
                 image, mask = draw_shape(name, image_size, rng)
-                if masks:
-                    files = [(image, tmp / split / "images" / f"{name}-{i:05d}.png"),
-                             (mask, tmp / split / "masks" / f"{name}-{i:05d}.png")]  # fmt: skip
-                else:
-                    files = [(image, tmp / split / name / f"{i:05d}.png")]
-                for picture, path in files:
+                files = {"images": image, "masks": mask} if masks else {name: image}
+                for folder, picture in files.items():
+                    path = tmp / split / folder / (f"{name}-{i:05d}.png" if masks else f"{i:05d}.png")
                     path.parent.mkdir(parents=True, exist_ok=True)
                     picture.save(path)
     (tmp / "shapes.json").write_text(json.dumps(wanted))
@@ -178,7 +176,7 @@ def make_shapes(root: Path, per_class: int, image_size: int, data_seed: int, mas
         os.rename(tmp, root)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "shapes.json").exists():
+        if not marker.exists():
             raise
 
 
@@ -192,7 +190,7 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Im
     radius = rng.uniform(0.2, 0.38) * size
     cx, cy = rng.uniform(radius, size - radius, 2)
     angle = rng.uniform(0, 2 * math.pi)
-    fill = tuple(int(c) for c in colour)
+    fill = tuple(colour.tolist())  # plain ints, as PIL takes a colour
     for pen, paint in ((ImageDraw.Draw(image), fill), (ImageDraw.Draw(mask), 1 + SHAPES.index(name))):
         if name == "circle":
             pen.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=paint)
@@ -213,9 +211,10 @@ def draw_shape(name: str, size: int, rng: np.random.Generator) -> tuple[Image.Im
 def ignore_edge(mask: np.ndarray) -> np.ndarray:
     """`mask` with the shape's pixels that touch the background (4-neighbours) set to IGNORE: a resized image blends
     the shape into the background there, and which class such a pixel holds is a matter of taste."""
-    inside = np.pad(mask > 0, 1, mode="edge")  # the image border is no edge
-    core = inside[1:-1, 1:-1] & inside[:-2, 1:-1] & inside[2:, 1:-1] & inside[1:-1, :-2] & inside[1:-1, 2:]
-    return np.where(inside[1:-1, 1:-1] & ~core, IGNORE, mask).astype(np.uint8)
+    shape = mask > 0
+    inside = np.pad(shape, 1, mode="edge")  # the image border is no edge
+    core = shape & inside[:-2, 1:-1] & inside[2:, 1:-1] & inside[1:-1, :-2] & inside[1:-1, 2:]
+    return np.where(shape & ~core, IGNORE, mask).astype(np.uint8)
 
 
 class SegmentationFolder(torch.utils.data.Dataset):
@@ -243,7 +242,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
     ):
         if generate:
             make_shapes(Path(root), per_class, image_size, data_seed, masks=True)
-        self.images, self.masks = self.pairs(root, split).T.copy()  # two arrays of paths
+        self.images, self.masks = self.pairs(root, split)  # two arrays of paths
         self.transform, self.num_classes = transform, num_classes
 
     @staticmethod
@@ -259,7 +258,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
 
     @staticmethod
     def pairs(root, split: str) -> np.ndarray:
-        """The (image, mask) paths of the split, an array of shape (n, 2); a missing piece is a UserError."""
+        """The split's image paths and mask paths, an array (2, n); a missing piece is a UserError."""
         folder = Path(root) / split
         layout = f"{folder}/images/<name>.png|jpg and {folder}/masks/<name>.png"
         if not folder.is_dir():
@@ -277,7 +276,7 @@ class SegmentationFolder(torch.utils.data.Dataset):
                 f"{len(missing)} of the {len(images)} images in {str(folder / 'images')!r} have no mask "
                 f"(first: {missing[0]!r}): give every image a mask of the same name, or take the image out"
             )
-        return np.array([[str(i), str(m)] for i, m in zip(images, masks)])
+        return np.array([[str(p) for p in images], [str(p) for p in masks]])
 
     def __len__(self) -> int:
         return len(self.images)

@@ -14,6 +14,7 @@ import torch
 import torchvision
 from torch import nn
 {% if cookiecutter.with_fsdp == "yes" %}
+from torch.nn import init
 from torchvision.models.vision_transformer import MLPBlock, VisionTransformer
 {% endif %}
 
@@ -62,21 +63,21 @@ class ViT(VisionTransformer):
         """torchvision's own initialisation of the tensors its constructors set outside any reset_parameters(), the
         same distributions: for parallel=fsdp, which builds the model on the meta device (engine/fsdp.py)."""
         conv = self.conv_proj
-        nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
-        nn.init.zeros_(conv.bias)
-        nn.init.zeros_(self.class_token)
-        nn.init.normal_(self.encoder.pos_embedding, std=0.02)
+        init.trunc_normal_(conv.weight, std=math.sqrt(1 / (conv.in_channels * math.prod(conv.kernel_size))))
+        init.zeros_(conv.bias)
+        init.zeros_(self.class_token)
+        init.normal_(self.encoder.pos_embedding, std=0.02)
         for module in self.modules():
             if isinstance(module, nn.MultiheadAttention):
-                nn.init.xavier_uniform_(module.in_proj_weight)
-                nn.init.zeros_(module.in_proj_bias)
-                nn.init.zeros_(module.out_proj.bias)
+                init.xavier_uniform_(module.in_proj_weight)
+                init.zeros_(module.in_proj_bias)
+                init.zeros_(module.out_proj.bias)
             elif isinstance(module, MLPBlock):
                 for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
-                    nn.init.xavier_uniform_(linear.weight)
-                    nn.init.normal_(linear.bias, std=1e-6)
-        nn.init.zeros_(self.heads.head.weight)
-        nn.init.zeros_(self.heads.head.bias)
+                    init.xavier_uniform_(linear.weight)
+                    init.normal_(linear.bias, std=1e-6)
+        init.zeros_(self.heads.head.weight)
+        init.zeros_(self.heads.head.bias)
 
 
 {% endif %}

@@ -44,13 +44,14 @@ class SampleGrid:
             rng.seed_everything(rng.derived(run.cfg.seed, epoch, 7))  # this epoch's draws, the same on every run
             samples = first_samples(copy.copy(run.train_set), "data.train", self.count)
             batch = run.prepare(to_device((run.collate or default_collate)(samples), run.device))
-        images = shown(batch, run.cfg.data.get("input", 0), run.prepare.normalize)
+        key = run.cfg.data.get("input", 0)
+        images = shown(batch, key, run.prepare.normalize)
         if images is not None:
             run.runlog.image("samples/train", make_grid(images.cpu(), nrow=self.columns), run.step)
         elif not self.told:
             self.told = True
             log.info("callbacks: sample_grid draws nothing: data.input=%s of the batch holds no images (a tensor "
-                     "(N, C, H, W) or a list of (C, H, W), 1 or 3 channels)", run.cfg.data.get("input", 0))  # fmt: skip
+                     "(N, C, H, W) or a list of (C, H, W), 1 or 3 channels)", key)  # fmt: skip
 
 
 def shown(batch, key, normalize) -> torch.Tensor | None:
@@ -63,9 +64,8 @@ def shown(batch, key, normalize) -> torch.Tensor | None:
     images = batch[key] if has_part(batch, key) else found[0] if found else None
     if isinstance(images, (list, tuple)) and images and all(torch.is_tensor(i) and i.dim() == 3 for i in images):
         h, w = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
-        pads = [(0, w - i.shape[2], 0, h - i.shape[1]) for i in images]
-        same = len({i.shape[0] for i in images}) == 1
-        images = torch.stack([torch.nn.functional.pad(i, p) for i, p in zip(images, pads)]) if same else None
+        padded = [torch.nn.functional.pad(i, (0, w - i.shape[2], 0, h - i.shape[1])) for i in images]
+        images = torch.stack(padded) if len({i.shape[0] for i in images}) == 1 else None  # one channel count
     if not (torch.is_tensor(images) and images.dim() == 4 and images.shape[1] in (1, 3)):
         return None
     side = images.shape[:1] + images.shape[2:]  # (N, H, W)

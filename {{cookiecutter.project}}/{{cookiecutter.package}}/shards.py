@@ -80,10 +80,11 @@ def pack(src, dst, per_shard: int, report=print, seed: int | None = 0) -> dict[s
                 "labels would not match"
             )
         labels = [classes.index(folder.classes[label]) for label in folder.labels]  # train's numbering
-        listing[split] = list(zip(folder.paths.tolist(), labels))
+        samples = list(zip(folder.paths.tolist(), labels))
         if seed is not None:  # each split its own stream, so adding a val/ folder leaves the train shards as they were
             mix = np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)]))
-            listing[split] = [listing[split][i] for i in mix.permutation(len(listing[split]))]
+            samples = [samples[i] for i in mix.permutation(len(samples))]
+        listing[split] = samples
     for split, samples in listing.items():
         folder = dst / split
         folder.mkdir(parents=True)
@@ -153,17 +154,16 @@ class ShardDataset(Dataset):
         self.root, self.transform = Path(root), transform
 {% endif %}
         index = checked_index(self.root, num_classes, shuffle_window)  # now, not hours into the run
-        self.classes, shards = list(index["classes"]), index["shards"]
+        self.classes, shards = index["classes"], index["shards"]
         self.paths = np.array([str(self.root / s["name"]) for s in shards])
         self.shard_bytes = np.array([s["bytes"] for s in shards], dtype=np.int64)
         counts = [len(s["keys"]) for s in shards]
-        self.starts = np.concatenate([[0], np.cumsum(counts)])  # sample number of each shard's first sample
+        self.starts = np.cumsum([0, *counts])  # sample number of each shard's first sample
         self.shard = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
-        flat = {k: [v for s in shards for v in s[k]] for k in ("offsets", "sizes", "labels", "keys")}
         # int64 whatever numpy's default integer is (int32 on Windows before NumPy 2): offsets past 2 GiB
-        self.offset, self.size, self.label = (np.array(flat[k], dtype=np.int64) for k in ("offsets", "sizes", "labels"))
-        self.key = np.array(flat["keys"])  # member names, for a bad sample's line
-        del index, shards, flat  # the per-sample Python lists go before any worker forks
+        columns = [[v for s in shards for v in s[k]] for k in ("offsets", "sizes", "labels")]
+        self.offset, self.size, self.label = np.array(columns, dtype=np.int64)  # the per-sample lists go on return
+        self.key = np.array([k for s in shards for k in s["keys"]])  # member names, for a bad sample's line
         self.shuffle_window = shuffle_window
         window = shuffle_window or len(self.paths)
         self.max_open = max_open or max(1, min(len(self.paths), 2 * window + 2, 256))
@@ -175,7 +175,7 @@ class ShardDataset(Dataset):
     def precheck(root, num_classes: int | None = None, shuffle_window: int = 4, **_) -> list[str]:
         """The split's classes, or the UserError the constructor would raise (no index, a wrong data.num_classes or
         shuffle_window, a missing or truncated shard), before Hydra writes a run folder."""
-        return list(checked_index(Path(root), num_classes, shuffle_window)["classes"])
+        return checked_index(Path(root), num_classes, shuffle_window)["classes"]
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -253,8 +253,9 @@ def check_size(path, expected: int) -> None:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        listed = Path(path).parent / INDEX
-        raise UserError(f"shard {path} is missing (listed in {listed}): restore it or pack again") from None
+        raise UserError(
+            f"shard {path} is missing (listed in {Path(path).parent / INDEX}): restore it or pack again"
+        ) from None
     if size != expected:
         what = "truncated" if size < expected else "changed"
         raise UserError(f"shard {path} is {what}: {size} bytes, the index says {expected}; copy it again or pack again")

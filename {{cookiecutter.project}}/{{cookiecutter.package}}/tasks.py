@@ -68,13 +68,12 @@ class Segmentation:
         images, masks = batch
         logits = model(images).float()
         valid = masks != self.ignore_index
-        truth = torch.where(valid, masks, 0)  # ignored pixels weigh 0 below: their cell is any valid one
-        cells = truth * self.num_classes + logits.argmax(1)
+        # ignored pixels weigh 0 below: their cell is any valid one
+        cells = torch.where(valid, masks, 0) * self.num_classes + logits.argmax(1)
         # the confusion matrix (truth x prediction) by a scatter-add of each valid pixel: no boolean indexing,
         # which would read the number of valid pixels back to the host; scatter_add_ has a deterministic CUDA kernel
         confusion = torch.zeros(self.num_classes**2, dtype=torch.long, device=masks.device)
-        confusion.scatter_add_(0, cells.flatten(), valid.flatten().long())
-        confusion = confusion.view(self.num_classes, self.num_classes)
+        confusion = confusion.scatter_add_(0, cells.flatten(), valid.flatten().long()).view(self.num_classes, -1)
         intersection = confusion.diagonal()
         return {
             "loss": F.cross_entropy(logits, masks, ignore_index=self.ignore_index, reduction="sum"),

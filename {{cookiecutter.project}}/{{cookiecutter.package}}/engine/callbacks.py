@@ -55,8 +55,8 @@ class Callbacks:
     """The run's callbacks by name (`named`), in the config's order (`cfg.callbacks`)."""
 
     def __init__(self, nodes):
-        nodes = {name: node for name, node in (nodes or {}).items() if node is not None}
-        self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in nodes.items()}
+        got = (nodes or {}).items()
+        self.named = {name: parts.build(node, f"callbacks.{name}") for name, node in got if node is not None}
         self.stopped_by: str | None = None  # "<name>: <why>", once a callback asked the run to stop
 
     def call(self, hook: str, run, *args) -> dict:

@@ -131,9 +131,9 @@ class Normalize:
         if x.dtype == torch.uint8:
             x = x.float().div_(255)
             if self.mean is not None:
-                x = x.sub_(self.mean)
+                x.sub_(self.mean)
             if self.std is not None:
-                x = x.div_(self.std)
+                x.div_(self.std)
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x

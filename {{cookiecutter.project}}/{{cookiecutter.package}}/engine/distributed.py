@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .errors import UserError
 from .preempt import StopRequest
@@ -87,14 +88,14 @@ def join(device: torch.device, stop: StopRequest | None = None) -> World:
     return World(rank, world_size, stop)
 
 
-def wrap(model: torch.nn.Module, device: torch.device, world: World) -> torch.nn.Module:
+def wrap(model: nn.Module, device: torch.device, world: World) -> nn.Module:
     if not world.distributed:
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def settle_buckets(net: torch.nn.Module, throwaway_loss, undone) -> None:
+def settle_buckets(net: nn.Module, throwaway_loss, undone) -> None:
     """Give DDP its final gradient buckets before the first real step, so that every process of a run, fresh or
     resumed, all-reduces each step's gradients in the same layout (with 3 or more ranks the layout changes the last
     bits of the averaged gradients: docs/distributed.md). A collective: every rank calls it.
@@ -102,7 +103,7 @@ def settle_buckets(net: torch.nn.Module, throwaway_loss, undone) -> None:
     DDP rebuilds its buckets once, at the forward after its first backward: so one throwaway step,
     `throwaway_loss()` (the task's loss on two training samples) and its backward, inside `undone` (a context that
     puts back what it changes: dry_step.undone); no optimizer step runs."""
-    if isinstance(net, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(net, nn.parallel.DistributedDataParallel):
         with undone:
             throwaway_loss().backward()
 
@@ -124,7 +125,7 @@ def most(count: int, world: World | None, device: torch.device) -> int:
 
 
 {% endif %}
-def main_buffers(model: torch.nn.Module, world: World | None) -> None:
+def main_buffers(model: nn.Module, world: World | None) -> None:
     """Rank 0's buffers (BatchNorm's running statistics) on every rank. Each rank's last training forward updated
     them from its own batch; DDP hands rank 0's out again only at the next forward. A validation before that would
     judge a mix of ranks' statistics, not the weights the checkpoint keeps (rank 0's). Training is unchanged."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra.utils import get_class
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -38,7 +39,7 @@ log = logging.getLogger("train")
 MiB = 2**20
 
 
-def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
+def unit_paths(model: nn.Module, parallel_cfg) -> list[str]:
     """The qualified names of the modules that become FSDP units, innermost first (fully_shard wants a child before
     its parent), the root ("") last: every instance of the classes `parallel.shard_modules` names by import path, or
     when it is null of the model's own `shard_modules` attribute (model=vit: its encoder blocks), else none."""
@@ -48,7 +49,7 @@ def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
         found = None
         with contextlib.suppress(Exception):
             found = get_class(name)
-        if not isinstance(found, type) or not issubclass(found, torch.nn.Module):
+        if found is None or not issubclass(found, nn.Module):  # get_class returns a class or raises
             raise UserError(
                 f"parallel.shard_modules: {name!r} is not an importable torch.nn.Module class: give its import path, "
                 "e.g. torchvision.models.vision_transformer.EncoderBlock or a block of your own model"
@@ -62,7 +63,7 @@ def unit_paths(model: torch.nn.Module, parallel_cfg) -> list[str]:
     return [path for path, m in model.named_modules() if path and isinstance(m, tuple(classes))][::-1] + [""]
 
 
-def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> torch.nn.Module:
+def shard(model: nn.Module, parallel_cfg, amp: torch.dtype | None, device) -> nn.Module:
     """`model` (on the meta device) sharded in place, units then root; this rank's slices allocated on `device`.
     amp=bf16: bf16 weights for the compute, float32 gradient reduction and master weights."""
     if amp not in (None, torch.bfloat16):
@@ -74,7 +75,7 @@ def shard(model: torch.nn.Module, parallel_cfg, amp: torch.dtype | None, device)
     return model.to_empty(device=device)
 
 
-def on_meta(make: Callable[[], torch.nn.Module], channels_last: bool = False) -> torch.nn.Module:
+def on_meta(make: Callable[[], nn.Module], channels_last: bool = False) -> nn.Module:
     """The model `make` builds, on the meta device: its shapes and structure, no memory and no random draws."""
     with torch.device("meta"):
         model = make()
@@ -91,20 +92,20 @@ def build(make, parallel_cfg, amp: torch.dtype | None, device, seed: int, channe
                 mine.copy_(theirs)
         return model
     blueprint = on_meta(make, channels_last)  # a second one, free on the meta device: each unit made whole in turn
-    initialize(blueprint, parallel_cfg, seed, lambda name, whole: put(model, name, whole))
+    initialize(blueprint, parallel_cfg, seed, model)
     return model
 
 
-def tensors(module: torch.nn.Module, recurse: bool = False):
+def tensors(module: nn.Module, recurse: bool = False):
     """The module's (name, tensor) pairs, parameters then buffers: its own alone unless `recurse`."""
     return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
 
 
-def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) -> None:
+def initialize(blueprint: nn.Module, parallel_cfg, seed: int, into=None) -> None:
     """The units' tensors initialised one unit at a time (this module's docstring), as a constructor would: each
     module's `reset_parameters()`, children first, then the model's own `init_weights()` when it has one (timm's and
-    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. `put(name, whole)` takes
-    each tensor (None: only check); a tensor nothing set is refused in one line."""
+    torchtitan's models do), whose draws into the other units' meta tensors touch nothing. Each tensor goes into
+    the sharded model `into` (`put`; None: only check); a tensor nothing set is refused in one line."""
     init_weights = getattr(blueprint, "init_weights", None)
     paths = unit_paths(blueprint, parallel_cfg)
     units: dict[str, list] = {path: [] for path in paths}
@@ -141,8 +142,8 @@ def initialize(blueprint: torch.nn.Module, parallel_cfg, seed: int, put=None) ->
                         f"{type(module).__name__} a reset_parameters(), or the model an init_weights() that sets it "
                         "(docs/distributed.md)"
                     )
-                if put is not None:
-                    put(full, t)
+                if into is not None:
+                    put(into, full, t)
             module.to_empty(device="meta", recurse=False)
 
 
@@ -153,18 +154,17 @@ def not_set(t: torch.Tensor) -> float | int | None:
     return torch.iinfo(t.dtype).min if t.dtype != torch.bool and not t.is_complex() else None
 
 
-def put(model: torch.nn.Module, name: str, whole: torch.Tensor) -> None:
+def put(model: nn.Module, name: str, whole: torch.Tensor) -> None:
     """The whole tensor `whole` into the model's tensor `name`: a sharded one keeps only this rank's slice."""
     owner, _, key = name.rpartition(".")
     live = getattr(model.get_submodule(owner), key)
     with torch.no_grad():
         if isinstance(live, DTensor):  # each rank cuts its own slice of the same whole tensor: no communication
-            live.copy_(distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None))
-        else:
-            live.copy_(whole)
+            whole = distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
+        live.copy_(whole)
 
 
-def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:
+def fill(model: nn.Module, path: Path, fitting: dict) -> None:
     """`init_from` into the sharded model, no rank reading it whole: from a sharded save each rank reads its own
     slices (DCP reshards), from a whole file (memory-mapped) each rank copies its slice, one tensor at a time."""
     if not path.is_dir():
@@ -176,12 +176,12 @@ def fill(model: torch.nn.Module, path: Path, fitting: dict) -> None:
     set_model_state_dict(model, live, options=StateDictOptions(strict=False))
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
 @contextlib.contextmanager
-def no_gradient_sync(model: torch.nn.Module):
+def no_gradient_sync(model: nn.Module):
     """Within an accumulation window: the micro-batches' gradients add up locally, reduce-scattered on its last."""
     model.set_requires_gradient_sync(False)
     try:
@@ -202,7 +202,7 @@ class PeakMemory:
     def __init__(self, world):
         self.world, self.before, self.planned, self.told = world, peak_rss_mib(), 0.0, False
 
-    def plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
+    def plan(self, model: nn.Module, optimizer: torch.optim.Optimizer, ema: bool) -> PeakMemory:
         """Itself, once the log has the plan: parameters, gradients, optimizer state and the EMA's copy when on."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
         params = sum(p.numel() * p.element_size() for p in local) / MiB

@@ -71,7 +71,7 @@ def sample(worker_pids: set[int]) -> dict:
     the run holds. `worker_count` counts only the train loader's workers (`worker_pids`, filled from the batches)."""
     readings = _readings()
     main_rss, main_pss, _ = readings[os.getpid()]
-    rss, pss, fds = (sum(column) for column in zip(*readings.values()))
+    rss, pss, fds = map(sum, zip(*readings.values()))
     return {
         "worker_count": len(readings.keys() & worker_pids),
         "rss_mib": rss / MiB,

@@ -22,12 +22,11 @@ def parameter_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
     """The optimizer's groups: the parameters no `param_groups` entry's glob `match` matches first, then each entry's
     (the first that matches wins) with its `lr x lr_scale` and weight decay, each split by `_split_decay`. Without
     entries: the optimizer's own one or two groups."""
-    entries = list(optim_cfg.get("param_groups") or [])
+    entries = optim_cfg.get("param_groups") or []
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(entries) + 1)]  # [0]: matched by no entry
     for name, p in model.named_parameters():
         if p.requires_grad:
-            at = next((i for i, e in enumerate(entries) if fnmatchcase(name, e["match"])), None)
-            chosen[0 if at is None else at + 1].append(p)
+            chosen[next((i for i, e in enumerate(entries, 1) if fnmatchcase(name, e["match"])), 0)].append(p)
     groups = _split_decay(chosen[0], {}, optim_cfg) if chosen[0] else []
     for i, (entry, params) in enumerate(zip(entries, chosen[1:])):
         if not params:

@@ -66,7 +66,7 @@ class StopRequest:
                     os.close(fd)
                     return
                 if signal.SIGTERM in came:
-                    if term_at is not None and self.waiting is not None:
+                    if term_at and self.waiting:
                         _exit_now("a second SIGTERM")
                     term_at = term_at or time.monotonic()
             waiting = self.waiting
@@ -105,7 +105,7 @@ class StopRequest:
         ignores USR1/USR2/INT, and takes a SIGTERM only from its parent (how the parent shuts it down at exit):
         SIGTERM is blocked and a thread waits for it, reading who sent it."""
         signal.set_wakeup_fd(-1)  # the parent's watcher pipe, inherited through fork, is not ours to write to
-        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        for signum in StopRequest.SIGNALS[1:]:  # all but SIGTERM
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         parent = os.getppid()

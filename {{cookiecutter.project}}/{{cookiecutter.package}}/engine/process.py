@@ -96,7 +96,7 @@ def keep_freed_memory(mmap: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) ->
         mallopt = ctypes.CDLL(None).mallopt  # glibc's: musl's does nothing (returns 0), macOS and Windows have none
     except (AttributeError, OSError, TypeError):
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # ctypes passes Python ints as C ints and reads an int back by default: mallopt(int, int) -> int
     # the mmap threshold first: setting either one turns glibc's own tuning off, and it would stay at 128 KiB
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap) and mallopt(_M_TRIM_THRESHOLD, trim))
 

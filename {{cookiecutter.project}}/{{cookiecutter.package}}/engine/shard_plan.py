@@ -50,11 +50,10 @@ def reader_shards(seed: int, epoch: int, sizes: list[int] | None, count: int, re
     key = int(np.random.SeedSequence([seed, epoch, 0x5348]).generate_state(1, np.uint64)[0] >> 1)
     out: list[list[int]] = [[] for _ in range(readers)]
     load = [(0, reader) for reader in range(readers)]
-    for i, shard in enumerate(np.random.default_rng(key).permutation(count).tolist()):
-        records, reader = heapq.heappop(load) if sizes is not None else (0, i % readers)
+    for shard in np.random.default_rng(key).permutation(count).tolist():
+        records, reader = load[0]  # without sizes one record each: the fewest so far is round robin
         out[reader].append(shard)
-        if sizes is not None:
-            heapq.heappush(load, (records + sizes[shard], reader))
+        heapq.heapreplace(load, (records + (1 if sizes is None else sizes[shard]), reader))
     return out
 
 

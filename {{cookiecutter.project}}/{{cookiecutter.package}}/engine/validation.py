@@ -47,7 +47,7 @@ def evaluate(task, model, loader, device: torch.device, world=None, prepare=None
         for _ in range(distributed.most(batches, world, device) - batches):{% if cookiecutter.with_streams == "yes" %}  # a stream's count shows at its end{% endif +%}
             task.metrics(model, prepare(batch) if prepare is not None else batch)  # counted nowhere
 {% endif %}
-    totals = sum_and_read(list(sums.values()), device, world)  # the one host read: plain floats
+    totals = sum_and_read(sums.values(), device, world)  # the one host read: plain floats
     if hasattr(task, "compute"):  # each total back in its shape, on the CPU (built, not read); else the floats
         pieces = torch.tensor(totals, dtype=torch.float64).split([total.numel() for total in sums.values()])
         totals = [piece.reshape(total.shape) for piece, total in zip(pieces, sums.values(), strict=True)]
