@@ -160,7 +160,7 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.skip = dataset, seed, skip
-        self.seeding = rng.SampleSeeding(rng.own_generators(dataset)) if per_sample else None
+        self.seeding = rng.SampleSeeding(dataset) if per_sample else None
 
     def __getitems__(self, batch: BatchIndices):
         if self.seeding is None:
@@ -169,13 +169,8 @@ class SeededBatches(torch.utils.data.Dataset):
         if prefetch is not None:
             prefetch(list(batch))
         base = rng.epoch_base(self.seed, batch.epoch)
-
-        def make(index):
-            self.seeding.seed(rng.index_seed(base, index))
-            return self.dataset[index]
-
-        keep = get_worker_info() is None  # in the main process (num_workers=0) its RNG is put back, untouched
-        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make), keep)
+        make = self.seeding.sample
+        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, lambda i: make(base, i)))
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -196,21 +191,13 @@ class SeededSamples(torch.utils.data.Dataset):
     main process (num_workers=0) its RNG is put back."""
 
     def __init__(self, dataset, seed: int):
-        self.dataset, self.base = dataset, rng.epoch_base(seed, rng.VALIDATION)
-        self.seeding = rng.SampleSeeding(rng.own_generators(dataset))
+        self.dataset, self.base, self.seeding = dataset, rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitems__(self, indices: list) -> list:
-        def make():
-            made = []
-            for index in indices:
-                self.seeding.seed(rng.index_seed(self.base, index))
-                made.append(self.dataset[index])
-            return made
-
-        return self.seeding.batch(make, keep=get_worker_info() is None)
+        return self.seeding.batch(lambda: [self.seeding.sample(self.base, i) for i in indices])
 
 
 @dataclass
@@ -591,8 +578,7 @@ class EvalStream(IterableDataset):
             records, index = iter(self.dataset.read(shards[shard])), 0
             while True:
                 with rng.kept(get_worker_info() is None, cuda=False):  # the main process's RNG stays the loop's
-                    rng.seed_sample(seed := rng.index_seed(base, shard << 32 | index))
-                    rng.seed_pipelines(pipelines, seed)
+                    rng.seed_sample(rng.index_seed(base, shard << 32 | index), pipelines)
                     record = next(records, records)  # the iterator itself: the shard has ended
                 if record is records:
                     break
