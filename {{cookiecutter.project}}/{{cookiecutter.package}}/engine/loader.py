@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 {% if cookiecutter.with_streams == "yes" %}
-from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
 {% else %}
-from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Sampler, default_collate, get_worker_info
 
 from . import failures, rng
 {% endif %}
@@ -125,13 +125,8 @@ class EpochBatchSampler(Sampler):
     def __iter__(self):
         # global batch i is order[i*g:(i+1)*g]; rank r's share of it, every world_size-th entry, is its [i*b:(i+1)*b]
         order = self.permutation()[: self.batches_per_epoch * self.global_batch][self.rank :: self.world_size]
-        size = self.batch_size
-        return iter(
-            [
-                BatchIndices(order[i * size : (i + 1) * size].tolist(), self.epoch, i)
-                for i in range(self.start, self.batches_per_epoch)
-            ]
-        )
+        batches = order.reshape(-1, self.batch_size).tolist()
+        return iter([BatchIndices(batches[i], self.epoch, i) for i in range(self.start, self.batches_per_epoch)])
 
 
 class BatchIndices(list):
@@ -191,10 +186,10 @@ class SeededSamples(torch.utils.data.Dataset):
     main process (num_workers=0) its RNG is put back."""
 
     def __init__(self, dataset, seed: int):
-        self.dataset, self.base, self.seeding = dataset, rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding(dataset)
+        self.base, self.seeding = rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding(dataset)
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.seeding.dataset)
 
     def __getitems__(self, indices: list) -> list:
         return self.seeding.batch(lambda: [self.seeding.sample(self.base, i) for i in indices])
@@ -378,10 +373,12 @@ class EpochLoader:
                     self.bad_samples.add(self.epoch, note.skipped)
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
+{% if cookiecutter.with_streams == "yes" %}
         self.epoch_ended()
 
     def epoch_ended(self) -> None:
         """What a loader does once an epoch is done, beyond counting it."""
+{% endif %}
 
     def start_next_epoch(self) -> None:
         """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
@@ -460,14 +457,12 @@ class TrainLoader(EpochLoader):
         self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, self.rank, self.world_size, order_fn)
         self.batches_per_epoch = self.sampler.batches_per_epoch
         # Samples each epoch leaves out, over all ranks: those past its whole global batches (drop_last)
-        self.dropped_records = self.sampler.size - self.batches_per_epoch * self.global_batch
+        self.dropped_records = len(dataset) % self.global_batch
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if self.rank == 0 else int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
         self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
-        self.streams: list | None = None
-        self.rotation = 0
-        self.reuse = False
+        self.streams, self.rotation, self.reuse = None, 0, False  # the class docstring says what they are
 
     @property
     def at_epoch_end(self) -> bool:
@@ -617,12 +612,12 @@ def eval_loader(
         stream = EvalStream(dataset, rank, world_size, seed)
         return GuardedDataLoader(stream, settings, start_guard, batch_size=settings.batch_size, **common)
 {% endif %}
-    mine, size = range(rank, len(dataset), world_size), settings.batch_size
+    mine = range(rank, len(dataset), world_size)
     if not mine:
         raise UserError(
             f"the validation data has {len(dataset)} samples, too few for one on each of {world_size} processes: run "
             "fewer processes or give it more samples"
         )
-    batches = [list(mine[i : i + size]) for i in range(0, len(mine), size)]
+    batches = BatchSampler(mine, settings.batch_size, drop_last=False)
     dataset = dataset if seed is None else SeededSamples(dataset, seed)
     return GuardedDataLoader(dataset, settings, start_guard, batch_sampler=batches, **common)

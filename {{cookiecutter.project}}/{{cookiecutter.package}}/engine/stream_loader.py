@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
-from .errors import UserError
+from .errors import UserError, first_line
 from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, LoaderSettings, SeedWorker
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ReaderStream(IterableDataset):
             self.seeks = self.shards and "start" in inspect.signature(dataset.read).parameters
         except (TypeError, ValueError):
             self.seeks = False
-        methods = ("state_dict", "load_state_dict")
+        methods = ("state_dict", "load_state_dict")  # Stateful
         self.stateful = not self.shards and all(callable(getattr(dataset, m, None)) for m in methods)
         # what an epoch's iter() starts from: its number, the worker that goes first, per shard the records consumed
         self.control = torch.zeros(2 + (len(dataset.shards) if self.shards else 0), dtype=torch.int64).share_memory_()
@@ -147,8 +147,7 @@ class ReaderStream(IterableDataset):
                 held = "more"
                 break
             if bad:
-                text = str(item).strip().splitlines()
-                line = f"{name} record {index}: {type(item).__name__}: {text[0] if text else ''}"[:500]
+                line = f"{name} record {index}: {type(item).__name__}: {first_line(item)}"[:500]
                 if not self.skip:
                     raise failures.BadSample(line) from item
                 item, records = line, self._open(shard, index + 1)  # a generator that raised has ended
