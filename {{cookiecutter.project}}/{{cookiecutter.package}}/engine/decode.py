@@ -172,9 +172,8 @@ def gpu_steps(transform, plan):
     """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
     (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
     one line: a step of another kind would run in the main process, off the sample's seeded generator."""
-    rest = plan[1] if plan is not None else None
-    if rest is not None and [type(t) for t in rest] in ([], [v2.RandomHorizontalFlip]):
-        return rest[0] if rest else None
+    if plan is not None and [type(t) for t in plan[1]] in ([], [v2.RandomHorizontalFlip]):
+        return next(iter(plan[1]), None)
     steps = transform.transforms if type(transform) is v2.Compose else [transform]
     names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
     raise UserError(

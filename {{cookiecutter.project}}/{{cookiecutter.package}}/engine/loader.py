@@ -165,7 +165,9 @@ class SeededBatches(torch.utils.data.Dataset):
             prefetch(list(batch))
         base = rng.epoch_base(self.seed, batch.epoch)
         make = self.seeding.sample
-        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, lambda i: make(base, i)))
+        return self.seeding.batch(
+            lambda: failures.fetch_guarded(self.dataset, batch, self.skip, lambda i: make(base, i))
+        )
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
