@@ -97,8 +97,12 @@ def own_generators(dataset) -> list:
     """The augmentation pipelines among `dataset`'s attributes (and the items of a list, tuple or dict there) that
     hold generators of their own and can be handed others: albumentations 2's Compose and transforms, through
     their public `set_random_state(numpy_generator, python_random)`."""
+    try:
+        values = vars(dataset).values()
+    except TypeError:  # a data set without a __dict__ (__slots__)
+        return []
     found = []
-    for value in getattr(dataset, "__dict__", {}).values():  # none for a data set without one (__slots__)
+    for value in values:
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
         found += [item for item in items if callable(getattr(item, "set_random_state", None))]
     return found
