@@ -30,33 +30,27 @@ JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
-class RandomBox:
-    """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
-    (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
+class CropBox:
+    """The box of the transform's first crop, worked out before the file is decoded, and what it is resized with
+    (`size`, `interpolation`, `antialias`). A `v2.RandomResizedCrop`'s (no `centre`) is drawn by its own
+    `make_params` on the unopened image (PIL reads the size from the header), so the same draws from the same
+    generator state as the transform; `v2.Resize(short side)` then `v2.CenterCrop` (`centre`): the part of the image
+    they keep, in the image's own pixels."""
 
-    def __init__(self, step: v2.RandomResizedCrop):
-        self.step, self.size = step, list(step.size)
+    def __init__(self, step, centre: v2.CenterCrop | None = None):
+        self.step, self.centre, self.size = step, centre, list((step if centre is None else centre).size)
         self.interpolation, self.antialias = step.interpolation, step.antialias
 
-    def box(self, image: Image.Image) -> tuple[float, float, float, float]:
-        params = self.step.make_params([image])
-        return params["top"], params["left"], params["height"], params["width"]
-
-
-class CentreBox:
-    """`v2.Resize(short side)` then `v2.CenterCrop`: the part of the image they keep, in the image's own pixels."""
-
-    def __init__(self, resize: v2.Resize, centre: v2.CenterCrop):
-        self.short, self.size = resize.size[0], list(centre.size)
-        self.interpolation, self.antialias = resize.interpolation, resize.antialias
-
     def box(self, image: Image.Image) -> tuple[float, float, float, float] | None:
-        width, height = image.size
+        if self.centre is None:
+            params = self.step.make_params([image])
+            return params["top"], params["left"], params["height"], params["width"]
+        width, height, short = *image.size, self.step.size[0]
         # the resized size as torchvision's Resize computes it: the short side to `short`, the long one truncated
         if width <= height:
-            new_w, new_h = self.short, int(self.short * height / width)
+            new_w, new_h = short, int(short * height / width)
         else:
-            new_w, new_h = int(self.short * width / height), self.short
+            new_w, new_h = int(short * width / height), short
         crop_h, crop_w = self.size
         if crop_h > new_h or crop_w > new_w:
             return None  # CenterCrop would pad: the whole transform runs, as without data.decode
@@ -74,10 +68,10 @@ def crop_plan(transform):
     types = [type(t) for t in steps]
     public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
     if public and types[:2] == [v2.ToImage, v2.RandomResizedCrop]:
-        return RandomBox(steps[1]), steps[2:]
+        return CropBox(steps[1]), steps[2:]
     if types[:3] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
         if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
-            return CentreBox(steps[1], steps[2]), steps[3:]
+            return CropBox(steps[1], steps[2]), steps[3:]
     return None
 
 
@@ -178,9 +172,8 @@ def gpu_steps(transform, plan):
     """data.decode=gpu's check of the transform: `crop_plan`'s crop, then nothing or one `RandomHorizontalFlip`
     (what the device does after the decode: crop, resize, flip); that flip, or None. Anything else is refused in
     one line: a step of another kind would run in the main process, off the sample's seeded generator."""
-    rest = plan[1] if plan is not None else None
-    if rest is not None and [type(t) for t in rest] in ([], [v2.RandomHorizontalFlip]):
-        return rest[0] if rest else None
+    if plan is not None and [type(t) for t in plan[1]] in ([], [v2.RandomHorizontalFlip]):
+        return next(iter(plan[1]), None)
     steps = transform.transforms if type(transform) is v2.Compose else [transform]
     names = "none" if transform is None else ", ".join(type(t).__name__ for t in steps)
     raise UserError(
@@ -215,7 +208,7 @@ class EncodedImage:
 class EncodedBatch:
     """A batch's images on the host: the JPEG files one after the other in `data` (`lengths`: how many bytes
     each), with their boxes, flips and places in the batch (`at`), and the crop step's box
-    (`RandomBox` or `CentreBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
+    (`CropBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
     the images a worker decoded itself, stacked (uint8 (M, 3, H, W)), for the other places, or is None."""
 
     data: torch.Tensor
@@ -223,7 +216,7 @@ class EncodedBatch:
     boxes: list[tuple[int, int, int, int]]
     flips: list[bool]
     at: list[int]
-    crop: RandomBox | CentreBox
+    crop: CropBox
     pixels: torch.Tensor | None
     size: int  # images in the batch
 

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 {% if cookiecutter.with_streams == "yes" %}
-from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
 {% else %}
-from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Sampler, default_collate, get_worker_info
 
 from . import failures, rng
 {% endif %}
@@ -125,13 +125,8 @@ class EpochBatchSampler(Sampler):
     def __iter__(self):
         # global batch i is order[i*g:(i+1)*g]; rank r's share of it, every world_size-th entry, is its [i*b:(i+1)*b]
         order = self.permutation()[: self.batches_per_epoch * self.global_batch][self.rank :: self.world_size]
-        size = self.batch_size
-        return iter(
-            [
-                BatchIndices(order[i * size : (i + 1) * size].tolist(), self.epoch, i)
-                for i in range(self.start, self.batches_per_epoch)
-            ]
-        )
+        batches = order.reshape(-1, self.batch_size).tolist()
+        return iter([BatchIndices(batches[i], self.epoch, i) for i in range(self.start, self.batches_per_epoch)])
 
 
 class BatchIndices(list):
@@ -160,7 +155,7 @@ class SeededBatches(torch.utils.data.Dataset):
 
     def __init__(self, dataset, seed: int, per_sample: bool, skip: bool = False):
         self.dataset, self.seed, self.skip = dataset, seed, skip
-        self.seeding = rng.SampleSeeding(rng.own_generators(dataset)) if per_sample else None
+        self.seeding = rng.SampleSeeding(dataset) if per_sample else None
 
     def __getitems__(self, batch: BatchIndices):
         if self.seeding is None:
@@ -169,13 +164,10 @@ class SeededBatches(torch.utils.data.Dataset):
         if prefetch is not None:
             prefetch(list(batch))
         base = rng.epoch_base(self.seed, batch.epoch)
-
-        def make(index):
-            self.seeding.seed(rng.index_seed(base, index))
-            return self.dataset[index]
-
-        keep = get_worker_info() is None  # in the main process (num_workers=0) its RNG is put back, untouched
-        return self.seeding.batch(lambda: failures.fetch_guarded(self.dataset, batch, self.skip, fetch=make), keep)
+        make = self.seeding.sample
+        return self.seeding.batch(
+            lambda: failures.fetch_guarded(self.dataset, batch, self.skip, lambda i: make(base, i))
+        )
 
     def _fetch(self, batch):
         many = getattr(self.dataset, "__getitems__", None)
@@ -196,21 +188,13 @@ class SeededSamples(torch.utils.data.Dataset):
     main process (num_workers=0) its RNG is put back."""
 
     def __init__(self, dataset, seed: int):
-        self.dataset, self.base = dataset, rng.epoch_base(seed, rng.VALIDATION)
-        self.seeding = rng.SampleSeeding(rng.own_generators(dataset))
+        self.base, self.seeding = rng.epoch_base(seed, rng.VALIDATION), rng.SampleSeeding(dataset)
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.seeding.dataset)
 
     def __getitems__(self, indices: list) -> list:
-        def make():
-            made = []
-            for index in indices:
-                self.seeding.seed(rng.index_seed(self.base, index))
-                made.append(self.dataset[index])
-            return made
-
-        return self.seeding.batch(make, keep=get_worker_info() is None)
+        return self.seeding.batch(lambda: [self.seeding.sample(self.base, i) for i in indices])
 
 
 @dataclass
@@ -391,10 +375,12 @@ class EpochLoader:
                     self.bad_samples.add(self.epoch, note.skipped)
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
+{% if cookiecutter.with_streams == "yes" %}
         self.epoch_ended()
 
     def epoch_ended(self) -> None:
         """What a loader does once an epoch is done, beyond counting it."""
+{% endif %}
 
     def start_next_epoch(self) -> None:
         """Hand the persistent workers the next epoch's first batches now, e.g. while validation runs.
@@ -473,14 +459,12 @@ class TrainLoader(EpochLoader):
         self.sampler = EpochBatchSampler(len(dataset), settings.batch_size, seed, self.rank, self.world_size, order_fn)
         self.batches_per_epoch = self.sampler.batches_per_epoch
         # Samples each epoch leaves out, over all ranks: those past its whole global batches (drop_last)
-        self.dropped_records = self.sampler.size - self.batches_per_epoch * self.global_batch
+        self.dropped_records = len(dataset) % self.global_batch
         # Ranks draw different worker seeds. (torch's CPU generator keeps only the low 32 bits of a seed: mix them.)
         loader_seed = seed if self.rank == 0 else int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
         self.generator = torch.Generator().manual_seed(loader_seed)
         self.collate = CollateWithSnapshot(collate_fn or default_collate, capture_rng=rng_mode == "per_worker")
-        self.streams: list | None = None
-        self.rotation = 0
-        self.reuse = False
+        self.streams, self.rotation, self.reuse = None, 0, False  # the class docstring says what they are
 
     @property
     def at_epoch_end(self) -> bool:
@@ -591,8 +575,7 @@ class EvalStream(IterableDataset):
             records, index = iter(self.dataset.read(shards[shard])), 0
             while True:
                 with rng.kept(get_worker_info() is None, cuda=False):  # the main process's RNG stays the loop's
-                    rng.seed_sample(seed := rng.index_seed(base, shard << 32 | index))
-                    rng.seed_pipelines(pipelines, seed)
+                    rng.seed_sample(rng.index_seed(base, shard << 32 | index), pipelines)
                     record = next(records, records)  # the iterator itself: the shard has ended
                 if record is records:
                     break
@@ -631,12 +614,12 @@ def eval_loader(
         stream = EvalStream(dataset, rank, world_size, seed)
         return GuardedDataLoader(stream, settings, start_guard, batch_size=settings.batch_size, **common)
 {% endif %}
-    mine, size = range(rank, len(dataset), world_size), settings.batch_size
+    mine = range(rank, len(dataset), world_size)
     if not mine:
         raise UserError(
             f"the validation data has {len(dataset)} samples, too few for one on each of {world_size} processes: run "
             "fewer processes or give it more samples"
         )
-    batches = [list(mine[i : i + size]) for i in range(0, len(mine), size)]
+    batches = BatchSampler(mine, settings.batch_size, drop_last=False)
     dataset = dataset if seed is None else SeededSamples(dataset, seed)
     return GuardedDataLoader(dataset, settings, start_guard, batch_sampler=batches, **common)

@@ -66,20 +66,22 @@ def layout(batch) -> str:
 {% endif %}
         return "x".join(map(str, v.shape)) + " " + str(v.dtype).removeprefix("torch.")
 
+    def named(k, vs: list) -> str:  # `k: ` and one tensor, or several counted: each size's range
+        text = describe(vs[0])
+        if len(vs) > 1:
+            sizes = ((min(d), max(d)) for d in zip(*(v.shape for v in vs)))
+            shape = "x".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sizes)
+            text = f"{len(vs)} x {shape} {text.split(' ', 1)[-1]}"
+        return (f"{k}: " if k is not None else "") + text
+
     found = [(k, v) for k, v in leaves(batch) if v.nbytes]
     if len(found) <= LISTED:
-        return ", ".join((f"{k}: " if k is not None else "") + describe(v) for k, v in found)
-    # a tensor a sample (a detection batch's images and targets): counted by key, dtype and rank, each size's range
+        return ", ".join(named(k, [v]) for k, v in found)
+    # a tensor a sample (a detection batch's images and targets): counted by key, dtype and rank
     kinds = {}
     for k, v in found:
         kinds.setdefault((k, getattr(v, "dtype", None), len(getattr(v, "shape", ()))), []).append(v)
-    counted = []
-    for (k, _, _), vs in kinds.items():
-        sizes = zip(*(v.shape for v in vs))
-        shape = "x".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ((min(d), max(d)) for d in sizes))
-        kind = describe(vs[0]).split(" ", 1)[-1] if len(vs) > 1 else describe(vs[0])
-        counted.append((f"{k}: " if k is not None else "") + (f"{len(vs)} x {shape} {kind}" if len(vs) > 1 else kind))
-    return f"{len(found)} tensors: " + ", ".join(counted)
+    return f"{len(found)} tensors: " + ", ".join(named(k, vs) for (k, _, _), vs in kinds.items())
 
 
 def sample_batch_bytes(dataset, batch_size: int, collate_fn=default_collate) -> int:

@@ -13,6 +13,7 @@ import random
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 RawState = tuple  # (bytes, numpy state tuple, python state tuple)
 
@@ -82,12 +83,14 @@ def index_seed(base: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
-def seed_sample(seed: int) -> None:
+def seed_sample(seed: int, pipelines: list = ()) -> None:
     """Seed python, numpy and torch's CPU generator for one sample (rng_mode=per_sample), through their public
-    seeding calls (numpy takes one 32-bit word here: its two-word seeding runs a longer initialisation)."""
+    seeding calls (numpy takes one 32-bit word here: its two-word seeding runs a longer initialisation), and
+    `pipelines` (`own_generators`)."""
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed >> 32)
     random.seed(seed)
+    seed_pipelines(pipelines, seed)
 
 
 def own_generators(dataset) -> list:
@@ -117,28 +120,31 @@ UNTOUCHED_DRAWS = (np.random.RandomState(UNTOUCHED).random_sample(), random.Rand
 
 
 class SampleSeeding:
-    """rng_mode=per_sample's seeding in one process (docs/rng-mode.md has why and what it costs): before each sample
-    (`seed`), torch's CPU generator is seeded, and numpy's and python's too once the data set is seen drawing from
-    them. `batch(make)` makes a batch with those two seeded with UNTOUCHED instead; if their next draws are not
-    UNTOUCHED's first, the data set drew from them, and the batch is made again with them seeded: its samples are
-    those of all three seeded. Afterwards the generators stand where that leaves them, for a collate that draws, or
-    with `keep` (the main process) as they were."""
+    """rng_mode=per_sample's seeding of `dataset`'s samples in one process (docs/rng-mode.md has why and what it
+    costs): before each sample (`sample`), torch's CPU generator is seeded, and numpy's and python's too once the
+    data set is seen drawing from them. `batch(make)` makes a batch with those two seeded with UNTOUCHED instead; if
+    their next draws are not UNTOUCHED's first, the data set drew from them, and the batch is made again with them
+    seeded: its samples are those of all three seeded. Afterwards the generators stand where that leaves them, for a
+    collate that draws, or in the main process (num_workers=0) as they were."""
 
-    def __init__(self, pipelines: list = ()):
+    def __init__(self, dataset):
+        self.dataset = dataset
         self.all = False  # numpy and python are seeded too
         self.last = 0  # the last sample's seed
-        self.pipelines = pipelines  # the data set's augmentation pipelines with generators of their own
+        self.pipelines = own_generators(dataset)  # the data set's augmentation pipelines with generators of their own
 
-    def seed(self, seed: int) -> None:
-        self.last = seed
+    def sample(self, base: int, index: int):
+        """Sample `index`, its generators seeded from `index_seed(base, index)`."""
+        self.last = seed = index_seed(base, index)
         seed_pipelines(self.pipelines, seed)
         if self.all:
             seed_sample(seed)
         else:
             torch.default_generator.manual_seed(seed)
+        return self.dataset[index]
 
-    def batch(self, make, keep: bool):
-        with kept(keep, cuda=False):
+    def batch(self, make):
+        with kept(get_worker_info() is None, cuda=False):
             if not self.all:
                 np.random.seed(UNTOUCHED)
                 random.seed(UNTOUCHED)
@@ -171,31 +177,25 @@ def derived(*key: int) -> int:
     return (int(words[0]) << 31) ^ int(words[1])
 
 
+NUMPY_KEYS = ("name", "key", "pos", "has_gauss", "cached_gaussian")  # numpy's legacy state tuple, in order
+
+
 def to_saved(raw: RawState) -> dict:
-    torch_bytes, (name, key, pos, has_gauss, cached_gaussian), (version, internal, gauss_next) = raw
+    torch_bytes, numpy_state, (version, internal, gauss_next) = raw
+    numpy = dict(zip(NUMPY_KEYS, numpy_state, strict=True))
+    numpy["key"] = torch.from_numpy(numpy["key"].astype(np.int64))
     return {
         "torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8).clone(),
-        "numpy": {
-            "name": str(name),
-            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "python": {
-            "version": int(version),
-            "internal": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
+        "numpy": numpy,
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
     }
 
 
 def from_saved(saved: dict) -> RawState:
-    n = saved["numpy"]
+    numpy = {**saved["numpy"], "key": saved["numpy"]["key"].numpy().astype(np.uint32)}
     p = saved["python"]
-    numpy_state = (n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     python_state = (p["version"], tuple(p["internal"].tolist()), p["gauss_next"])
-    return (saved["torch"].numpy().tobytes(), numpy_state, python_state)
+    return (saved["torch"].numpy().tobytes(), tuple(numpy[k] for k in NUMPY_KEYS), python_state)
 
 
 def capture_main() -> dict:

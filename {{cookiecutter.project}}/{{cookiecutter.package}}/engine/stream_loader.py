@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from . import failures, rng, shard_plan
-from .errors import UserError
+from .errors import UserError, first_line
 from .loader import BatchNote, CollateWithSnapshot, EpochLoader, GuardedDataLoader, LoaderSettings, SeedWorker
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ReaderStream(IterableDataset):
             self.seeks = self.shards and "start" in inspect.signature(dataset.read).parameters
         except (TypeError, ValueError):
             self.seeks = False
-        methods = ("state_dict", "load_state_dict")
+        methods = ("state_dict", "load_state_dict")  # Stateful
         self.stateful = not self.shards and all(callable(getattr(dataset, m, None)) for m in methods)
         # what an epoch's iter() starts from: its number, the worker that goes first, per shard the records consumed
         self.control = torch.zeros(2 + (len(dataset.shards) if self.shards else 0), dtype=torch.int64).share_memory_()
@@ -134,8 +134,7 @@ class ReaderStream(IterableDataset):
         base = rng.epoch_base(self.seed, epoch)  # what each record's key is mixed with
         pipelines = rng.own_generators(self.dataset)  # an augmentation library's generators, seeded per record too
         while True:
-            rng.seed_sample(seed := rng.index_seed(base, key | index))
-            rng.seed_pipelines(pipelines, seed)
+            rng.seed_sample(rng.index_seed(base, key | index), pipelines)
             try:
                 bad, item = False, next(records)
             except StopIteration:
@@ -148,8 +147,7 @@ class ReaderStream(IterableDataset):
                 held = "more"
                 break
             if bad:
-                text = str(item).strip().splitlines()
-                line = f"{name} record {index}: {type(item).__name__}: {text[0] if text else ''}"[:500]
+                line = f"{name} record {index}: {type(item).__name__}: {first_line(item)}"[:500]
                 if not self.skip:
                     raise failures.BadSample(line) from item
                 item, records = line, self._open(shard, index + 1)  # a generator that raised has ended
@@ -200,14 +198,10 @@ class StreamLoader(EpochLoader):
         self.workers = max(settings.num_workers, 1)  # readers per rank
         self.readers = self.world_size * self.workers
         self.batches = 0  # consumed over the run
-        self.first = 0  # the worker whose batch comes next: goes first when the epoch is iterated again
         self.done = torch.zeros(len(self.stream.control) - 2, dtype=torch.int64)  # per shard: records the loop consumed
-        self.states: dict[int, dict] = {}  # Stateful plain streams: reader -> its state as of its last consumed batch
         self.dropped = 0  # records the epoch leaves out, over all ranks, so that ranks take the same steps
-        self.dropped_records = 0  # the same, of the epoch that ended last (metrics.jsonl)
         self.batches_per_epoch: int | None = None  # None: a stream without sizes, whose epoch ends where it does
-        self.at_epoch_end = False  # the batch just consumed is the epoch's last
-        self._plan()
+        self.epoch_ended()  # first, at_epoch_end, states, dropped_records and the plan, as every epoch starts
         self.loader = GuardedDataLoader(
             self.stream, settings, self.start_guard, batch_size=None, collate_fn=_as_is,  # whole batches
             worker_init_fn=SeedWorker(None, 0, self.worker_init, self.stack_dir),
@@ -271,7 +265,10 @@ class StreamLoader(EpochLoader):
             yield batch, note
 
     def epoch_ended(self) -> None:
-        """The next epoch's plan, every reader from its first record."""
+        """The next epoch's plan, every reader from its first record. `first`: the worker whose batch comes next
+        (it goes first when the epoch is iterated again); `at_epoch_end`: the batch just consumed is the epoch's last;
+        `states` (Stateful plain streams): reader -> its state as of its last consumed batch; `dropped_records`:
+        `dropped` of the epoch that ended last (metrics.jsonl)."""
         self.first, self.at_epoch_end, self.states, self.dropped_records = 0, False, {}, self.dropped
         self.done.zero_()
         self._plan()
