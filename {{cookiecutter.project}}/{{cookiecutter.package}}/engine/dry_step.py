@@ -95,8 +95,7 @@ def undone(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         with torch.no_grad():
             for live, kept in zip(model.buffers(), buffers, strict=True):
                 live.copy_(kept)
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad(set_to_none=True)
         for group, kept in zip(optimizer.param_groups, groups, strict=True):
             group.clear()
             group.update(kept)
@@ -114,14 +113,13 @@ class Kernels(TorchFunctionMode):
         self.unexact = unexact
 
     def __enter__(self):
-        self.was = torch.are_deterministic_algorithms_enabled()
-        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
         torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.was, warn_only=self.warn_only)
+        torch.use_deterministic_algorithms(self.was[0], warn_only=self.was[1])
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -35,12 +35,10 @@ class CodeError(Exception):
 def yours(filename: str) -> bool:
     """Whether a frame's file is the user's code: the package outside engine/, or any file outside Python's and the
     installed libraries' folders (a module of yours beside train.py)."""
-    if filename.startswith("<"):
+    parents = Path(filename).resolve().parents
+    if filename.startswith("<") or ENGINE in parents:
         return False
-    path = Path(filename).resolve()
-    if ENGINE in path.parents:
-        return False
-    return PACKAGE in path.parents or not any(library in path.parents for library in LIBRARIES)
+    return PACKAGE in parents or not any(library in parents for library in LIBRARIES)
 
 
 def user_trace(e: BaseException) -> str:
@@ -48,7 +46,7 @@ def user_trace(e: BaseException) -> str:
     theirs, or when it is a check of theirs refusing its input: a ValueError the first of their frames raised
     itself (EarlyStopping(patience=0)), or an OSError (a file that cannot be read: bad data, not code). An error
     Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch puts in the message, shown whole."""
-    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    inner = isinstance(e, InstantiationException) and e.__cause__ or e
     if isinstance(inner, OSError):
         return ""
     if "Original Traceback" in str(inner):  # raised in a worker: the worker's own traceback, as text
@@ -97,7 +95,7 @@ def find_user_error(exc: BaseException) -> UserError | None:
 def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
-    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    inner = isinstance(e, InstantiationException) and e.__cause__ or e
     if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra wraps the import's own error
         inner = inner.__cause__
     return f"{type(inner).__name__}: {first_line(inner)}"[:300]

@@ -208,7 +208,7 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
 def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
     """Join the ranks, then build the loaders, what trains the model and the records around the problem the checks
     built, a resume's checkpoint loaded into them. `cleanup` closes what this opens, however the run ends. `checked`
-    (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
+    (preflight.check_run's): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
     once, the checkpoint a resume continues, and the problem."""
     unexact, resumed, problem, own_draws = checked
     found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)

@@ -41,11 +41,11 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 # Checks: each returns None (or False) when the value is fine, else what it should be. A list or dict comes as
 # plain Python (preflight.refuse_if).
-def number(low: float, high: float | None = None, above: bool = False, whole=False):
+def number(low: float, high: float = math.inf, above: bool = False, whole=False):
     def check(v):
         bad = isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v)
-        if bad or (v <= low if above else v < low) or (high is not None and v > high):
-            span = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
+        if bad or (v <= low if above else v < low) or v > high:
+            span = f"in [{low}, {high}]" if high < math.inf else f"> {low}" if above else f">= {low}"
             return f"{'an integer' if whole else 'a number'} {span}"
 
     return check
