@@ -10,8 +10,6 @@ up. docs/loader.md ("Loader doctor") explains the table's columns and the decisi
 The table and the recommendation are printed, and everything goes to doctor.json in the run folder.
 """
 
-from __future__ import annotations
-
 import gc
 {% if cookiecutter.with_streams == "yes" %}
 import itertools
@@ -139,6 +137,7 @@ def wait_for_queue(expected_bytes: int) -> int:
 def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate) -> dict:
     """One profile, fitted and built as train.py builds it, timed over two epochs of a part of the data: enough
     batches that the queue turns over several times, few enough to stay quick."""
+    log.info("measuring loader=%s", name)
     settings = resolve_settings(loader_cfg, device.type)
     try:  # as train.py fits it: to loader.max_prefetch_mib, then to the free space of /dev/shm
         settings, changes = memory.fit_loader(dataset, settings, loader_cfg, collate)
@@ -225,8 +224,8 @@ def recommend(
     """The decision table of docs/loader.md, in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if r.get("batches_per_s")]
     if not ran:
-        why = "no profile produced two batches in epoch 2: nothing to compare"
-        return {"profile": current, "overrides": [], "reasons": [why]}
+        reasons = ["no profile produced two batches in epoch 2: nothing to compare"]
+        return {"profile": current, "overrides": [], "reasons": reasons}
     now = next((r for r in ran if r["profile"] == current), ran[0])
     mib = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in flight: in no PSS
     limit, rate, overrides = MEMORY_SHARE * available_mib, now["batches_per_s"], []
@@ -304,11 +303,12 @@ def diagnose(cfg) -> dict:
     began = time.perf_counter()
     train_set = parts.data_set(cfg.data, "train")
     build_s = time.perf_counter() - began
-    results, collate = [], parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
-    for name in GlobalHydra.instance().config_loader().get_group_options("loader"):
-        profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
-        log.info("measuring loader=%s", name)
-        results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
+    collate = parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
+    results = [
+        measure(name, hydra.compose(config_name="config", overrides=[*overrides, f"loader={name}"]).loader, train_set,
+                device, cfg.seed, collate)
+        for name in GlobalHydra.instance().config_loader().get_group_options("loader")
+    ]  # fmt: skip
     model_bps, weights = model_figures(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known

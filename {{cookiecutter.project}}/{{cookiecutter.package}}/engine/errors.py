@@ -1,8 +1,6 @@
 """The exceptions `train.py` turns into one `error:` line and a non-zero exit: bad input (`UserError`, exit 2), and an
 exception raised in the user's own code (`CodeError`, exit 1), shown with its traceback first."""
 
-from __future__ import annotations
-
 import re
 import sysconfig
 import traceback
@@ -49,9 +47,8 @@ def user_trace(e: BaseException) -> str:
     inner = isinstance(e, InstantiationException) and e.__cause__ or e
     if isinstance(inner, OSError):
         return ""
-    if "Original Traceback" in str(inner):  # raised in a worker: the worker's own traceback, as text
-        files = re.findall(r'File "([^"]+)", line', str(inner))
-        return str(inner).rstrip() + "\n" if any(map(yours, files)) else ""
+    if "Original Traceback" in (text := str(inner)):  # raised in a worker: the worker's own traceback, as text
+        return f"{text.rstrip()}\n" if any(map(yours, re.findall(r'File "([^"]+)", line', text))) else ""
     frames = traceback.extract_tb(inner.__traceback__)
     first = next((i for i, frame in enumerate(frames) if yours(frame.filename)), None)
     if first is None or (isinstance(inner, ValueError) and first == len(frames) - 1):

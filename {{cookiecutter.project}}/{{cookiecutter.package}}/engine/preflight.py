@@ -47,7 +47,7 @@ def check(cfg: DictConfig) -> tuple:
     run's record (`record`)."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    world = checked = error = None
+    world = error = None  # `check_run`'s result is only read when no rank failed
     try:
 {% if cookiecutter.with_slurm == "yes" %}
         slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
@@ -57,7 +57,7 @@ def check(cfg: DictConfig) -> tuple:
     except (UserError, CodeError) as e:
         error = (str(e), e.trace, 1 if isinstance(e, CodeError) else 2)
     errors = [error] if world is None else distributed.gather_all(error, world)  # every rank waits for all
-    first = next((e for e in errors if e), None)
+    first = next(filter(None, errors), None)
     if first is not None:
         if world is None or world.is_main:
             unclaim(run_dir)
@@ -80,10 +80,10 @@ def unclaim(run_dir: Path) -> None:
     """A refused run's folder, when this command made it (its `.hydra` is still empty: `claim`), removed with its log
     file, and so are the parents it leaves empty inside the working folder (outputs/<day>/); a folder holding a run
     is left as it is."""
-    marker = run_dir / HYDRA_FILES
-    if not marker.is_dir() or any(marker.iterdir()):
+    try:
+        (run_dir / HYDRA_FILES).rmdir()  # only when empty (or not there: nothing to remove)
+    except OSError:
         return
-    marker.rmdir()
     for log_file in run_dir.glob("*.log"):  # Hydra's job log, opened before train() runs
         log_file.unlink()
     folder, cwd = run_dir, Path.cwd()
@@ -298,14 +298,13 @@ def added_data_keys(data: dict, overrides) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
     be silently ignored, so it is refused. `data`: the data group, unresolved."""
-    raw = str(data)
-    for override in overrides:
-        found = re.match(r"\+{1,2}data\.(\w+)=", override)
-        if found and found[1] not in OPEN["data"].loop and "${data." + found[1] + "}" not in raw:
-            hint = did_you_mean(found[1], [k for k in data if k != found[1]], "data.")
+    for found in filter(None, (re.match(r"\+{1,2}data\.(\w+)=", override) for override in overrides)):
+        key = found[1]
+        ref = "${data." + key + "}"  # no f-string: the template engine reads its double braces
+        if key not in OPEN["data"].loop and ref not in str(data):
+            hint = did_you_mean(key, [k for k in data if k != key], "data.")
             raise UserError(
-                f"data.{found[1]} is not used by data.train or data.val{hint}: "
-                "remove it, or refer to it as ${data." + found[1] + "}"
+                f"data.{key} is not used by data.train or data.val{hint}: remove it, or refer to it as {ref}"
             )
 
 

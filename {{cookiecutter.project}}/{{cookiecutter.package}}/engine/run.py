@@ -7,7 +7,6 @@ a resume builds a fresh `Run` and loads the checkpoint into it before the first 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import sys
 from dataclasses import dataclass, replace
@@ -329,9 +328,7 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader{% 
 {% endif %}
 
     def throwaway() -> torch.Tensor:  # the task's loss on two training samples, without its parts
-        # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        train_set = copy.copy(problem.train_set)
-        batch = two_prepared(cfg.data, train_set, problem.collate, problem.prepare, device, "training")
+        batch = two_prepared(cfg.data, problem, device, "training")  # from a shallow copy of the training set
         return split_loss(problem.task.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway, undone(model, optimizer))

@@ -60,22 +60,12 @@ def flag(v):
 
 def or_word(check: Callable, word: str) -> Callable:
     """`check`'s values, or the string `word`."""
-
-    def either(v):
-        wanted = v != word and check(v)
-        return wanted and f"{wanted.replace(' or ', ', ')} or '{word}'"
-
-    return either
+    return lambda v: v != word and (wanted := check(v)) and f"{wanted.replace(' or ', ', ')} or '{word}'"
 
 
 def or_null(check: Callable, null: str) -> Callable:
     """`check`'s values, or null (`null`: what it means)."""
-
-    def either(v):
-        wanted = v is not None and check(v)
-        return wanted and f"{wanted}, or null ({null})"
-
-    return either
+    return lambda v: v is not None and (wanted := check(v)) and f"{wanted}, or null ({null})"
 
 
 def text(v):
@@ -101,7 +91,7 @@ def key(check: Callable | None = None) -> Any:
 
 def choices(name: str, *values: str) -> type[Enum]:
     """A string Enum of `values`, each its own name: Hydra refuses any other value as it composes."""
-    return Enum(name, {value: value for value in values}, module=__name__, type=str)
+    return Enum(name, dict(zip(values, values)), module=__name__, type=str)
 
 
 Device = choices("Device", "auto", "cpu", "cuda")
