@@ -283,9 +283,8 @@ COLUMNS = [  # (key in doctor.json, header, format)
 
 def table(results: list[dict]) -> str:
     """One row a profile, the columns of COLUMNS aligned; a refused profile's row says why instead."""
-    rows = [[h for _, h, _ in COLUMNS]]
-    rows += [["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in results]
-    rows = [(row, r.get("refused")) for row, r in zip(rows, [{}, *results], strict=True)]
+    rows = [([h for _, h, _ in COLUMNS], None)]  # (cells, why the profile was refused)
+    rows += [(["-" if r.get(k) is None else f.format(r[k]) for k, _, f in COLUMNS], r.get("refused")) for r in results]
     widths = [max(len(row[i]) for row, no in rows if no is None) for i in range(len(COLUMNS))]
     cells = ("  ".join(map(str.rjust, row[1:], widths[1:])) if no is None else f"refused: {no}" for row, no in rows)
     return "\n".join(row[0].ljust(widths[0]) + "  " + line for (row, _), line in zip(rows, cells))

@@ -276,9 +276,9 @@ def walk(cfg, schema, prefix: str) -> None:
         if dataclasses.is_dataclass(f.type):  # a nested group: loader, checkpoint, ...
             walk(cfg[f.name], f.type, f"{prefix}{f.name}.")
         elif "open" in f.metadata:
-            open_group(cfg, prefix + f.name, f.metadata["open"])
+            open_group(cfg, f"{prefix}{f.name}", f.metadata["open"])
         else:  # a key(): its check
-            refuse_if(prefix + f.name, cfg[f.name], f.metadata["check"])
+            refuse_if(f"{prefix}{f.name}", cfg[f.name], f.metadata["check"])
 
 
 def open_group(cfg, name: str, group: Open) -> None:
