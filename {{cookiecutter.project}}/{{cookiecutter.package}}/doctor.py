@@ -184,7 +184,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
 def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
     """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
-        model, task = parts.model(cfg.model).to(device), parts.build(cfg.task, "task")
+        model, task = parts.model(cfg.model, device), parts.build(cfg.task, "task")
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
         batch = collate([samples[i % len(samples)] for i in range(batch_size)])
     batch = parts.prepare(cfg.data, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
@@ -290,7 +290,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(row[0].ljust(widths[0]) + "  " + line for (row, _), line in zip(rows, cells))
 
 
-def diagnose(cfg) -> dict:
+def diagnose(cfg) -> None:
     """Every profile of conf/loader/ measured, the model timed and sized, doctor.json written, the table printed."""
     hydra_cfg, device = HydraConfig.get(), pick_device(cfg.device)
     rng.seed_everything(cfg.seed)
@@ -317,11 +317,13 @@ def diagnose(cfg) -> dict:
 {% endif %}
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
-    machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
-               "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]}  # fmt: skip
-    data = {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches}
-    report = {"machine": machine, "data": data, "model_batches_per_s": model_bps, "model_memory_mib": weights,
-              "current": current, "profiles": results, "recommendation": advice}  # fmt: skip
+    report = {
+        "machine": {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
+                    "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]},
+        "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
+        "model_batches_per_s": model_bps, "model_memory_mib": weights, "current": current, "profiles": results,
+        "recommendation": advice,
+    }  # fmt: skip
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
     lines = [
         table(results),
@@ -340,7 +342,6 @@ def diagnose(cfg) -> dict:
     line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
     lines += [f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]), f"written: {run_dir / 'doctor.json'}"]
     print("\n".join(lines))
-    return report
 
 
 def run(cfg) -> None:

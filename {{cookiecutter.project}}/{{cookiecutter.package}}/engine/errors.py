@@ -86,15 +86,13 @@ def find_user_error(exc: BaseException) -> UserError | None:
         if isinstance(e, InstantiationException) and (e.__cause__ is None or isinstance(e.__cause__, TypeError)):
             cause = f" ({reason(e)})" if e.__cause__ else ""  # the TypeError's own line
             return UserError(f"config: {first_line(e) or type(e).__name__}{cause}"[:400])
-    return None
 
 
 def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
     inner = isinstance(e, InstantiationException) and e.__cause__ or e
-    if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra wraps the import's own error
-        inner = inner.__cause__
+    inner = type(inner) is ImportError and inner.__cause__ or inner  # Hydra wraps the import's own error
     return f"{type(inner).__name__}: {first_line(inner)}"[:300]
 
 

@@ -195,9 +195,9 @@ def composition_error(e: BaseException) -> str:
         where = "Hydra's own config" if key.startswith("hydra.") else None
         return unknown_key(f"{parent}." if parent else "", name, schema_keys(parent), where)
     if isinstance(e, MissingConfigException) and e.options:  # a group's option (its options listed) not found
-        missing, options = e.missing_cfg_file, ", ".join(sorted(e.options))
+        missing = e.missing_cfg_file
         group, _, choice = missing.rpartition("/")
-        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {options}"
+        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(e.options))}"
     if isinstance(e, OverrideParseException):
         return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
     # Hydra's first line and OmegaConf's reason under it (a value of the wrong type): the libraries' own words
