@@ -227,15 +227,18 @@ def recommend(
         reasons = ["no profile produced two batches in epoch 2: nothing to compare"]
         return {"profile": current, "overrides": [], "reasons": reasons}
     now = next((r for r in ran if r["profile"] == current), ran[0])
-    mib = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in flight: in no PSS
+
+    def mib(r: dict) -> float:  # the batches in flight are in no process's PSS
+        return r["peak_pss_mib"] + r.get("in_flight_mib", 0.0)
+
     limit, rate, overrides = MEMORY_SHARE * available_mib, now["batches_per_s"], []
-    fits = [r for r in ran if mib[r["profile"]] <= limit]
-    if mib[now["profile"]] > limit:
-        pick = min(ran, key=lambda r: mib[r["profile"]])
+    fits = [r for r in ran if mib(r) <= limit]
+    if mib(now) > limit:
+        pick = min(ran, key=mib)
         reasons = [
-            f"memory is tight: {current} peaks at {mib[now['profile']]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+            f"memory is tight: {current} peaks at {mib(now):.0f} MiB, over {MEMORY_SHARE:.0%} of the "
             f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({pick['profile']}) "
-            f"peak at {mib[pick['profile']]:.0f} MiB"
+            f"peak at {mib(pick):.0f} MiB"
         ]
         if pick["num_workers"] > 1 or (pick["prefetch_factor"] or 0) > 1:  # the leanest profile, leaner still
             overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]

@@ -126,8 +126,8 @@ class RunFolder(Callback):
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
         # starts straddle a second, hydra#2070).
         other_rank = os.environ.get("RANK", "0") != "0"  # the same config fails the same way on rank 0: it says so
-        device = self.refusing(lambda: pick_device(config.device), quiet=other_rank)
-        world = self.refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
+        device = refusing(lambda: pick_device(config.device), quiet=other_rank)
+        world = refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
         run_dir = asked = os.path.abspath(str(config.hydra.run.dir))
         explicit = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
         in_place = explicit and config.get("resume") and os.path.isdir(asked)  # going on in a run's folder
@@ -148,16 +148,16 @@ class RunFolder(Callback):
 {% if cookiecutter.with_slurm == "yes" %}
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
-            world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
+            world = refusing(lambda: distributed.join_early(pick_device(config.device)))
             distributed.refuse(f"a sweep (-m) cannot run under torchrun: {advice}", world)
 
-    @staticmethod
-    def refusing(work: Callable, quiet: bool = False):
-        """`work()`, or its refusal as one `error:` line (none when `quiet`) and exit code 2."""
-        try:
-            return work()
-        except UserError as e:
-            distributed.refuse(str(e), quiet=quiet)
+
+def refusing(work: Callable, quiet: bool = False):
+    """`work()`, or its refusal as one `error:` line (none when `quiet`) and exit code 2."""
+    try:
+        return work()
+    except UserError as e:
+        distributed.refuse(str(e), quiet=quiet)
 
 
 def claim(path: str) -> str:

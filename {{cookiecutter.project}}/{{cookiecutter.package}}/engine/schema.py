@@ -35,7 +35,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         if isinstance(value, dict) and value:
             flat.update(flatten(value, f"{prefix}{name}."))
         else:
-            flat[prefix + str(name)] = value
+            flat[f"{prefix}{name}"] = value
     return flat
 
 
