@@ -31,8 +31,8 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
     `problem` (run.Problem): what the run built; `ckpt`: the checkpoint a resume continues (resume.precheck passed
     it), whose weights must fit the model built."""
     model, optimizer, task = problem.model, problem.optimizer, problem.task
-    odd = misfit(model.state_dict(), ckpt["model"]) if ckpt else ""
-    if odd:  # resume_strict=false lets a change of the model or data through resume.precheck
+    # resume_strict=false lets a change of the model or data through resume.precheck
+    if ckpt and (odd := misfit(model.state_dict(), ckpt["model"])):
         raise UserError(
             f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
             f"{ckpt['config']['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with "

@@ -57,8 +57,7 @@ def check(cfg: DictConfig) -> tuple:
     except (UserError, CodeError) as e:
         error = (str(e), e.trace, 1 if isinstance(e, CodeError) else 2)
     errors = [error] if world is None else distributed.gather_all(error, world)  # every rank waits for all
-    first = next(filter(None, errors), None)
-    if first is not None:
+    if first := next(filter(None, errors), None):
         if world is None or world.is_main:
             unclaim(run_dir)
         distributed.refuse(first[0], world, trace=first[1], code=first[2])
