@@ -37,7 +37,7 @@ from {{ cookiecutter.package }}.engine.validation import evaluate
 log = logging.getLogger("train")
 
 
-def train(cfg, checked: preflight.Checked) -> tuple[int, float]:
+def train(cfg, checked: tuple) -> tuple[int, float]:
     """The run, once its checks passed; `checked`: what they found (a resume's checkpoint, ops run inexactly)."""
     hydra_cfg = HydraConfig.get()
     stop = StopRequest()

@@ -10,8 +10,6 @@ up. docs/loader.md ("Loader doctor") explains the table's columns and the decisi
 The table and the recommendation are printed, and everything goes to doctor.json in the run folder.
 """
 
-from __future__ import annotations
-
 import gc
 {% if cookiecutter.with_streams == "yes" %}
 import itertools
@@ -139,6 +137,7 @@ def wait_for_queue(expected_bytes: int) -> int:
 def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, collate) -> dict:
     """One profile, fitted and built as train.py builds it, timed over two epochs of a part of the data: enough
     batches that the queue turns over several times, few enough to stay quick."""
+    log.info("measuring loader=%s", name)
     settings = resolve_settings(loader_cfg, device.type)
     try:  # as train.py fits it: to loader.max_prefetch_mib, then to the free space of /dev/shm
         settings, changes = memory.fit_loader(dataset, settings, loader_cfg, collate)
@@ -185,7 +184,7 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
 def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
     """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
     with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
-        model, task = parts.model(cfg.model).to(device), parts.build(cfg.task, "task")
+        model, task = parts.model(cfg.model, device), parts.build(cfg.task, "task")
         samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
         batch = collate([samples[i % len(samples)] for i in range(batch_size)])
     batch = parts.prepare(cfg.data, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
@@ -225,18 +224,21 @@ def recommend(
     """The decision table of docs/loader.md, in its order: memory first, then a waiting model, then epoch starts."""
     ran = [r for r in results if r.get("batches_per_s")]
     if not ran:
-        why = "no profile produced two batches in epoch 2: nothing to compare"
-        return {"profile": current, "overrides": [], "reasons": [why]}
+        reasons = ["no profile produced two batches in epoch 2: nothing to compare"]
+        return {"profile": current, "overrides": [], "reasons": reasons}
     now = next((r for r in ran if r["profile"] == current), ran[0])
-    mib = {r["profile"]: r["peak_pss_mib"] + r.get("in_flight_mib", 0.0) for r in ran}  # in flight: in no PSS
+
+    def mib(r: dict) -> float:  # the batches in flight are in no process's PSS
+        return r["peak_pss_mib"] + r.get("in_flight_mib", 0.0)
+
     limit, rate, overrides = MEMORY_SHARE * available_mib, now["batches_per_s"], []
-    fits = [r for r in ran if mib[r["profile"]] <= limit]
-    if mib[now["profile"]] > limit:
-        pick = min(ran, key=lambda r: mib[r["profile"]])
+    fits = [r for r in ran if mib(r) <= limit]
+    if mib(now) > limit:
+        pick = min(ran, key=mib)
         reasons = [
-            f"memory is tight: {current} peaks at {mib[now['profile']]:.0f} MiB, over {MEMORY_SHARE:.0%} of the "
+            f"memory is tight: {current} peaks at {mib(now):.0f} MiB, over {MEMORY_SHARE:.0%} of the "
             f"{available_mib:.0f} MiB available; fewer workers and prefetch_factor 1 ({pick['profile']}) "
-            f"peak at {mib[pick['profile']]:.0f} MiB"
+            f"peak at {mib(pick):.0f} MiB"
         ]
         if pick["num_workers"] > 1 or (pick["prefetch_factor"] or 0) > 1:  # the leanest profile, leaner still
             overrides += ["loader.num_workers=1", "loader.prefetch_factor=1"]
@@ -284,15 +286,14 @@ COLUMNS = [  # (key in doctor.json, header, format)
 
 def table(results: list[dict]) -> str:
     """One row a profile, the columns of COLUMNS aligned; a refused profile's row says why instead."""
-    rows = [[h for _, h, _ in COLUMNS]]
-    rows += [["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in results]
-    rows = [(row, r.get("refused")) for row, r in zip(rows, [{}, *results], strict=True)]
+    rows = [([h for _, h, _ in COLUMNS], None)]  # (cells, why the profile was refused)
+    rows += [(["-" if r.get(k) is None else f.format(r[k]) for k, _, f in COLUMNS], r.get("refused")) for r in results]
     widths = [max(len(row[i]) for row, no in rows if no is None) for i in range(len(COLUMNS))]
     cells = ("  ".join(map(str.rjust, row[1:], widths[1:])) if no is None else f"refused: {no}" for row, no in rows)
     return "\n".join(row[0].ljust(widths[0]) + "  " + line for (row, _), line in zip(rows, cells))
 
 
-def diagnose(cfg) -> dict:
+def diagnose(cfg) -> None:
     """Every profile of conf/loader/ measured, the model timed and sized, doctor.json written, the table printed."""
     hydra_cfg, device = HydraConfig.get(), pick_device(cfg.device)
     rng.seed_everything(cfg.seed)
@@ -304,11 +305,12 @@ def diagnose(cfg) -> dict:
     began = time.perf_counter()
     train_set = parts.data_set(cfg.data, "train")
     build_s = time.perf_counter() - began
-    results, collate = [], parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
-    for name in GlobalHydra.instance().config_loader().get_group_options("loader"):
-        profile_cfg = hydra.compose(config_name="config", overrides=overrides + [f"loader={name}"])
-        log.info("measuring loader=%s", name)
-        results.append(measure(name, profile_cfg.loader, train_set, device, cfg.seed, collate))
+    collate = parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
+    results = [
+        measure(name, hydra.compose(config_name="config", overrides=[*overrides, f"loader={name}"]).loader, train_set,
+                device, cfg.seed, collate)
+        for name in GlobalHydra.instance().config_loader().get_group_options("loader")
+    ]  # fmt: skip
     model_bps, weights = model_figures(cfg, train_set, collate, cfg.loader.batch_size, device)
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
@@ -318,11 +320,13 @@ def diagnose(cfg) -> dict:
 {% endif %}
     full_batches = max((samples or 0) // cfg.loader.batch_size, 1)
     advice = recommend(results, current, model_bps, available_mib, cores, full_batches)
-    machine = {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
-               "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]}  # fmt: skip
-    data = {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches}
-    report = {"machine": machine, "data": data, "model_batches_per_s": model_bps, "model_memory_mib": weights,
-              "current": current, "profiles": results, "recommendation": advice}  # fmt: skip
+    report = {
+        "machine": {"cpus": cores, "available_mib": available_mib, "shm_free_mib": shm_free, "shm_size_mib": shm_size,
+                    "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]},
+        "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
+        "model_batches_per_s": model_bps, "model_memory_mib": weights, "current": current, "profiles": results,
+        "recommendation": advice,
+    }  # fmt: skip
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
     lines = [
         table(results),
@@ -341,7 +345,6 @@ def diagnose(cfg) -> dict:
     line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
     lines += [f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]), f"written: {run_dir / 'doctor.json'}"]
     print("\n".join(lines))
-    return report
 
 
 def run(cfg) -> None:

@@ -2,8 +2,6 @@
 the sample grid's{% if cookiecutter.with_doctor == "yes" %}, the doctor's{% endif %}), and the class names the data sets hold, checked
 against each other and `data.num_classes`."""
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Mapping
 
@@ -85,7 +83,7 @@ def own_draws(dataset, name: str, seed: int, per_sample: bool) -> str | None:
 def same(a, b) -> bool:
     """Whether two samples are equal, part by part: tensors and arrays by value, images by their bytes."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, Mapping):
@@ -109,8 +107,9 @@ def check_classes(found: dict, num_classes: int | None) -> None:
                 f"data.num_classes={num_classes} but the {name} data holds {len(classes)} classes "
                 f"({shown}): set data.num_classes={len(classes)}"
             )
-    if found.get("train") and found.get("val") and found["train"] != found["val"]:
-        odd = sorted(set(found["train"]) ^ set(found["val"]))
+    train, val = found.get("train"), found.get("val")
+    if train and val and train != val:
+        odd = sorted(set(train) ^ set(val))
         raise UserError(
             f"the train and val data hold different classes (e.g. {odd[0]!r} in only one): "
             "give both the same class folders"

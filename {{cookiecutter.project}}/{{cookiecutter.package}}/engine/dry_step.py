@@ -9,8 +9,6 @@ or a `checkpoint.monitor` the task does not report stops the command before the 
 step runs: the weights the run starts from are the ones built.
 """
 
-from __future__ import annotations
-
 import contextlib
 import copy
 
@@ -33,8 +31,8 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
     `problem` (run.Problem): what the run built; `ckpt`: the checkpoint a resume continues (resume.precheck passed
     it), whose weights must fit the model built."""
     model, optimizer, task = problem.model, problem.optimizer, problem.task
-    odd = misfit(model.state_dict(), ckpt["model"]) if ckpt else ""
-    if odd:  # resume_strict=false lets a change of the model or data through resume.precheck
+    # resume_strict=false lets a change of the model or data through resume.precheck
+    if ckpt and (odd := misfit(model.state_dict(), ckpt["model"])):
         raise UserError(
             f"resume: the model's parameters differ from the checkpoint's: {odd} (data.num_classes "
             f"{ckpt['config']['data'].get('num_classes')} there, {cfg.data.get('num_classes')} here): resume with "
@@ -47,9 +45,7 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
         return parts.one_line(f"task {target}: {method}() fails on 2 {split} samples with model {cfg.model._target_}")
 
     with undone(model, optimizer):
-        # from shallow copies: a data set that opens its files on first use does so on the copy, not for the workers
-        train_set, val_set = copy.copy(problem.train_set), copy.copy(problem.val_set)
-        batch = two_prepared(cfg.data, train_set, problem.collate, problem.prepare, device, "training")
+        batch = two_prepared(cfg.data, problem, device, "training")
         transform = parts.batch_transform(cfg.data)
         if transform is not None:
             with parts.stage("data.batch_transform", cfg.data.batch_transform, "on 2 training samples"):
@@ -59,7 +55,7 @@ def dry_step(cfg, problem, ckpt: dict | None = None) -> list[str]:
             loss.backward()
             clip_gradients(model, cfg.optim.get("grad_clip"), optimizer, torch.amp.GradScaler(enabled=False))
             fast_forward(parts.schedule(cfg.schedule, optimizer, 100), 1)
-        batch = two_prepared(cfg.data, val_set, problem.collate, problem.prepare, device, "validation")
+        batch = two_prepared(cfg.data, problem, device, "validation")
         with torch.no_grad(), named("metrics", "validation"), kernels:
             metrics = task.metrics(model.eval(), batch)
             names = check_metrics(metrics, target, hasattr(task, "compute"))
@@ -95,8 +91,7 @@ def undone(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         with torch.no_grad():
             for live, kept in zip(model.buffers(), buffers, strict=True):
                 live.copy_(kept)
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad(set_to_none=True)
         for group, kept in zip(optimizer.param_groups, groups, strict=True):
             group.clear()
             group.update(kept)
@@ -114,14 +109,13 @@ class Kernels(TorchFunctionMode):
         self.unexact = unexact
 
     def __enter__(self):
-        self.was = torch.are_deterministic_algorithms_enabled()
-        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
         torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.was, warn_only=self.warn_only)
+        torch.use_deterministic_algorithms(self.was[0], warn_only=self.was[1])
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -141,15 +135,17 @@ class Kernels(TorchFunctionMode):
         return result
 
 
-def two_prepared(data, dataset, collate, prepare, device: torch.device, split: str):
-    """A batch of two samples of `split` prepared as the run prepares its batches (`collate`, then `prepare` on
-    `device`), each stage in `parts.stage`; `data`: the run's data config."""
+def two_prepared(data, problem, device: torch.device, split: str):
+    """A batch of two samples of `split` prepared as the run prepares its batches (`problem.collate`, then
+    `problem.prepare` on `device`), each stage in `parts.stage`; `data`: the run's data config."""
     name = "train" if split == "training" else "val"
+    # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
+    dataset = copy.copy(getattr(problem, f"{name}_set"))
     samples = first_samples(dataset, f"data.{name}")
 
     def stage(key: str):  # the collate, then each stage of `prepare` (data.normalize...)
         return parts.stage(key, data.get(key.removeprefix("data.")), f"on 2 {split} samples")
 
     with stage(f"data.{name}" if getattr(dataset, "collate_fn", None) is not None else "data.collate"):
-        batch = (collate or default_collate)(samples)
-    return prepare(to_device(batch, device, non_blocking=False), stage)
+        batch = (problem.collate or default_collate)(samples)
+    return problem.prepare(to_device(batch, device, non_blocking=False), stage)

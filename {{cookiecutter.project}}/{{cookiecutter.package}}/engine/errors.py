@@ -1,8 +1,6 @@
 """The exceptions `train.py` turns into one `error:` line and a non-zero exit: bad input (`UserError`, exit 2), and an
 exception raised in the user's own code (`CodeError`, exit 1), shown with its traceback first."""
 
-from __future__ import annotations
-
 import re
 import sysconfig
 import traceback
@@ -35,12 +33,10 @@ class CodeError(Exception):
 def yours(filename: str) -> bool:
     """Whether a frame's file is the user's code: the package outside engine/, or any file outside Python's and the
     installed libraries' folders (a module of yours beside train.py)."""
-    if filename.startswith("<"):
+    parents = Path(filename).resolve().parents
+    if filename.startswith("<") or ENGINE in parents:
         return False
-    path = Path(filename).resolve()
-    if ENGINE in path.parents:
-        return False
-    return PACKAGE in path.parents or not any(library in path.parents for library in LIBRARIES)
+    return PACKAGE in parents or not any(library in parents for library in LIBRARIES)
 
 
 def user_trace(e: BaseException) -> str:
@@ -48,12 +44,11 @@ def user_trace(e: BaseException) -> str:
     theirs, or when it is a check of theirs refusing its input: a ValueError the first of their frames raised
     itself (EarlyStopping(patience=0)), or an OSError (a file that cannot be read: bad data, not code). An error
     Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch puts in the message, shown whole."""
-    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+    inner = isinstance(e, InstantiationException) and e.__cause__ or e
     if isinstance(inner, OSError):
         return ""
-    if "Original Traceback" in str(inner):  # raised in a worker: the worker's own traceback, as text
-        files = re.findall(r'File "([^"]+)", line', str(inner))
-        return str(inner).rstrip() + "\n" if any(map(yours, files)) else ""
+    if "Original Traceback" in (text := str(inner)):  # raised in a worker: the worker's own traceback, as text
+        return f"{text.rstrip()}\n" if any(map(yours, re.findall(r'File "([^"]+)", line', text))) else ""
     frames = traceback.extract_tb(inner.__traceback__)
     first = next((i for i, frame in enumerate(frames) if yours(frame.filename)), None)
     if first is None or (isinstance(inner, ValueError) and first == len(frames) - 1):
@@ -91,15 +86,13 @@ def find_user_error(exc: BaseException) -> UserError | None:
         if isinstance(e, InstantiationException) and (e.__cause__ is None or isinstance(e.__cause__, TypeError)):
             cause = f" ({reason(e)})" if e.__cause__ else ""  # the TypeError's own line
             return UserError(f"config: {first_line(e) or type(e).__name__}{cause}"[:400])
-    return None
 
 
 def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
-    inner = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
-    if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra wraps the import's own error
-        inner = inner.__cause__
+    inner = isinstance(e, InstantiationException) and e.__cause__ or e
+    inner = type(inner) is ImportError and inner.__cause__ or inner  # Hydra wraps the import's own error
     return f"{type(inner).__name__}: {first_line(inner)}"[:300]
 
 

@@ -7,8 +7,6 @@ train.py's run (run.py), the dry step{% if cookiecutter.with_doctor == "yes" %},
 yours is built the same way everywhere, and a failure to build it is the same one line naming its key.
 """
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 import logging

@@ -21,7 +21,6 @@ import pydoc
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 from hydra.conf import HydraConf
 from hydra.core.global_hydra import GlobalHydra
@@ -36,28 +35,19 @@ from .data_check import check_classes, own_draws
 from .device import pick_device
 from .dry_step import dry_step
 from .errors import CodeError, UserError, first_line
-from .schema import LOOP_KEYS, OPEN, SHIPPED, Config, Open, flatten
+from .schema import OPEN, SHIPPED, Config, Open, flatten
 
 log = logging.getLogger("train")
 HYDRA_FILES = ".hydra"  # where Hydra keeps a run's config (hydra.output_subdir): a folder that holds it is a run's
 
 
-class Checked(NamedTuple):
-    """What the checks hand the run."""
-
-    unexact: list[str]  # the ops the dry step ran without a deterministic kernel (deterministic=warn)
-    resumed: tuple[Path, dict] | None  # the checkpoint a resume continues: its path and contents, read once
-    problem: run.Problem  # the model, optimizer, task, callbacks and data, built once
-    own_draws: str | None  # the training data's generator of its own (data_check.own_draws): not exact
-
-
-def check(cfg: DictConfig) -> Checked:
+def check(cfg: DictConfig) -> tuple:
     """train()'s first call: `check_run` on every rank; a refusal is one line from rank 0 and exit code 2 (an error in
     your code: its traceback, then the line, exit 1), and removes the run folder this command claimed. Then the
     run's record (`record`)."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    world, checked, error = None, None, None
+    world = error = None  # `check_run`'s result is only read when no rank failed
     try:
 {% if cookiecutter.with_slurm == "yes" %}
         slurm.adopt_job_ranks()  # a submitit job of N tasks: one N-rank run, its ranks set as torchrun sets them
@@ -67,8 +57,7 @@ def check(cfg: DictConfig) -> Checked:
     except (UserError, CodeError) as e:
         error = (str(e), e.trace, 1 if isinstance(e, CodeError) else 2)
     errors = [error] if world is None else distributed.gather_all(error, world)  # every rank waits for all
-    first = next((e for e in errors if e), None)
-    if first is not None:
+    if first := next(filter(None, errors), None):
         if world is None or world.is_main:
             unclaim(run_dir)
         distributed.refuse(first[0], world, trace=first[1], code=first[2])
@@ -90,10 +79,10 @@ def unclaim(run_dir: Path) -> None:
     """A refused run's folder, when this command made it (its `.hydra` is still empty: `claim`), removed with its log
     file, and so are the parents it leaves empty inside the working folder (outputs/<day>/); a folder holding a run
     is left as it is."""
-    marker = run_dir / HYDRA_FILES
-    if not marker.is_dir() or any(marker.iterdir()):
+    try:
+        (run_dir / HYDRA_FILES).rmdir()  # only when empty (or not there: nothing to remove)
+    except OSError:
         return
-    marker.rmdir()
     for log_file in run_dir.glob("*.log"):  # Hydra's job log, opened before train() runs
         log_file.unlink()
     folder, cwd = run_dir, Path.cwd()
@@ -102,11 +91,14 @@ def unclaim(run_dir: Path) -> None:
         folder = folder.parent
 
 
-def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str], is_main: bool = True) -> Checked:
+def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str], is_main: bool = True) -> tuple:
     """Every refusal a run can make before it starts, cheapest first: the keys and their ranges, then what shows
     without building anything (device=cuda with no GPU, the data sets' `precheck`,
     a resume's checkpoint), then the run's own build of its model, task and data (`run.build_problem`) and the dry
-    step, which runs them once."""
+    step, which runs them once. Hands the run (unexact, resumed, problem, own_draws): the ops the dry step ran
+    without a deterministic kernel (deterministic=warn); the checkpoint a resume continues, its path and contents
+    read once, or None; the model, optimizer, task, callbacks and data, built once (run.Problem); the training
+    data's generator of its own (data_check.own_draws: not exact), or None."""
     check_keys(cfg, choices, overrides)
     device = pick_device(cfg.device)
     precheck_data(cfg)
@@ -115,7 +107,7 @@ def check_run(cfg: DictConfig, run_dir: Path, choices: dict, overrides: list[str
     problem = run.build_problem(cfg, device, resuming=resumed is not None)
     unexact = dry_step(cfg, problem, resumed[1] if resumed else None)
     draws = own_draws(problem.train_set, "data.train", cfg.seed, cfg.rng_mode.value == "per_sample")
-    return Checked(unexact, resumed, problem, draws)
+    return unexact, resumed, problem, draws
 
 
 class RunFolder(Callback):
@@ -132,11 +124,11 @@ class RunFolder(Callback):
         # Under torchrun the ranks join their process group now, before anything is written: every rank takes the
         # folder rank 0 resolved (ranks resolving `${now:...}` each would split the run over two folders when their
         # starts straddle a second, hydra#2070).
-        other_rank = int(os.environ.get("RANK", "0")) != 0  # the same config fails the same way on rank 0: it says so
-        device = self.refusing(lambda: pick_device(config.device), quiet=other_rank)
-        world = self.refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
-        run_dir = asked = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
-        explicit = any(o.split("=")[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+        other_rank = os.environ.get("RANK", "0") != "0"  # the same config fails the same way on rank 0: it says so
+        device = refusing(lambda: pick_device(config.device), quiet=other_rank)
+        world = refusing(lambda: distributed.join_early(device))  # a rank without its GPU says so itself
+        run_dir = asked = os.path.abspath(str(config.hydra.run.dir))
+        explicit = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
         in_place = explicit and config.get("resume") and os.path.isdir(asked)  # going on in a run's folder
         if world.is_main and not in_place:  # a new folder is claimed, so that a refusal can remove it (`unclaim`)
             run_dir = claim(asked)
@@ -155,16 +147,16 @@ class RunFolder(Callback):
 {% if cookiecutter.with_slurm == "yes" %}
             advice += ", or sweep with hydra/launcher=submitit_slurm, its hydra.launcher.tasks_per_node the processes"
 {% endif %}
-            world = self.refusing(lambda: distributed.join_early(pick_device(config.device)))
+            world = refusing(lambda: distributed.join_early(pick_device(config.device)))
             distributed.refuse(f"a sweep (-m) cannot run under torchrun: {advice}", world)
 
-    @staticmethod
-    def refusing(work: Callable, quiet: bool = False):
-        """`work()`, or its refusal as one `error:` line (none when `quiet`) and exit code 2."""
-        try:
-            return work()
-        except UserError as e:
-            distributed.refuse(str(e), quiet=quiet)
+
+def refusing(work: Callable, quiet: bool = False):
+    """`work()`, or its refusal as one `error:` line (none when `quiet`) and exit code 2."""
+    try:
+        return work()
+    except UserError as e:
+        distributed.refuse(str(e), quiet=quiet)
 
 
 def claim(path: str) -> str:
@@ -199,13 +191,12 @@ def composition_error(e: BaseException) -> str:
     if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = cause.full_key  # an override of a key the config does not have
         parent, _, name = key.rpartition(".")
-        hint = did_you_mean(name, schema_keys(parent), f"{parent}." if parent else "")
-        where = "Hydra's own config" if key.startswith("hydra.") else "the schema in schema.py"
-        return f"unknown config key {key}{hint}: {where} has no such key"
+        where = "Hydra's own config" if key.startswith("hydra.") else None
+        return unknown_key(f"{parent}." if parent else "", name, schema_keys(parent), where)
     if isinstance(e, MissingConfigException) and e.options:  # a group's option (its options listed) not found
-        missing, options = e.missing_cfg_file, ", ".join(sorted(e.options))
+        missing = e.missing_cfg_file
         group, _, choice = missing.rpartition("/")
-        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {options}"
+        return f"{group}={choice}: there is no conf/{missing}.yaml; choose one of {', '.join(sorted(e.options))}"
     if isinstance(e, OverrideParseException):
         return f"cannot read the command line: {str(e).splitlines()[0]} (see Hydra's override grammar)"
     # Hydra's first line and OmegaConf's reason under it (a value of the wrong type): the libraries' own words
@@ -226,7 +217,6 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
     tracking.check_packages(cfg)  # a logger whose package is missing: the line names the extra to install
 {% endif %}
     added_data_keys(raw["data"], overrides)
-    raw["optim"] = {k: v for k, v in raw["optim"].items() if k not in LOOP_KEYS}  # the loop's, not the optimizer's
     for name, node in raw["callbacks"].items():  # a dict: the schema's callback_nodes refused anything else
         if not (isinstance(node, dict) and isinstance(node.get("_target_"), str)):
             raise UserError(f"callbacks.{name} has no _target_: give it one, e.g. +callbacks.{name}._target_=<class>")
@@ -234,20 +224,25 @@ def check_keys(cfg: DictConfig, choices: dict | None = None, overrides: list[str
 
 def schema_keys(path: str) -> list[str]:
     """The keys the schema (Hydra's own under `hydra.`) has at the dotted `path`; none in an open group (`model`)."""
-    parts = path.split(".") if path else []
-    schema = HydraConf if parts[:1] == ["hydra"] else Config
-    for part in parts[schema is HydraConf :]:
-        field = {f.name: f for f in dataclasses.fields(schema)}.get(part)
-        if field is None or not dataclasses.is_dataclass(field.type):
+    schema = Config
+    for part in filter(None, path.split(".")):
+        types = {f.name: f.type for f in dataclasses.fields(schema)}
+        schema = HydraConf if (schema, part) == (Config, "hydra") else types.get(part)
+        if not dataclasses.is_dataclass(schema):
             return []
-        schema = field.type
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def did_you_mean(name: str, known, prefix: str, form: str = " (did you mean {}?)") -> str:
-    """The hint for a misspelt `name`: `form` around the closest of `known` (with its `prefix`), or "" if none is."""
+def did_you_mean(name: str, known, prefix: str) -> str:
+    """The hint for a misspelt `name`: the closest of `known` (with its `prefix`), or "" if none is."""
     close = difflib.get_close_matches(name, known, n=1)
-    return form.format(prefix + close[0]) if close else ""
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def unknown_key(prefix: str, name: str, known, where: str | None = None) -> str:
+    """The line for a key the schema (or `where`) does not have, with the nearest one it has there."""
+    hint = did_you_mean(name, known, prefix)
+    return f"unknown config key {prefix}{name}{hint}: {where or 'the schema in schema.py'} has no such key"
 
 
 def missing(raw: dict, choices: dict, overrides) -> None:
@@ -264,8 +259,7 @@ def missing(raw: dict, choices: dict, overrides) -> None:
 def refuse_if(name: str, value, rule: Callable | None) -> None:
     """`rule` (a schema check) on `value`, a list or dict as plain Python (resolved); its refusal names `name`."""
     plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    wanted = rule(plain) if rule else None
-    if wanted:
+    if rule and (wanted := rule(plain)):
         raise UserError(f"{name} must be {wanted}, got {value!r}")
 
 
@@ -276,15 +270,14 @@ def walk(cfg, schema, prefix: str) -> None:
     known = {f.name: f for f in dataclasses.fields(schema)}
     for name in cfg:
         if name not in known:
-            hint = did_you_mean(name, known, prefix)
-            raise UserError(f"unknown config key {prefix}{name}{hint}: the schema in schema.py has no such key")
+            raise UserError(unknown_key(prefix, name, known))
     for f in known.values():
         if dataclasses.is_dataclass(f.type):  # a nested group: loader, checkpoint, ...
             walk(cfg[f.name], f.type, f"{prefix}{f.name}.")
         elif "open" in f.metadata:
-            open_group(cfg, prefix + f.name, f.metadata["open"])
+            open_group(cfg, f"{prefix}{f.name}", f.metadata["open"])
         else:  # a key(): its check
-            refuse_if(prefix + f.name, cfg[f.name], f.metadata["check"])
+            refuse_if(f"{prefix}{f.name}", cfg[f.name], f.metadata["check"])
 
 
 def open_group(cfg, name: str, group: Open) -> None:
@@ -304,14 +297,13 @@ def added_data_keys(data: dict, overrides) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
     be silently ignored, so it is refused. `data`: the data group, unresolved."""
-    raw = str(data)
-    for override in overrides:
-        found = re.match(r"\+{1,2}data\.(\w+)=", override)
-        if found and found[1] not in OPEN["data"].loop and "${data." + found[1] + "}" not in raw:
-            hint = did_you_mean(found[1], [k for k in data if k != found[1]], "data.")
+    for found in filter(None, (re.match(r"\+{1,2}data\.(\w+)=", override) for override in overrides)):
+        key = found[1]
+        ref = "${data." + key + "}"  # no f-string: the template engine reads its double braces
+        if key not in OPEN["data"].loop and ref not in str(data):
+            hint = did_you_mean(key, [k for k in data if k != key], "data.")
             raise UserError(
-                f"data.{found[1]} is not used by data.train or data.val{hint}: "
-                "remove it, or refer to it as ${data." + found[1] + "}"
+                f"data.{key} is not used by data.train or data.val{hint}: remove it, or refer to it as {ref}"
             )
 
 

@@ -7,7 +7,6 @@ a resume builds a fresh `Run` and loads the checkpoint into it before the first 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import sys
 from dataclasses import dataclass, replace
@@ -198,7 +197,7 @@ def build_problem(cfg, device: torch.device, resuming: bool) -> Problem:
 def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, checked) -> Run:
     """Join the ranks, then build the loaders, what trains the model and the records around the problem the checks
     built, a resume's checkpoint loaded into them. `cleanup` closes what this opens, however the run ends. `checked`
-    (preflight.Checked): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
+    (preflight.check_run's): the ops the dry step found without a deterministic kernel (deterministic=warn), named here
     once, the checkpoint a resume continues, and the problem."""
     unexact, resumed, problem, own_draws = checked
     found, ckpt = resumed or (None, None)  # refused before the run when it changes the run (preflight)
@@ -320,9 +319,7 @@ def training(cfg, problem: Problem, world, device: torch.device, train_loader{% 
 {% endif %}
 
     def throwaway() -> torch.Tensor:  # the task's loss on two training samples, without its parts
-        # from a shallow copy: a data set that opens its files on first use does so on the copy, not for the workers
-        train_set = copy.copy(problem.train_set)
-        batch = two_prepared(cfg.data, train_set, problem.collate, problem.prepare, device, "training")
+        batch = two_prepared(cfg.data, problem, device, "training")  # from a shallow copy of the training set
         return split_loss(problem.task.loss(net, batch))[0]
 
     distributed.settle_buckets(net, throwaway, undone(model, optimizer))

@@ -35,17 +35,17 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         if isinstance(value, dict) and value:
             flat.update(flatten(value, f"{prefix}{name}."))
         else:
-            flat[prefix + str(name)] = value
+            flat[f"{prefix}{name}"] = value
     return flat
 
 
 # Checks: each returns None (or False) when the value is fine, else what it should be. A list or dict comes as
 # plain Python (preflight.refuse_if).
-def number(low: float, high: float | None = None, above: bool = False, whole=False):
+def number(low: float, high: float = math.inf, above: bool = False, whole=False):
     def check(v):
         bad = isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not math.isfinite(v)
-        if bad or (v <= low if above else v < low) or (high is not None and v > high):
-            span = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
+        if bad or (v <= low if above else v < low) or v > high:
+            span = f"in [{low}, {high}]" if high < math.inf else f"> {low}" if above else f">= {low}"
             return f"{'an integer' if whole else 'a number'} {span}"
 
     return check
@@ -60,22 +60,12 @@ def flag(v):
 
 def or_word(check: Callable, word: str) -> Callable:
     """`check`'s values, or the string `word`."""
-
-    def either(v):
-        wanted = v != word and check(v)
-        return wanted and f"{wanted.replace(' or ', ', ')} or '{word}'"
-
-    return either
+    return lambda v: v != word and (wanted := check(v)) and f"{wanted.replace(' or ', ', ')} or '{word}'"
 
 
 def or_null(check: Callable, null: str) -> Callable:
     """`check`'s values, or null (`null`: what it means)."""
-
-    def either(v):
-        wanted = v is not None and check(v)
-        return wanted and f"{wanted}, or null ({null})"
-
-    return either
+    return lambda v: v is not None and (wanted := check(v)) and f"{wanted}, or null ({null})"
 
 
 def text(v):
@@ -101,7 +91,7 @@ def key(check: Callable | None = None) -> Any:
 
 def choices(name: str, *values: str) -> type[Enum]:
     """A string Enum of `values`, each its own name: Hydra refuses any other value as it composes."""
-    return Enum(name, {value: value for value in values}, module=__name__, type=str)
+    return Enum(name, dict(zip(values, values)), module=__name__, type=str)
 
 
 Device = choices("Device", "auto", "cpu", "cuda")
