@@ -39,12 +39,17 @@ def yours(filename: str) -> bool:
     return PACKAGE in parents or not any(library in parents for library in LIBRARIES)
 
 
+def unwrapped(e: BaseException) -> BaseException:
+    """The error a `_target_` raised: the cause of Hydra's InstantiationException, else `e` itself."""
+    return e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
+
+
 def user_trace(e: BaseException) -> str:
     """`e`'s traceback from its first frame in the user's code on, the engine's frames left out, or "" when none is
     theirs, or when it is a check of theirs refusing its input: a ValueError the first of their frames raised
     itself (EarlyStopping(patience=0)), or an OSError (a file that cannot be read: bad data, not code). An error
     Hydra wrapped is its cause's; a DataLoader worker's comes as the text PyTorch puts in the message, shown whole."""
-    inner = isinstance(e, InstantiationException) and e.__cause__ or e
+    inner = unwrapped(e)
     if isinstance(inner, OSError):
         return ""
     if "Original Traceback" in (text := str(inner)):  # raised in a worker: the worker's own traceback, as text
@@ -91,8 +96,9 @@ def find_user_error(exc: BaseException) -> UserError | None:
 def reason(e: BaseException) -> str:
     """The error a `_target_` raised, without Hydra's wrapping, in one line. Only Hydra's wrapper is unwrapped: another
     error's cause (PIL's struct.error under "image file is truncated") says less than the error itself."""
-    inner = isinstance(e, InstantiationException) and e.__cause__ or e
-    inner = type(inner) is ImportError and inner.__cause__ or inner  # Hydra wraps the import's own error
+    inner = unwrapped(e)
+    if type(inner) is ImportError and inner.__cause__ is not None:  # Hydra wraps the import's own error
+        inner = inner.__cause__
     return f"{type(inner).__name__}: {first_line(inner)}"[:300]
 
 

@@ -67,11 +67,16 @@ def written_by(ckpt: dict) -> int:
     return len(ckpt["ranks"])
 
 
+def global_batch(ckpt: dict) -> int:
+    """The checkpoint's global batch: samples per step over all processes."""
+    return int(ckpt["progress"]["global_batch"])
+
+
 def per_rank_batch(ckpt: dict, cfg, world_size: int) -> int:
     """This process's batch on resuming: the checkpoint's global batch over `world_size` processes, so the steps, the
     LR schedule and the optimizer stay those of the run, or a UserError when they cannot share it. A command that
     changes `loader.batch_size` (the per-process batch as the run started; resume_strict=false) gets its own."""
-    batch = int(ckpt["progress"]["global_batch"])  # the checkpoint's samples per step over all processes
+    batch = global_batch(ckpt)
     if cfg.loader.batch_size != ckpt["config"]["loader"]["batch_size"]:
         return cfg.loader.batch_size
     if batch % world_size:
@@ -195,7 +200,7 @@ def report(ckpt: dict, cfg, path: Path, loader) -> None:
     log.info("resuming from %s (step %d)", path, ckpt["step"])
     if (then := written_by(ckpt)) != loader.world_size:  # one wording whatever the counts ("on 1 processes" too)
         log.info("resuming a %d-process run on %d processes: global batch %d, %d per process (loader.batch_size=%d "
-                 "as the run started)", then, loader.world_size, ckpt["progress"]["global_batch"],
+                 "as the run started)", then, loader.world_size, global_batch(ckpt),
                  loader.settings.batch_size, cfg.loader.batch_size)  # fmt: skip
     if run:
         log.warning("resume: resume_strict=false, going on with changed settings: %s; the LR schedule is the one "

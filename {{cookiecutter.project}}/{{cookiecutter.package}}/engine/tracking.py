@@ -115,6 +115,10 @@ class Tracking:
             self._call(tracker, "finish", files, finished)
 
 
+def picture(value) -> bool:
+    return hasattr(value, "shape")  # a numpy array among the floats: Tracking.log's pictures
+
+
 class Tracker:
     """One tracked run per training run: `start` makes it or, given the id a checkpoint kept, continues it; `log`
     sends a batch of (step, {name: float or picture}); `finish` hands it the checkpoint paths and ends it."""
@@ -195,7 +199,7 @@ class MlflowTracker(Tracker):
         metrics = []
         for step, m in points:
             for key, value in m.items():
-                if hasattr(value, "shape"):  # a numpy array among the floats: Tracking.log's pictures
+                if picture(value):
                     self.client.log_image(self.run_id, value, key=key.replace("/", "_"), step=step)
                 else:
                     metrics.append(Metric(key, float(value), now, step))
@@ -248,7 +252,7 @@ class WandbTracker(Tracker):
 
     def log(self, points: list) -> None:
         for step, m in points:
-            self.run.log({k: self.image(v) if hasattr(v, "shape") else v for k, v in m.items()}, step=step)
+            self.run.log({k: self.image(v) if picture(v) else v for k, v in m.items()}, step=step)
 
     def finish(self, files: dict, finished: bool) -> None:
         for kind, path in files.items():
