@@ -297,10 +297,11 @@ def added_data_keys(data: dict, overrides) -> None:
     """data.* values reach the datasets through interpolations (`${data.root}`): a key added on the command line
     (`+data.per_clas=10`) that no node refers to, and that is not one the loop reads (the schema's data group), would
     be silently ignored, so it is refused. `data`: the data group, unresolved."""
+    raw = str(data)
     for found in filter(None, (re.match(r"\+{1,2}data\.(\w+)=", override) for override in overrides)):
         key = found[1]
         ref = "${data." + key + "}"  # no f-string: the template engine reads its double braces
-        if key not in OPEN["data"].loop and ref not in str(data):
+        if key not in OPEN["data"].loop and ref not in raw:
             hint = did_you_mean(key, [k for k in data if k != key], "data.")
             raise UserError(
                 f"data.{key} is not used by data.train or data.val{hint}: remove it, or refer to it as {ref}"
