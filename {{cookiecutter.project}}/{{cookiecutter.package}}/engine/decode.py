@@ -30,22 +30,28 @@ JPEG_FORMATS = ("JPEG", "MPO")  # MPO: a camera's JPEG with extra pictures after
 SCALES = (8, 4, 2)  # the DCT scales libjpeg-turbo decodes at through PIL's Image.draft (1/8, 1/4, 1/2), largest first
 
 
-class CropBox:
-    """The box of the transform's first crop, worked out before the file is decoded, and what it is resized with
-    (`size`, `interpolation`, `antialias`). A `v2.RandomResizedCrop`'s (no `centre`) is drawn by its own
-    `make_params` on the unopened image (PIL reads the size from the header), so the same draws from the same
-    generator state as the transform; `v2.Resize(short side)` then `v2.CenterCrop` (`centre`): the part of the image
-    they keep, in the image's own pixels."""
+class RandomBox:
+    """A `v2.RandomResizedCrop`'s box, drawn before the file is decoded: its own `make_params` on the unopened image
+    (PIL reads the size from the header), so the same draws from the same generator state as the transform."""
 
-    def __init__(self, step, centre: v2.CenterCrop | None = None):
-        self.step, self.centre, self.size = step, centre, list((step if centre is None else centre).size)
+    def __init__(self, step: v2.RandomResizedCrop):
+        self.step, self.size = step, list(step.size)
         self.interpolation, self.antialias = step.interpolation, step.antialias
 
+    def box(self, image: Image.Image) -> tuple[float, float, float, float]:
+        params = self.step.make_params([image])
+        return params["top"], params["left"], params["height"], params["width"]
+
+
+class CentreBox:
+    """`v2.Resize(short side)` then `v2.CenterCrop`: the part of the image they keep, in the image's own pixels."""
+
+    def __init__(self, resize: v2.Resize, centre: v2.CenterCrop):
+        self.short, self.size = resize.size[0], list(centre.size)
+        self.interpolation, self.antialias = resize.interpolation, resize.antialias
+
     def box(self, image: Image.Image) -> tuple[float, float, float, float] | None:
-        if self.centre is None:
-            params = self.step.make_params([image])
-            return params["top"], params["left"], params["height"], params["width"]
-        width, height, short = *image.size, self.step.size[0]
+        (width, height), short = image.size, self.short
         # the resized size as torchvision's Resize computes it: the short side to `short`, the long one truncated
         if width <= height:
             new_w, new_h = short, int(short * height / width)
@@ -68,10 +74,10 @@ def crop_plan(transform):
     types = [type(t) for t in steps]
     public = hasattr(v2.RandomResizedCrop, "make_params")  # torchvision >= 0.21; before, its draws were private
     if public and types[:2] == [v2.ToImage, v2.RandomResizedCrop]:
-        return CropBox(steps[1]), steps[2:]
+        return RandomBox(steps[1]), steps[2:]
     if types[:3] == [v2.ToImage, v2.Resize, v2.CenterCrop]:
         if steps[1].size is not None and len(steps[1].size) == 1 and steps[1].max_size is None:
-            return CropBox(steps[1], steps[2]), steps[3:]
+            return CentreBox(steps[1], steps[2]), steps[3:]
     return None
 
 
@@ -208,7 +214,7 @@ class EncodedImage:
 class EncodedBatch:
     """A batch's images on the host: the JPEG files one after the other in `data` (`lengths`: how many bytes
     each), with their boxes, flips and places in the batch (`at`), and the crop step's box
-    (`CropBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
+    (`RandomBox` or `CentreBox`: the size, interpolation and antialias every box is resized with); `pixels` holds
     the images a worker decoded itself, stacked (uint8 (M, 3, H, W)), for the other places, or is None."""
 
     data: torch.Tensor
@@ -216,7 +222,7 @@ class EncodedBatch:
     boxes: list[tuple[int, int, int, int]]
     flips: list[bool]
     at: list[int]
-    crop: CropBox
+    crop: RandomBox | CentreBox
     pixels: torch.Tensor | None
     size: int  # images in the batch
 

@@ -109,13 +109,14 @@ class Kernels(TorchFunctionMode):
         self.unexact = unexact
 
     def __enter__(self):
-        self.was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        self.was = torch.are_deterministic_algorithms_enabled()
+        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         process.use_deterministic_kernels()  # the run's (CUBLAS_WORKSPACE_CONFIG among them), before its setup
         torch.use_deterministic_algorithms(True)  # here an op without a deterministic kernel raises
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.was[0], warn_only=self.was[1])
+        torch.use_deterministic_algorithms(self.was, warn_only=self.warn_only)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

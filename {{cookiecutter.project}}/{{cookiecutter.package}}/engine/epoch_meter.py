@@ -27,7 +27,7 @@ class EpochMeter:
         self.device = device
         # the sums of loss x batch size over the epoch, of micro-batch losses and of gradient norms (before
         # clipping) since the last read, and the first step with a non-finite loss (float64 holds any step exactly)
-        sums = torch.zeros(4, dtype=torch.float64, device=device).unbind()
+        sums = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(4))  # each its own tensor
         self.epoch_loss, self.window_loss, self.window_norm, self.first_bad = sums
         self.window_parts = {}  # sums (device tensors) of a task's loss parts since the last read, by name
         self.window_batches = self.window_norms = self.samples = self.batches = 0
