@@ -315,7 +315,7 @@ COMPOSITION = [
     ("epochs=ten", "epochs=ten: Value 'ten' of type 'str' could not be converted to Integer"),
     ("device=gpu", "device=gpu: Invalid value 'gpu', expected one of [auto, cpu, cuda]"),
     ("parallel=zero3", "parallel=zero3: there is no conf/parallel/zero3.yaml; choose one of ddp{% if cookiecutter.with_fsdp == "yes" %}, fsdp{% endif %}"),
-    ("loader=fast", "loader=fast: there is no conf/loader/fast.yaml; choose one of balanced, memory-tight, throughput"),
+    ("loader=fast", "there is no conf/loader/fast.yaml; choose one of auto, balanced, memory-tight, throughput"),
     ("epochs=[1", "cannot read the command line: no viable alternative at input '[1'"),
     ("epochs=1,2", "Ambiguous value for argument 'epochs=1,2'"),
 ]

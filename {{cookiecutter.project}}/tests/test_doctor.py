@@ -15,7 +15,7 @@ from tests.helpers import PROJECT
 from tests.test_stream_train import STREAM
 {% endif %}
 
-PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml"))
+PROFILES = sorted(p.stem for p in (PROJECT / "conf" / "loader").glob("*.yaml") if p.stem != "auto")  # fixed ones
 
 
 @pytest.mark.slow
@@ -40,6 +40,10 @@ def test_doctor_measures_every_profile(tmp_path, shapes_root):
     assert report["recommendation"]["profile"] in PROFILES and report["recommendation"]["reasons"]
     assert "recommendation: loader=" in proc.stdout and "batches/s" in proc.stdout
     assert report["machine"]["shm_size_mib"] > 0 and "/dev/shm: " in proc.stdout  # where the batches in flight live
+    # loader=auto's trials and pick, by train.py's code (engine/loader_tuning.py): what loader_pick.json holds
+    auto = report["auto"]
+    assert auto["trials"] and proc.stdout.count("loader=auto trial ") == len(auto["trials"])
+    assert f"loader=auto would pick num_workers={auto['settings']['num_workers']} " in proc.stdout
     assert all("MiB free of" in r["plan"] for r in report["profiles"] if r["num_workers"])
     assert "model memory per rank: parameters" in proc.stdout and report["model_memory_mib"]["ddp_per_rank"] > 0
 {% if cookiecutter.with_streams == "yes" %}

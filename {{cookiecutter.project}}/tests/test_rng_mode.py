@@ -12,6 +12,7 @@ SETUPS = [
     ("loader=balanced", "loader.num_workers=0"),
     ("loader=memory-tight", "loader.num_workers=3"),
     ("loader=throughput", "loader.num_workers=4"),
+    ("loader=auto",),  # whatever it picks
 ]
 
 

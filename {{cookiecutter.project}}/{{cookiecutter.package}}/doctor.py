@@ -10,114 +10,32 @@ up. docs/loader.md ("Loader doctor") explains the table's columns and the decisi
 The table and the recommendation are printed, and everything goes to doctor.json in the run folder.
 """
 
-import gc
-{% if cookiecutter.with_streams == "yes" %}
-import itertools
-{% endif %}
 import json
 import logging
 import os
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import hydra
-import numpy as np
 import psutil
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import default_collate
 
-from .engine import distributed, failures, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
-from .engine.data_check import first_samples
-from .engine.device import pick_device, to_device
+from .engine import distributed, failures, loader_tuning, memory, monitor, parts, rng, schema{% if cookiecutter.with_streams == "yes" %}, shard_plan{% endif +%}
+from .engine.device import pick_device
 from .engine.errors import CodeError, UserError, find_user_error, in_your_code
-from .engine.loader import TrainLoader, resolve_settings, usable_cpus
+from .engine.loader import resolve_settings, usable_cpus
 from .engine.optim import state_slots
-{% if cookiecutter.with_streams == "yes" %}
-from .engine.stream_loader import StreamLoader
-{% endif %}
-from .engine.task_results import split_loss
 
 log = logging.getLogger("doctor")
 
 MiB = 2**20
 MEMORY_SHARE = 0.5  # a profile whose peak passes this share of the available memory counts as memory-tight
 START_SHARE = 0.05  # an epoch start costing more than this share of an epoch is worth persistent workers
-PSS_EVERY_S = 0.2  # PeakPss's shortest wait between readings
 SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")  # into doctor.json
-
-
-class Probe(Dataset):
-    """The part of the data set a profile reads, each item timed in the process that makes it: `count` evenly spaced
-{% if cookiecutter.with_streams == "yes" %}
-    items, or a stream's first `count` records (a shard stream's shards split over the workers, any other stream
-    splitting itself). `collate`: the run's, plus the worker's first-item figures riding along."""
-{% else %}
-    items. `collate`: the run's, plus the worker's first-item figures riding along."""
-{% endif %}
-
-    def __init__(self, dataset, count: int, collate):
-        self.dataset, self.count, self.collate_fn = dataset, count, collate
-        self.times: list[tuple[float, float]] = []  # each item made in this process: (time.time() it began, seconds)
-{% if cookiecutter.with_streams == "yes" %}
-        size = 0 if shard_plan.is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
-{% else %}
-        size = len(dataset)
-{% endif %}
-        self.picks = np.linspace(0, size - 1, min(size, count)).round().astype(np.int64).tolist()
-
-    def __len__(self) -> int:
-        return len(self.picks)
-
-    def __getitem__(self, index):
-        began = time.time()
-        item = self.dataset[self.picks[index]]
-        self.times.append((began, time.time() - began))
-        return item
-{% if cookiecutter.with_streams == "yes" %}
-
-    def __iter__(self):
-        workers = shard_plan.this_worker()[1]
-        records = itertools.islice(shard_plan.records(self.dataset), max(self.count // workers, 1))
-        while (began := time.time()) and (item := next(records, None)) is not None:  # began: before each read
-            self.times.append((began, time.time() - began))
-            yield item
-{% endif %}
-
-    def collate(self, samples):
-        """The batch, and (worker pid, when its first item began by the wall clock, which processes share, how much
-        longer that item took than the later ones) from a worker; None from the main process."""
-        if get_worker_info() is None or not self.times:
-            return self.collate_fn(samples), None
-        (began, first), later = self.times[0], [took for _, took in self.times[1:]]
-        return self.collate_fn(samples), (os.getpid(), began, max(first - statistics.median(later or [0.0]), 0.0))
-
-
-class PeakPss(threading.Thread):
-    """Polls monitor.pss_mib() until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time
-    per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak, self.stop = 0.0, threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        wait = PSS_EVERY_S
-        while not self.stop.wait(wait):
-            began = time.perf_counter()
-            self.peak = max(self.peak, monitor.pss_mib())
-            wait = max(PSS_EVERY_S, 10 * (time.perf_counter() - began))
-
-    def result(self) -> float:
-        """Stops polling: the peak, a last reading included."""
-        self.stop.set()
-        self.join()
-        return max(self.peak, monitor.pss_mib())
 
 
 def wait_for_queue(expected_bytes: int) -> int:
@@ -144,16 +62,10 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     except UserError as e:  # on_budget=error and over budget: this profile would not start
         return {"profile": name, "refused": str(e)}
     batches = max(40, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)  # the queue turns over, quickly
-    probe = Probe(dataset, batches * settings.batch_size, collate)
-{% if cookiecutter.with_streams == "yes" %}
-    kind = StreamLoader if shard_plan.is_stream(dataset) else TrainLoader  # the data read as train.py reads it
-{% else %}
-    kind = TrainLoader
-{% endif %}
-    loader = kind(probe, settings, seed=seed, collate_fn=probe.collate)
+    loader = loader_tuning.probe_loader(dataset, settings, batches * settings.batch_size, collate, seed)
     result = {"profile": name, **{k: getattr(settings, k) for k in SETTINGS}}
     result.update(budget_change="; ".join(changes) or None, batches_per_epoch=loader.batches_per_epoch)
-    peak = PeakPss()
+    peak = loader_tuning.PeakPss()
     for epoch in (1, 2):
         asked, arrivals, workers = time.time(), [], {}
         for batch, report in loader:
@@ -173,30 +85,9 @@ def measure(name: str, loader_cfg, dataset, device: torch.device, seed: int, col
     span = arrivals[-1] - arrivals[0]  # epoch 2 after its first batch
     result["batches_per_s"] = (len(arrivals) - 1) / span if span > 0 else None  # None: one batch, or no time
     result["peak_pss_mib"] = peak.result()
-    del loader, probe
-    gc.collect()  # the DataLoader iterator shuts its workers down when collected: wait for them to be gone
-    deadline = time.time() + 10
-    while psutil.Process().children() and time.time() < deadline:
-        time.sleep(0.05)
+    del loader
+    loader_tuning.workers_gone()
     return result
-
-
-def model_figures(cfg, dataset, collate, batch_size: int, device: torch.device, steps: int = 5) -> tuple[float, dict]:
-    """The model's batches/s of forward + backward on one batch (the pace the loader must keep), its `model_memory`."""
-    with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
-        model, task = parts.model(cfg.model, device), parts.build(cfg.task, "task")
-        samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
-        batch = collate([samples[i % len(samples)] for i in range(batch_size)])
-    batch = parts.prepare(cfg.data, device, False)(to_device(batch, device))  # uint8 -> normalized floats, as train.py
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # the device done with what was asked
-    for i in range(steps + 2):  # two warm-up steps, then the timed ones
-        if i == 2:
-            sync()
-            began = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        split_loss(task.loss(model, batch))[0].backward()  # a bare loss or (loss, parts)
-    sync()
-    return steps / (time.perf_counter() - began), model_memory(model, parts.optimizer(cfg.optim, model))
 
 
 def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -306,12 +197,20 @@ def diagnose(cfg) -> None:
     train_set = parts.data_set(cfg.data, "train")
     build_s = time.perf_counter() - began
     collate = parts.collate(cfg.data, train_set) or default_collate  # as train.py collates the batches
-    results = [
-        measure(name, hydra.compose(config_name="config", overrides=[*overrides, f"loader={name}"]).loader, train_set,
-                device, cfg.seed, collate)
-        for name in GlobalHydra.instance().config_loader().get_group_options("loader")
-    ]  # fmt: skip
-    model_bps, weights = model_figures(cfg, train_set, collate, cfg.loader.batch_size, device)
+    profiles = {name: hydra.compose(config_name="config", overrides=[*overrides, f"loader={name}"]).loader
+                for name in GlobalHydra.instance().config_loader().get_group_options("loader")}  # fmt: skip
+    fixed = {name: loader for name, loader in profiles.items() if not loader_tuning.tuned_keys(loader)}
+    results = [measure(name, loader, train_set, device, cfg.seed, collate) for name, loader in fixed.items()]
+    step = loader_tuning.ModelStep(cfg, device)  # the model timed as loader=auto's trials time it
+    model_bps = step.batches_per_s(train_set, collate, cfg.loader.batch_size)
+    weights = model_memory(step.model, parts.optimizer(cfg.optim, step.model))
+    auto = profiles.get("auto")  # the trials loader=auto would run here, and its pick: the same code as train.py's
+    if auto is not None:
+        print("loader=auto's trials:", flush=True)
+        base = resolve_settings(auto, device.type)
+        pick = loader_tuning.tune(train_set, collate, step, base, loader_tuning.tuned_keys(auto),
+                                  loader_tuning.Budget.of(auto), cfg.seed, cfg.rng_mode.value,
+                                  say=lambda line, *a: print("  " + line % a, flush=True))  # fmt: skip
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
     samples = sum(sizes) if sizes is not None else None if shard_plan.is_stream(train_set) else len(train_set)
@@ -325,7 +224,7 @@ def diagnose(cfg) -> None:
                     "device": str(device), "torch": torch.__version__, "python": sys.version.split()[0]},
         "data": {"train_samples": samples, "build_s": build_s, "full_epoch_batches": full_batches},
         "model_batches_per_s": model_bps, "model_memory_mib": weights, "current": current, "profiles": results,
-        "recommendation": advice,
+        "recommendation": advice, "auto": pick.saved() if auto is not None else None,
     }  # fmt: skip
     (run_dir / "doctor.json").write_text(json.dumps(report, indent=2))
     lines = [
@@ -342,6 +241,8 @@ def diagnose(cfg) -> None:
     if shm_free is not None:
         lines.append(f"{failures.SHM_DIR}: {shm_free:.1f} MiB free of {shm_size:.1f} MiB (batches in flight)")
     lines += [f"{r['profile']}: {r['budget_change']}" for r in results if r.get("budget_change")]
+    if auto is not None:
+        lines.append(f"loader=auto would pick {pick.why} ({len(pick.trials)} trials, {pick.tuned_s:.1f} s)")
     line = " ".join([f"loader={advice['profile']}", *advice["overrides"]])
     lines += [f"recommendation: {line}\n  - " + "\n  - ".join(advice["reasons"]), f"written: {run_dir / 'doctor.json'}"]
     print("\n".join(lines))

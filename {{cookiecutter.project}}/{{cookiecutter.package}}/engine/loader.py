@@ -58,16 +58,23 @@ class LoaderSettings:
         return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
 
 
+# where a key set to `tune` starts before the trials (balanced's values); eval.py reads a tuned run's keys so too
+TUNE_START = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": "auto", "persistent_workers": True}
+
+
 def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     """Settle a loader profile's `auto` values; combinations that cannot apply are adjusted and said so. The ranges of
-    its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed."""
-    workers = usable_cpus() if cfg.num_workers == "auto" else cfg.num_workers
-    pin = device_type == "cuda" if cfg.pin_memory == "auto" else cfg.pin_memory
+    its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed. A key set to `tune`
+    (loader=auto) starts from balanced's value here; loader_tuning picks it."""
+    cfg = {**cfg, **{k: v for k, v in TUNE_START.items() if cfg[k] == "tune"}}
+    workers = usable_cpus() if cfg["num_workers"] == "auto" else cfg["num_workers"]
+    pin = device_type == "cuda" if cfg["pin_memory"] == "auto" else cfg["pin_memory"]
     if pin and device_type != "cuda":
         log.warning("loader: pin_memory only speeds up copies to CUDA; turned off on %s", device_type)
         pin = False
-    prefetch = 2 if cfg.prefetch_factor is None else cfg.prefetch_factor  # null: PyTorch's own default
-    settings = LoaderSettings(cfg.batch_size, workers, prefetch, pin, cfg.persistent_workers, float(cfg.timeout))
+    prefetch = 2 if cfg["prefetch_factor"] is None else cfg["prefetch_factor"]  # null: PyTorch's own default
+    persistent, timeout = cfg["persistent_workers"], float(cfg["timeout"])
+    settings = LoaderSettings(cfg["batch_size"], workers, prefetch, pin, persistent, timeout)
     if workers:
         return settings
     # no note for timeout: the watchdog is on by default, and the main process loading has no worker to stall
@@ -344,6 +351,7 @@ class EpochLoader:
         self.worker_pids: set[int] = set()  # workers that served this epoch
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self._early = None  # the next epoch's iterator, made early (start_next_epoch)
+        self.pick: dict | None = None  # loader=auto's pick (loader_tuning.Pick.saved()), which a resume reuses
 
     @staticmethod
     def combined(states: list[dict]) -> dict:
@@ -415,6 +423,7 @@ class EpochLoader:
             "world_size": self.world_size,
             "rng_mode": self.rng_mode,
             "skipped": self.skipped,
+            "pick": self.pick,
             **self.own_state(),
         }
 

@@ -58,13 +58,12 @@ def _readings() -> dict[int, tuple[int, int, int]]:
     return found
 
 
-{% if cookiecutter.with_doctor == "yes" %}
-def pss_mib() -> float:
-    """PSS of this process and its live children, in MiB: the light reading polled for a peak."""
-    return sum(pss for _, pss, _ in _readings().values()) / MiB
+def pss_mib(leave_out=frozenset()) -> float:
+    """PSS of this process and its live children but those in `leave_out`, in MiB: the light reading polled for a
+    peak."""
+    return sum(pss for pid, (_, pss, _) in _readings().items() if pid not in leave_out) / MiB
 
 
-{% endif %}
 def sample(worker_pids: set[int]) -> dict:
     """One reading of this process and its children. `workers_*` and `fds` cover every live child process: the
     train loader's workers, the persistent validation workers and anything a dataset spawned; all of it is memory

@@ -248,7 +248,8 @@ def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | No
 {% if cookiecutter.with_streams == "yes" %}
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
-        readers = world_size * max(cfg.loader.num_workers, 1)
+        workers = cfg.loader.num_workers  # loader=auto keeps a stream's pick: the checkpoint's workers
+        readers = world_size * max(loader["num_workers"] if workers == "tune" else workers, 1)
         why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
         if why:
             raise UserError(f"resume: data.train {why}")

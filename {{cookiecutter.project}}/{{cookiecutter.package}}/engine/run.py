@@ -7,6 +7,7 @@ a resume builds a fresh `Run` and loads the checkpoint into it before the first 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
+from . import checkpoint, distributed, failures, {% if cookiecutter.with_fsdp == "yes" %}fsdp, {% endif %}loader_tuning, memory, parts, resume, rng, run_state{% if cookiecutter.with_tracking == "yes" %}, tracking{% endif +%}
 from .batch_transform import SeededBatchTransform
 from .callbacks import Callbacks
 from .data_check import check_classes
@@ -257,6 +258,11 @@ def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, c
     settings = resolve_settings(cfg.loader, device.type)
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
+    pick = None
+    if loader_tuning.tuned_keys(cfg.loader):  # loader=auto: trials on this data and model pick the keys set to tune
+        pick = loader_tuning.choose(cfg, problem, device, settings, ckpt, world)
+        (run_dir / loader_tuning.pick_file(world.rank)).write_text(json.dumps(pick.saved(), indent=2))
+        settings = pick.settings
     # before any worker starts: fit the batches in flight to loader.max_prefetch_mib and to the free /dev/shm
     settings, changes = memory.fit_loader(problem.train_set, settings, cfg.loader, problem.collate)
     for change in changes:
@@ -283,6 +289,7 @@ def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, c
 {% else %}
     )
 {% endif %}
+    train_loader.pick = pick and pick.saved()  # the checkpoint carries it: a resume reuses it
     seed = cfg.seed if cfg.rng_mode.value == "per_sample" else None  # each validation sample seeded, as in training
     return train_loader, eval_loader(problem.val_set, settings, **shared, seed=seed)  # as eval.py's
 

@@ -58,9 +58,10 @@ def flag(v):
     return None if isinstance(v, bool) else "true or false"
 
 
-def or_word(check: Callable, word: str) -> Callable:
-    """`check`'s values, or the string `word`."""
-    return lambda v: v != word and (wanted := check(v)) and f"{wanted.replace(' or ', ', ')} or '{word}'"
+def or_word(check: Callable, *words: str) -> Callable:
+    """`check`'s values, or one of the strings `words`."""
+    said = " or ".join(f"'{w}'" for w in words)
+    return lambda v: v not in words and (wanted := check(v)) and f"{wanted.replace(' or ', ', ')} or {said}"
 
 
 def or_null(check: Callable, null: str) -> Callable:
@@ -105,13 +106,17 @@ Strategy = choices("Strategy", "ddp"{% if cookiecutter.with_fsdp == "yes" %}, "f
 @dataclass
 class LoaderConfig:
     batch_size: int = key(integer(1))
-    num_workers: Any = key(or_word(integer(0), "auto"))
-    prefetch_factor: int | None = key(or_null(integer(1), "PyTorch's default, 2"))
-    pin_memory: Any = key(or_word(flag, "auto"))
-    persistent_workers: bool = key()
+    # `tune`: loader=auto's trials pick the value (engine/loader_tuning.py)
+    num_workers: Any = key(or_word(integer(0), "auto", "tune"))
+    prefetch_factor: Any = key(or_word(or_null(integer(1), "PyTorch's default, 2"), "tune"))
+    pin_memory: Any = key(or_word(flag, "auto", "tune"))
+    persistent_workers: Any = key(or_word(flag, "tune"))
     timeout: float = key(number(0))
     max_prefetch_mib: float | None = key(or_null(number(0, above=True), "no budget"))
     on_budget: OnBudget = key()
+    ram_budget_mib: float | None = key(or_null(number(0, above=True), "half the memory available at start"))
+    cpu_budget: int | None = key(or_null(integer(1), "the usable CPUs split over this node's processes"))
+    tune_s: float = key(number(0, above=True))
 
 
 @dataclass

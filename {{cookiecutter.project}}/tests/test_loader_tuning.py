@@ -1,0 +1,140 @@
+"""loader=auto (engine/loader_tuning.py): trials pick the loader settings under the budgets, the pick is written and
+kept by the checkpoint, and it changes nothing but speed."""
+
+import json
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from {{ cookiecutter.package }}.engine import monitor
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader_tuning import TUNED, Budget, tune
+from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
+
+MiB = 2**20
+
+
+class BigSamples(Dataset):
+    """Samples of 1 MiB each that wait 5 ms on a read: a batch of 4 is 4 MiB, so the batches in flight weigh on a
+    RAM budget, and more workers help."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, index: int):
+        time.sleep(0.005)
+        return torch.full((MiB // 4,), float(index)), index % 2
+
+
+class NoModel:
+    """A step that costs nothing: the trials' figures are the loader's."""
+
+    def __call__(self, batch) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+
+def tuned(budget_mib: float):
+    base = LoaderSettings(4, 2, 2, False, True, 0.0)
+    budget = Budget(budget_mib, 8, 20.0)
+    return tune(BigSamples(), default_collate, NoModel(), base, list(TUNED), budget, seed=0)
+
+
+def test_a_setting_past_the_ram_budget_by_its_plan_is_never_tried():
+    roomy = tuned(monitor.pss_mib() + 4000)  # the control: with room to spare, two workers are tried
+    assert (2, 2) in {(t.num_workers, t.prefetch_factor) for t in roomy.trials}, (roomy.skipped, roomy.trials)
+    main = roomy.trials[0].peak_pss_mib  # num_workers=0: this process, a batch in hand
+    pick = tuned(main + 12)  # one worker's 2 batches in flight (8 MiB) fit the plan; two workers' (16 MiB) do not
+    tried = {(t.num_workers, t.prefetch_factor) for t in pick.trials}
+    assert (2, 2) not in tried and all(w < 2 for w, _ in tried), tried
+    stopped = pick.skipped or [t for t in pick.trials if t.over]  # by the plan, or by a measured peak past it
+    assert stopped and all("over the RAM budget" in s["why"] for s in pick.skipped), pick.skipped
+    assert pick.needs["ram_mib"] <= main + 12
+
+
+def test_auto_writes_its_trials_and_pick_and_changes_no_weight(tmp_path):
+    """rng_mode=per_sample: auto's weights are torch.equal to a fixed profile's; the log has one line a trial and
+    one for the pick, loader_pick.json the trials, the checkpoint the pick. The control: another seed differs."""
+    auto = run_train(tmp_path / "auto", *RNG_DATA, "epochs=2", "loader=auto")
+    fixed = run_train(tmp_path / "fixed", *RNG_DATA, "epochs=2", "loader=memory-tight")
+    other = run_train(tmp_path / "other", *RNG_DATA, "epochs=2", "loader=memory-tight", "seed=1")
+    assert auto and fixed and other
+    last = "checkpoints/last.pth"
+    assert same_weights(tmp_path / "auto" / last, tmp_path / "fixed" / last)
+    assert not same_weights(tmp_path / "other" / last, tmp_path / "fixed" / last)
+    log = (tmp_path / "auto" / "train.log").read_text()
+    picked = json.loads((tmp_path / "auto" / "loader_pick.json").read_text())
+    assert log.count("loader=auto trial ") == len(picked["trials"]) >= 1
+    assert log.count("loader=auto picks num_workers=") == 1
+    assert set(picked["settings"]) >= {"num_workers", "prefetch_factor", "persistent_workers", "pin_memory"}
+    assert load_ckpt(tmp_path / "auto" / last)["ranks"][0]["loader"]["pick"]["settings"] == picked["settings"]
+    assert [r["val_loss"] for r in read_jsonl(tmp_path / "auto" / "metrics.jsonl")] == [
+        r["val_loss"] for r in read_jsonl(tmp_path / "fixed" / "metrics.jsonl")
+    ]
+
+
+@pytest.mark.slow
+def test_a_resume_reuses_the_pick_without_trials_and_stays_exact(tmp_path):
+    whole = tmp_path / "whole"
+    run_train(whole, *RNG_DATA, "epochs=2", "loader=auto")
+    part = tmp_path / "part"
+    run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "max_steps=7")
+    resumed = run_train(part, *RNG_DATA, "epochs=2", "loader=auto", f"resume={part}/checkpoints/last.pth")
+    said = resumed.stdout + resumed.stderr
+    assert "the checkpoint's pick, no trials" in said and "loader=auto trial" not in said
+    assert same_weights(whole / "checkpoints/last.pth", part / "checkpoints/last.pth")
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_pick_is_still_exact_under_per_sample(tmp_path):
+    """A budget the saved pick does not fit: the resume says so and tunes again; per_sample keeps the weights. The
+    control: the same under per_worker keeps the pick (its streams depend on the workers)."""
+    whole = tmp_path / "whole"
+    run_train(whole, *RNG_DATA, "epochs=2", "loader=auto")
+    part = tmp_path / "part"
+    run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "max_steps=7")
+    ckpt = f"resume={part}/checkpoints/last.pth"
+    proc = run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "loader.cpu_budget=1", "loader.ram_budget_mib=1", ckpt,
+                     expect=2)  # fmt: skip
+    assert "does not fit this machine" in proc.stdout + proc.stderr  # a 1 MiB budget fits nothing: one error line
+    roomy = run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "loader.num_workers=0", ckpt)
+    assert "num_workers=0 kept as set" in roomy.stdout + roomy.stderr + (part / "train.log").read_text()
+    assert same_weights(whole / "checkpoints/last.pth", part / "checkpoints/last.pth")
+
+
+@pytest.mark.slow
+def test_per_worker_keeps_its_first_pick(tmp_path):
+    """A resume on a budget the pick does not fit keeps it under per_worker, and continues exactly: the weights of
+    a fixed profile with the picked workers run without a stop."""
+    part, whole = tmp_path / "part", tmp_path / "whole"
+    run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "rng_mode=per_worker", "max_steps=7")
+    first = json.loads((part / "loader_pick.json").read_text())["settings"]
+    resumed = run_train(part, *RNG_DATA, "epochs=2", "loader=auto", "rng_mode=per_worker", "loader.ram_budget_mib=1",
+                        f"resume={part}/checkpoints/last.pth")  # fmt: skip
+    said = resumed.stdout + resumed.stderr
+    assert "the checkpoint's pick, no trials" in said and "kept, as the batches depend on it" in said
+    assert json.loads((part / "loader_pick.json").read_text())["settings"] == first
+    workers, persistent = first["num_workers"], str(first["persistent_workers"]).lower()
+    run_train(whole, *RNG_DATA, "epochs=2", "loader=balanced", "rng_mode=per_worker", f"loader.num_workers={workers}",
+              f"loader.persistent_workers={persistent}")  # fmt: skip
+    assert same_weights(whole / "checkpoints/last.pth", part / "checkpoints/last.pth")
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("loader.cpu_budget=0", "loader.cpu_budget must be an integer >= 1"),
+        ("loader.cpu_budget=4096", "loader.cpu_budget=4096 is more than the"),
+        ("loader.tune_s=0", "loader.tune_s must be a number > 0"),
+        ("loader.ram_budget_mib=0.01", "over loader.ram_budget_mib=0.01"),
+    ],
+)
+def test_bad_budgets_are_refused_in_one_line(tmp_path, override, said):
+    proc = run_train(tmp_path, *RNG_DATA, "epochs=1", "loader=auto", override, expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and said in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "loader_pick.json").exists()
