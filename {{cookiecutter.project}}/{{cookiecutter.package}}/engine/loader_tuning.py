@@ -333,7 +333,8 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             f"loader=auto: one batch of {base.batch_size} needs {batch / MiB:.1f} MiB, over loader.ram_budget_mib="
             f"{budget.ram_mib:g}: raise the budget or lower loader.batch_size"
         )
-    main_mib, per_worker, worker_cpu = monitor.pss_mib(children()), 0.0, 1.0  # the plan's figures, measured as trials run
+    # the plan's figures, measured as the trials run
+    main_mib, per_worker, worker_cpu = monitor.pss_mib(children()), 0.0, 1.0
     space = memory.shm_space()
     trials, skipped = [], []
 
