@@ -17,7 +17,7 @@ MiB = 2**20
 
 
 class BigSamples(Dataset):
-    """Samples of 1 MiB each that wait 5 ms on a read: a batch of 4 is 4 MiB, so the batches in flight weigh on a
+    """Samples of 4 MiB each that wait 5 ms on a read: a batch of 4 is 16 MiB, so the batches in flight weigh on a
     RAM budget, and more workers help."""
 
     def __len__(self) -> int:
@@ -25,7 +25,7 @@ class BigSamples(Dataset):
 
     def __getitem__(self, index: int):
         time.sleep(0.005)
-        return torch.full((MiB // 4,), float(index)), index % 2
+        return torch.full((MiB,), float(index)), index % 2
 
 
 class NoModel:
@@ -48,12 +48,12 @@ def test_a_setting_past_the_ram_budget_by_its_plan_is_never_tried():
     roomy = tuned(monitor.pss_mib() + 4000)  # the control: with room to spare, two workers are tried
     assert (2, 2) in {(t.num_workers, t.prefetch_factor) for t in roomy.trials}, (roomy.skipped, roomy.trials)
     main = roomy.trials[0].peak_pss_mib  # num_workers=0: this process, a batch in hand
-    pick = tuned(main + 12)  # one worker's 2 batches in flight (8 MiB) fit the plan; two workers' (16 MiB) do not
+    pick = tuned(main + 56)  # one worker's 2 batches in flight (32 MiB) fit the plan; two workers' (64 MiB) do not
     tried = {(t.num_workers, t.prefetch_factor) for t in pick.trials}
     assert (2, 2) not in tried and all(w < 2 for w, _ in tried), tried
     stopped = pick.skipped or [t for t in pick.trials if t.over]  # by the plan, or by a measured peak past it
     assert stopped and all("over the RAM budget" in s["why"] for s in pick.skipped), pick.skipped
-    assert pick.needs["ram_mib"] <= main + 12
+    assert pick.needs["ram_mib"] <= main + 56
 
 
 def test_auto_writes_its_trials_and_pick_and_changes_no_weight(tmp_path):
