@@ -49,8 +49,9 @@ WITHIN = 0.02  # the pick: the cheapest trial whose speed is within this share o
 HELPS = 1.05  # more workers help when they are this much faster; two steps in a row that are not end the climb
 DONE_WAIT = 0.01  # a data wait below this share of the step: nothing left for more workers to hide
 WORKERS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the climb's rungs
-# the trials stop once they took this share of the time the run waits for data (estimated from the fastest trial
-# and the least wait): what more workers could save at most
+TRIAL_S = 1.5  # a trial's timed part at most (after its first batch)
+# a trial is run only while it costs less than this share of the time the run would still wait for data at the
+# best setting so far (its length from the fastest trial, its wait the least): what more trials could save at most
 PAYBACK = 0.5
 PSS_EVERY_S = 0.2  # PeakPss's shortest wait between readings
 
@@ -240,6 +241,7 @@ class Trial:
     data_wait: float  # the share of the loop's time spent waiting for the next batch
     peak_pss_mib: float  # main process, workers and the batches in shared memory, at their peak
     workers_cpu: float  # cores the workers used on average
+    loading_cpu: float  # the CPU share of the loop's wait (num_workers=0: how busy a loading process keeps a core)
     seconds: float
     over: str | None = None  # why it may not be picked (its measured peak past the budget)
 
@@ -297,12 +299,14 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
         items, item = iter(loader), None
         step(next(items)[0])
         cpu, start, waited, count = workers_cpu_s(others), time.perf_counter(), 0.0, 0
-        while time.perf_counter() - began < seconds:
-            asked = time.perf_counter()
+        loading = 0.0  # this thread's CPU seconds inside next(): the loading itself when num_workers=0
+        while time.perf_counter() - start < seconds:
+            asked, used = time.perf_counter(), time.thread_time()
             item = next(items, None)
             if item is None:
                 break
             waited += time.perf_counter() - asked
+            loading += time.thread_time() - used
             step(item[0])
             count += 1
         step.sync()
@@ -314,7 +318,17 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
     workers_gone(others)
     return Trial(settings.num_workers, settings.prefetch_factor, settings.pin_memory,
                  count * settings.batch_size / span if span > 0 else 0.0, waited / span if span > 0 else 1.0,
-                 peak_mib, cpu, time.perf_counter() - began)  # fmt: skip
+                 peak_mib, cpu, loading / waited if waited > 0 else 1.0, time.perf_counter() - began)  # fmt: skip
+
+
+def next_rung(t: Trial) -> int | None:
+    """The climb's next worker count after trial `t`: as many more as its wait suggests (a loop waiting 75% of the
+    time wants about 4x the workers), 1.5x to 4x (1 to 4 after the main process), on a rung of WORKERS; None past
+    the last rung."""
+    if not t.num_workers:  # loading takes data_wait of the main process's time: so many workers hide it
+        return next(w for w in WORKERS if w >= min(4.0, max(1.0, t.data_wait / max(1 - t.data_wait, 0.01))))
+    grow = min(4.0, max(1.5, 1 / max(1 - t.data_wait, 0.25)))
+    return next((w for w in WORKERS if w >= t.num_workers * grow), None)
 
 
 def cost(t) -> tuple:
@@ -353,26 +367,27 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
 
     def attempt(s: LoaderSettings) -> Trial | None:
         nonlocal main_mib, per_worker, worker_cpu
-        spent, fastest = time.perf_counter() - began, max((t.samples_per_s for t in trials), default=0.0)
-        left = budget.tune_s - spent
-        if run_batches and fastest:  # a short run, or one that hardly waits, affords few trials
-            wait = min(t.data_wait for t in trials)
-            left = min(left, PAYBACK * wait * run_batches * base.batch_size / fastest - spent)
+        left = budget.tune_s - (time.perf_counter() - began)
         if left <= 0 and trials:
             return None
+        fastest = max((t.samples_per_s for t in trials), default=0.0)
+        if run_batches and fastest:  # a short run, or one that hardly waits, affords few trials
+            waits = min(t.data_wait for t in trials) * run_batches * base.batch_size / fastest  # at the best so far
+            if PAYBACK * waits < trials[-1].seconds:
+                return None
         if why := planned(s):
             skipped.append({"num_workers": s.num_workers, "prefetch_factor": s.prefetch_factor, "why": why})
             say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", s.num_workers, s.prefetch_factor, why)
             return None
-        t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, budget.tune_s / 4), 0.5))
+        t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5))
         if t.peak_pss_mib > budget.ram_mib:
             t.over = f"peak PSS {t.peak_pss_mib:.0f} MiB, over the budget of {budget.ram_mib:.0f} MiB"
         if s.num_workers:  # what one more worker costs, for the next plan
             in_flight = memory.Plan(s, batch).mib
             per_worker = max(per_worker, (t.peak_pss_mib - main_mib - in_flight) / s.num_workers)
             worker_cpu = max(t.workers_cpu / s.num_workers, 0.05)
-        else:
-            main_mib = max(main_mib, t.peak_pss_mib)
+        else:  # a worker would keep a core as busy as loading kept this process's
+            main_mib, worker_cpu = max(main_mib, t.peak_pss_mib), max(t.loading_cpu, 0.05)
         trials.append(t)
         say("loader=auto trial %d: %s%s", len(trials), t.line(), f" ({t.over})" if t.over else "")
         return t
@@ -383,18 +398,29 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
 
     pin = base.pin_memory
     prefetch = base.prefetch_factor or 2
-    rungs = WORKERS if "num_workers" in tuned else (base.num_workers,)
-    best, flat = None, 0
-    for workers in rungs:  # the climb
+    workers, best = (0 if "num_workers" in tuned else base.num_workers), None
+    while workers is not None:  # the climb: up while a rung is HELPS faster than the best so far
         t = attempt(settings(workers, prefetch, pin))
         if t is None:
             break
-        if best is None or t.samples_per_s >= HELPS * best.samples_per_s:
-            best, flat = (t if t.over is None else best), 0
-        else:
-            flat += 1
-        if t.over or flat == 2 or t.data_wait < DONE_WAIT:
+        helped = best is None or t.samples_per_s >= HELPS * best.samples_per_s
+        if helped and t.over is None:
+            best = t
+        if t.over or not helped or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
             break
+        workers = next_rung(t)
+    if best is not None:  # one rung between the best and each tried neighbour: a cheaper or a faster one
+        w, spans = best.num_workers, []
+        below = [t.num_workers for t in trials if t.num_workers < w]
+        above = [t.num_workers for t in trials if t.num_workers > w]
+        if below:
+            spans.append((max(below), w))
+        if above:
+            spans.append((w, min(above)))
+        for low, high in spans:
+            between = [n for n in WORKERS if low < n < high]
+            if between:
+                attempt(settings(between[len(between) // 2], prefetch, pin))
     ok = [t for t in trials if t.over is None]
     if not ok:
         lean = min(trials, key=lambda t: t.peak_pss_mib, default=None)
