@@ -45,8 +45,8 @@ def tuned(budget_mib: float):
 
 
 def test_a_setting_past_the_ram_budget_by_its_plan_is_never_tried():
-    roomy = tuned(monitor.pss_mib() + 4000)  # the control: with room to spare, two workers are tried
-    assert (2, 2) in {(t.num_workers, t.prefetch_factor) for t in roomy.trials}, (roomy.skipped, roomy.trials)
+    roomy = tuned(monitor.pss_mib() + 4000)  # the control: with room to spare, two workers or more are tried
+    assert max(t.num_workers for t in roomy.trials) >= 2, (roomy.skipped, roomy.trials)
     main = roomy.trials[0].peak_pss_mib  # num_workers=0: this process, a batch in hand
     pick = tuned(main + 56)  # one worker's 2 batches in flight (32 MiB) fit the plan; two workers' (64 MiB) do not
     tried = {(t.num_workers, t.prefetch_factor) for t in pick.trials}

@@ -376,7 +376,10 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             if PAYBACK * waits < trials[-1].seconds:
                 return None
         if why := planned(s):
-            skipped.append({"num_workers": s.num_workers, "prefetch_factor": s.prefetch_factor, "why": why})
+            skip = {"num_workers": s.num_workers, "prefetch_factor": s.prefetch_factor, "why": why}
+            if skip in skipped:
+                return None
+            skipped.append(skip)
             say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", s.num_workers, s.prefetch_factor, why)
             return None
         t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5))
@@ -408,7 +411,11 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             best = t
         if t.over or not helped or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
             break
-        workers = next_rung(t)
+        target = next_rung(t) or t.num_workers  # past its budgets, the most workers on the way to it that fit
+        fits = [w for w in WORKERS if t.num_workers < w <= target and planned(settings(w, prefetch, pin)) is None]
+        if target not in fits[-1:] and target > t.num_workers:
+            attempt(settings(target, prefetch, pin))  # not tried: said, and listed among the skipped
+        workers = fits[-1] if fits else None
     if best is not None:  # one rung between the best and each tried neighbour: a cheaper or a faster one
         w, spans = best.num_workers, []
         below = [t.num_workers for t in trials if t.num_workers < w]
