@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from {{ cookiecutter.package }}.engine import monitor
-from {{ cookiecutter.package }}.engine.loader import LoaderSettings
+from {{ cookiecutter.package }}.engine.loader import LoaderSettings, usable_cpus
 from {{ cookiecutter.package }}.engine.loader_tuning import TUNED, Budget, tune
-from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_train, same_weights
+from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_torchrun, run_train, same_weights
 
 MiB = 2**20
 
@@ -138,3 +138,39 @@ def test_bad_budgets_are_refused_in_one_line(tmp_path, override, said):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and said in errors[0], proc.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "loader_pick.json").exists()
+{% if cookiecutter.with_streams == "yes" %}
+
+
+@pytest.mark.slow
+def test_a_shard_stream_under_auto_reads_each_record_once_and_resumes_exactly(tmp_path):
+    """Auto's trials read the stream through its own loaders: the run still reads each record once per epoch, and a
+    mid-epoch stop resumes to the weights of the run that never stopped."""
+    from tests.helpers import recorded_steps
+    from tests.test_stream_train import ALL, STREAM, epochs_of, per_epoch
+
+    overrides = [o for o in STREAM if not o.startswith("loader.num_workers")] + ["loader=auto"]
+    straight, record = tmp_path / "straight", tmp_path / "samples"
+    run_train(straight, *overrides, env={"RECORD_SAMPLES": str(record)})
+    picked = json.loads((straight / "loader_pick.json").read_text())["settings"]["num_workers"]
+    assert epochs_of(recorded_steps(record), per_epoch(workers=max(picked, 1))) == [ALL, ALL]
+    first = tmp_path / "first"
+    run_train(first, *overrides, "max_steps=11")
+    run_train(first, *overrides, f"resume={first}/checkpoints/last.pth")
+    assert same_weights(straight / "checkpoints/last.pth", first / "checkpoints/last.pth")
+{% endif %}
+
+
+@pytest.mark.slow
+def test_each_rank_tunes_and_logs_its_pick_under_torchrun(tmp_path):
+    """Two ranks share the node's CPUs (cpu_budget: 1 each on 2 CPUs), each writes its pick; per_sample keeps the
+    weights of a fixed profile on the same two processes."""
+    from tests.test_world_size import command
+
+    auto, fixed = tmp_path / "auto", tmp_path / "fixed"
+    env = {"OMP_NUM_THREADS": "1"}
+    run_torchrun(auto, *[o for o in command() if o != "loader.num_workers=1"], "loader=auto", env=env, timeout=600)
+    run_torchrun(fixed, *command(), env=env, timeout=600)
+    for name in ("loader_pick.json", "loader_pick.rank1.json"):
+        picked = json.loads((auto / name).read_text())
+        assert picked["trials"] and picked["budget"]["cpus"] == max(usable_cpus() // 2, 1)
+    assert same_weights(auto / "checkpoints/last.pth", fixed / "checkpoints/last.pth")

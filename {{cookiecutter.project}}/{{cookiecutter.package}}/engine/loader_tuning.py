@@ -489,6 +489,7 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
         pick = Pick.from_saved(state["pick"])
         settings = replace(pick.settings, batch_size=base.batch_size, timeout=base.timeout)  # this run's
         pick.settings = settings if settings.num_workers else settings.in_main()
+        pick.budget = asdict(budget)  # this run's, which training is held to
         short = short_of(pick, budget)
         keep = cfg.rng_mode.value == "per_worker"{% if cookiecutter.with_streams == "yes" %} or state["kind"] == "stream"{% endif +%}
         if short is None or keep:
@@ -501,7 +502,7 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
     size = None if shard_plan.is_stream(problem.train_set) else len(problem.train_set)  # a stream's: not known ahead
     run_batches = size and cfg.epochs * (size // (base.batch_size * world.world_size))
 {% else %}
-    run_batches = cfg.epochs * (len(problem.train_set) // (base.batch_size * world_size))
+    run_batches = cfg.epochs * (len(problem.train_set) // (base.batch_size * world.world_size))
 {% endif %}
     if run_batches and cfg.max_steps:
         run_batches = min(run_batches, cfg.max_steps * cfg.accumulate_steps)

@@ -103,6 +103,7 @@ class Monitor:
         self._epoch_end = None  # the Future of the reading at the epoch's last batch
         self._steps_seen = 0
         self._measured = False  # the plan against a reading, logged once
+        self.budget_mib = None  # loader=auto's loader.ram_budget_mib: a reading past it is said once
 
     def set_plan(self, plan) -> None:
         self.plan = plan
@@ -160,6 +161,14 @@ class Monitor:
         while self._pending and (wait or self._pending[0][2].done()):
             step, window, reading = self._pending.pop(0)
             figures = reading.result()  # on every rank: `wait` means read before the workers exit
+            held = figures["pss_mib"] + figures["shm_mib"]
+            if self.budget_mib is not None and held > self.budget_mib:  # each rank against its own budget
+                log.warning(
+                    "loader=auto: this process, its workers and the batches in shared memory hold %.0f MiB at step "
+                    "%d, over loader.ram_budget_mib=%.0f: the data set's memory grew after the trials; lower "
+                    "loader.num_workers for the next run, or raise the budget", held, step, self.budget_mib,
+                )  # fmt: skip
+                self.budget_mib = None
             if not self.runlog.enabled:
                 continue
             if window is None:

@@ -237,6 +237,8 @@ def build(cfg, run_dir: Path, stop: StopRequest, cleanup: contextlib.ExitStack, 
 {% endif %}
     cleanup.callback(runlog.close)
     monitor = Monitor(train_loader, runlog, cfg.monitor.every_steps)  # workers, memory, fds
+    if train_loader.pick:  # loader=auto: its RAM budget held against the readings while training too
+        monitor.budget_mib = train_loader.pick["budget"]["ram_mib"]
     run = Run(
         **vars(problem), cfg=cfg, run_dir=run_dir, world=world, device=device, stop=stop,
         train_loader=train_loader, val_loader=val_loader, **trained, step=0, runlog=runlog, monitor=monitor,
