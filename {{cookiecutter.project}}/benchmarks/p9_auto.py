@@ -45,14 +45,14 @@ class Workload(Dataset):
         return self.size
 
     def __getitem__(self, index: int):
-        draw = np.random.default_rng([self.seed, index])
+        draw = np.random.default_rng([self.seed, index])  # the same image for a sample whatever the worker
+        image = draw.integers(0, 256, (3, self.image_size, self.image_size), dtype=np.uint8)
         if self.cpu_ms:
             deadline = time.thread_time() + self.cpu_ms / 1000  # CPU time, not wall time: the work a decode does
             while time.thread_time() < deadline:
-                np.sort(draw.random(20_000))
+                np.sort(image.ravel()[:20_000].astype(np.float64))
         if self.io_ms:
             time.sleep(self.io_ms / 1000)
-        image = draw.integers(0, 256, (3, self.image_size, self.image_size), dtype=np.uint8)
         return torch.from_numpy(image), int(index % 4)
 
 

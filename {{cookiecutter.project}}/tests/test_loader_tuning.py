@@ -168,7 +168,10 @@ def test_each_rank_tunes_and_logs_its_pick_under_torchrun(tmp_path):
 
     auto, fixed = tmp_path / "auto", tmp_path / "fixed"
     env = {"OMP_NUM_THREADS": "1"}
-    run_torchrun(auto, *[o for o in command() if o != "loader.num_workers=1"], "loader=auto", env=env, timeout=600)
+    proc = run_torchrun(auto, *[o for o in command() if o != "loader.num_workers=1"], "loader=auto", env=env,
+                        timeout=600)  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert "rank 0: loader=auto picks" in said and "rank 1: loader=auto picks" in said
     run_torchrun(fixed, *command(), env=env, timeout=600)
     for name in ("loader_pick.json", "loader_pick.rank1.json"):
         picked = json.loads((auto / name).read_text())

@@ -7,7 +7,8 @@
 Each profile in conf/loader/ is built as train.py builds it and timed over two epochs of a part of the training set
 (epoch 2 is where persistent workers pay off); the model's forward + backward is timed and its memory per rank added
 up. docs/loader.md ("Loader doctor") explains the table's columns and the decision table the recommendation follows.
-The table and the recommendation are printed, and everything goes to doctor.json in the run folder.
+Last come the trials loader=auto would run, and its pick (engine/loader_tuning.py, the code train.py runs). The table,
+the recommendation and the trials are printed, and everything goes to doctor.json in the run folder.
 """
 
 import json
@@ -208,8 +209,9 @@ def diagnose(cfg) -> None:
     if auto is not None:
         print("loader=auto's trials:", flush=True)
         base = resolve_settings(auto, device.type)
+        length = loader_tuning.batches_of_run(cfg, train_set, base.batch_size)
         pick = loader_tuning.tune(train_set, collate, step, base, loader_tuning.tuned_keys(auto),
-                                  loader_tuning.Budget.of(auto), cfg.seed, cfg.rng_mode.value,
+                                  loader_tuning.Budget.of(auto), cfg.seed, cfg.rng_mode.value, length,
                                   say=lambda line, *a: print("  " + line % a, flush=True))  # fmt: skip
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known

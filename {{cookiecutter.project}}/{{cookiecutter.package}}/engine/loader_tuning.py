@@ -47,9 +47,11 @@ TUNED = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 RAM_SHARE = 0.5  # ram_budget_mib=null: this share of the memory available at start, split over this node's ranks
 WITHIN = 0.02  # the pick: the cheapest trial whose speed is within this share of the fastest
 HELPS = 1.05  # more workers help when they are this much faster; two steps in a row that are not end the climb
+FLAT = 0.9  # a neighbour this close below the best: a rung between them may be as fast, and cheaper
+LIGHT = 0.05  # batches in flight under this share of the RAM budget: fewer of them is not worth a trial
 DONE_WAIT = 0.01  # a data wait below this share of the step: nothing left for more workers to hide
 WORKERS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the climb's rungs
-TRIAL_S = 1.5  # a trial's timed part at most (after its first batch)
+TRIAL_S = 1.0  # a trial's timed part at most (after its first batch)
 # a trial is run only while it costs less than this share of the time the run would still wait for data at the
 # best setting so far (its length from the fastest trial, its wait the least): what more trials could save at most
 PAYBACK = 0.5
@@ -385,10 +387,11 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5))
         if t.peak_pss_mib > budget.ram_mib:
             t.over = f"peak PSS {t.peak_pss_mib:.0f} MiB, over the budget of {budget.ram_mib:.0f} MiB"
-        if s.num_workers:  # what one more worker costs, for the next plan
+        if s.num_workers:  # what one more worker costs, for the next plan (CPU: as the most workers so far used)
             in_flight = memory.Plan(s, batch).mib
             per_worker = max(per_worker, (t.peak_pss_mib - main_mib - in_flight) / s.num_workers)
-            worker_cpu = max(t.workers_cpu / s.num_workers, 0.05)
+            if s.num_workers >= max(tr.num_workers for tr in trials):
+                worker_cpu = max(t.workers_cpu / s.num_workers, 0.05)
         else:  # a worker would keep a core as busy as loading kept this process's
             main_mib, worker_cpu = max(main_mib, t.peak_pss_mib), max(t.loading_cpu, 0.05)
         trials.append(t)
@@ -416,11 +419,15 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         if target not in fits[-1:] and target > t.num_workers:
             attempt(settings(target, prefetch, pin))  # not tried: said, and listed among the skipped
         workers = fits[-1] if fits else None
-    if best is not None:  # one rung between the best and each tried neighbour: a cheaper or a faster one
+
+    def by_workers(n: int) -> float:
+        return max(t.samples_per_s for t in trials if t.num_workers == n)
+
+    if best is not None:  # one rung between the best and a tried neighbour: a cheaper one, or a faster one
         w, spans = best.num_workers, []
         below = [t.num_workers for t in trials if t.num_workers < w]
         above = [t.num_workers for t in trials if t.num_workers > w]
-        if below:
+        if below and by_workers(max(below)) >= FLAT * best.samples_per_s:  # the speed flattens out below the best
             spans.append((max(below), w))
         if above:
             spans.append((w, min(above)))
@@ -438,8 +445,11 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         )
     fastest = max(ok, key=lambda t: t.samples_per_s)
     around = min((t for t in ok if t.samples_per_s >= (1 - WITHIN) * fastest.samples_per_s), key=cost)
-    if "prefetch_factor" in tuned and around.num_workers:  # fewer batches ahead, then more where the wait shows
-        for p in [1] + ([4] if around.data_wait > 2 * DONE_WAIT else []):
+    if "prefetch_factor" in tuned and around.num_workers:
+        # fewer batches ahead where they weigh on the budget; more where the wait shows and a budget held workers back
+        in_flight = memory.Plan(settings(around.num_workers, around.prefetch_factor, pin), batch).mib
+        held = any("CPUs" not in skip["why"] for skip in skipped)  # by the RAM or /dev/shm, not by the CPUs
+        for p in [1] * (in_flight > LIGHT * budget.ram_mib) + [4] * (held and around.data_wait > DONE_WAIT):
             if p != around.prefetch_factor:
                 attempt(settings(around.num_workers, p, pin))
     if "pin_memory" in tuned and pin and around.num_workers:  # CUDA: the copies without pinning
@@ -479,9 +489,16 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
     keeps it whatever: its batches depend on the workers); else the trials'."""
 {% endif %}
     tuned, budget = tuned_keys(cfg.loader), Budget.of(cfg.loader)
+    rank = f"rank {world.rank}: " if world.world_size > 1 else ""
+    if rank:  # each rank tunes for itself and says so, where the others' lines are only their problems
+        log.setLevel(logging.INFO)
+
+    def say(line: str, *args) -> None:
+        log.info(rank + line, *args)
+
     kept = {k: cfg.loader[k] for k in TUNED if k not in tuned}
     if kept:
-        log.info("loader=auto: %s kept as set; tuning %s", " ".join(f"{k}={v}" for k, v in kept.items()),
+        say("loader=auto: %s kept as set; tuning %s", " ".join(f"{k}={v}" for k, v in kept.items()),
                  ", ".join(tuned))  # fmt: skip
     states = ckpt["ranks"] if ckpt else []
     state = states[min(world.rank, len(states) - 1)]["loader"] if states else {}
@@ -494,23 +511,26 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
         keep = cfg.rng_mode.value == "per_worker"{% if cookiecutter.with_streams == "yes" %} or state["kind"] == "stream"{% endif +%}
         if short is None or keep:
             also = f" (this machine is short of it: {short}; kept, as the batches depend on it)" if short else ""
-            log.info("loader=auto: the checkpoint's pick, no trials: %s%s", pick.why, also)
+            say("loader=auto: the checkpoint's pick, no trials: %s%s", pick.why, also)
             return pick
-        log.warning("loader=auto: the checkpoint's pick does not fit this machine (%s): tuning again", short)
+        log.warning(rank + "loader=auto: the checkpoint's pick does not fit this machine (%s): tuning again", short)
     collate = problem.collate or torch.utils.data.default_collate
-{% if cookiecutter.with_streams == "yes" %}
-    size = None if shard_plan.is_stream(problem.train_set) else len(problem.train_set)  # a stream's: not known ahead
-    run_batches = size and cfg.epochs * (size // (base.batch_size * world.world_size))
-{% else %}
-    run_batches = cfg.epochs * (len(problem.train_set) // (base.batch_size * world.world_size))
-{% endif %}
-    if run_batches and cfg.max_steps:
-        run_batches = min(run_batches, cfg.max_steps * cfg.accumulate_steps)
+    run_batches = batches_of_run(cfg, problem.train_set, base.batch_size, world.world_size)
     step = ModelStep(cfg, device)
-    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, cfg.rng_mode.value, run_batches)
+    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, cfg.rng_mode.value, run_batches, say)
     pick.kept = kept
-    log.info("loader=auto picks %s (%d trials, %.1f s)", pick.why, len(pick.trials), pick.tuned_s)
+    say("loader=auto picks %s (%d trials, %.1f s)", pick.why, len(pick.trials), pick.tuned_s)
     return pick
+
+
+def batches_of_run(cfg, dataset, batch_size: int, world_size: int = 1) -> int | None:
+    """The batches a run of `cfg` takes on each rank, which bounds its trials (None: a stream's, not known ahead)."""
+{% if cookiecutter.with_streams == "yes" %}
+    if shard_plan.is_stream(dataset):
+        return None
+{% endif %}
+    batches = cfg.epochs * (len(dataset) // (batch_size * world_size))
+    return min(batches, cfg.max_steps * cfg.accumulate_steps) if cfg.max_steps else batches
 
 
 def pick_file(rank: int) -> str:
