@@ -6,7 +6,7 @@ with one candidate's settings over an evenly spaced part of the training set and
 backward on each batch (a model of its own: the run's model, optimizer and generators are untouched). It is scored
 on the loop's wait for data. The workers climb while more of them help, the prefetch is tried around the best,
 and the pick is the cheapest trial within WITHIN of the fastest. A candidate whose plan passes a budget is never
-tried; a trial whose measured peak passes it is never picked. The doctor runs the same trials (`tune`).
+tried; a trial whose measured peak passes it is never picked.
 """
 
 from __future__ import annotations
