@@ -141,10 +141,11 @@ def recorded_steps(record: Path, first_step: int = 0) -> dict[int, list[list[int
 
 
 def run_batches(lines: list[dict], pid: int) -> list[list[int]]:
-    """The training batches process `pid` recorded: its task's lines, less the throwaway steps before the first
-    batch (the checks' dry step; under DDP the step that settles its buckets), which take the data set's first two
-    samples."""
-    batches = [line["indices"] for line in lines if line["pid"] == pid]
+    """The training batches process `pid` recorded: the lines of the task that trained last (loader=auto's trials
+    step a task of their own first), less the throwaway steps before the first batch (the checks' dry step; under
+    DDP the step that settles its buckets), which take the data set's first two samples."""
+    mine = [line for line in lines if line["pid"] == pid]
+    batches = [line["indices"] for line in mine if line["task"] == mine[-1]["task"]]
     throwaway = batches[0]
     while batches and batches[0] == throwaway:
         batches.pop(0)

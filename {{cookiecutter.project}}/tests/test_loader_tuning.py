@@ -145,18 +145,22 @@ def test_bad_budgets_are_refused_in_one_line(tmp_path, override, said):
 @pytest.mark.slow
 def test_a_shard_stream_under_auto_reads_each_record_once_and_resumes_exactly(tmp_path):
     """Auto's trials read the stream through its own loaders: the run still reads each record once per epoch, and a
-    mid-epoch stop resumes to the weights of the run that never stopped."""
+    mid-epoch stop resumes to the weights of a run that never stopped, with the same settings (a shard stream's
+    batches depend on its workers, so the straight run is the fixed profile with the first run's pick)."""
     from tests.helpers import recorded_steps
     from tests.test_stream_train import ALL, STREAM, epochs_of, per_epoch
 
-    overrides = [o for o in STREAM if not o.startswith("loader.num_workers")] + ["loader=auto"]
-    straight, record = tmp_path / "straight", tmp_path / "samples"
-    run_train(straight, *overrides, env={"RECORD_SAMPLES": str(record)})
-    picked = json.loads((straight / "loader_pick.json").read_text())["settings"]["num_workers"]
+    overrides = [o for o in STREAM if not o.startswith("loader.num_workers")]
+    once, record = tmp_path / "once", tmp_path / "samples"
+    run_train(once, *overrides, "loader=auto", env={"RECORD_SAMPLES": str(record)})
+    picked = json.loads((once / "loader_pick.json").read_text())["settings"]["num_workers"]
     assert epochs_of(recorded_steps(record), per_epoch(workers=max(picked, 1))) == [ALL, ALL]
-    first = tmp_path / "first"
-    run_train(first, *overrides, "max_steps=11")
-    run_train(first, *overrides, f"resume={first}/checkpoints/last.pth")
+    first, straight = tmp_path / "first", tmp_path / "straight"
+    run_train(first, *overrides, "loader=auto", "max_steps=11")
+    run_train(first, *overrides, "loader=auto", f"resume={first}/checkpoints/last.pth")
+    pick = json.loads((first / "loader_pick.json").read_text())["settings"]
+    fixed = [f"loader.{key}={str(pick[key]).lower()}" for key in ("num_workers", "persistent_workers")]
+    run_train(straight, *overrides, "loader=balanced", *fixed)
     assert same_weights(straight / "checkpoints/last.pth", first / "checkpoints/last.pth")
 {% endif %}
 
