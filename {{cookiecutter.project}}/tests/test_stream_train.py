@@ -94,8 +94,9 @@ UNSIZED = ("+data.train.with_sizes=false", "schedule.total_steps=60")  # the epo
         pytest.param(("loader=memory-tight", "loader.num_workers=3"), marks=pytest.mark.slow),  # workers end each epoch
         # the main process reads: its own RNG left as the data found it
         pytest.param(("loader.num_workers=0",), marks=pytest.mark.slow),
+        pytest.param(("loader.num_workers=auto",), marks=pytest.mark.slow),  # as many workers as CPUs, at resume too
     ],
-    ids=["sizes", "no-sizes-accumulate-validate", "not-persistent-3-workers", "no-workers"],
+    ids=["sizes", "no-sizes-accumulate-validate", "not-persistent-3-workers", "no-workers", "workers-auto"],
 )
 def test_a_mid_epoch_stop_resumes_torch_equal(tmp_path, straight, extra):
     if extra:

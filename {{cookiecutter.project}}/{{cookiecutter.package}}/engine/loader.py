@@ -58,14 +58,15 @@ class LoaderSettings:
         return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0.0)
 
 
-# where a key set to `tune` starts before the trials (balanced's values); eval.py reads a tuned run's keys so too
+# where a key set to `tune` starts before the trials (balanced's values); eval.py reads a tuned run's keys
+# so too
 TUNE_START = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": "auto", "persistent_workers": True}
 
 
 def resolve_settings(cfg, device_type: str) -> LoaderSettings:
     """Settle a loader profile's `auto` values; combinations that cannot apply are adjusted and said so. The ranges of
-    its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed. A key set to `tune`
-    (loader=auto) starts from balanced's value here; loader_tuning picks it."""
+    its keys are the schema's (schema.py's LoaderConfig), checked as the config is composed. A key set to
+    `tune` (loader=auto) starts from balanced's value here; loader_tuning picks it."""
     cfg = {**cfg, **{k: v for k, v in TUNE_START.items() if cfg[k] == "tune"}}
     workers = usable_cpus() if cfg["num_workers"] == "auto" else cfg["num_workers"]
     pin = device_type == "cuda" if cfg["pin_memory"] == "auto" else cfg["pin_memory"]
@@ -351,7 +352,7 @@ class EpochLoader:
         self.worker_pids: set[int] = set()  # workers that served this epoch
         self.skipped = 0  # samples left out of this epoch's consumed batches (data.on_bad_sample=skip)
         self._early = None  # the next epoch's iterator, made early (start_next_epoch)
-        self.pick: dict | None = None  # loader=auto's pick (loader_tuning.Pick.saved()), which a resume reuses
+        self.pick: dict | None = None  # loader=auto's pick (Pick.saved()), which a resume reuses
 
     @staticmethod
     def combined(states: list[dict]) -> dict:

@@ -1,13 +1,12 @@
-"""loader=auto: the loader settings picked by short trials on the run's own training data and model step, under a
-RAM and a CPU budget, before the run's one DataLoader is built (docs/loader.md, "loader=auto").
+"""loader=auto: the loader settings picked by short trials on the run's own training data and model step,
+under a RAM and a CPU budget, before the run's one DataLoader is built (docs/loader.md, "loader=auto").
 
-A loader key set to `tune` is picked here; any other value is kept. A trial builds the run's kind of train loader
-with one candidate's settings over an evenly spaced part of the training set and runs the model's forward and
-backward on each batch (a model of its own: the run's model, optimizer and generators are untouched). It is scored
-on the loop's wait for data. The workers climb while more of them help, the prefetch is tried around the best,
-and the pick is the cheapest trial within WITHIN of the fastest. A candidate whose plan passes a budget is never
-tried; a trial whose measured peak passes it is never picked.
-"""
+A loader key set to `tune` is picked here; any other value is kept. A trial builds the run's kind of train
+loader with one candidate's settings over an evenly spaced part of the training set and runs the model's
+forward and backward on each batch (a model of its own: the run's model, optimizer and generators are
+untouched). It is scored on the loop's wait for data. The workers climb while more of them help, the prefetch
+is tried around the best, and the pick is the cheapest trial within WITHIN of the fastest. A candidate whose
+plan passes a budget is never tried; a trial whose measured peak passes it is never picked."""
 
 from __future__ import annotations
 
@@ -44,34 +43,39 @@ log = logging.getLogger(__name__)
 MiB = 2**20
 TUNE = "tune"  # a loader key with this value is picked by the trials
 TUNED = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
-RAM_SHARE = 0.5  # ram_budget_mib=null: this share of the memory available at start, split over this node's ranks
+# ram_budget_mib=null: this share of the memory available at start, split over this node's ranks
+RAM_SHARE = 0.5
 WITHIN = 0.02  # the pick: the cheapest trial whose speed is within this share of the fastest
-HELPS = 1.05  # more workers help when they are this much faster; two steps in a row that are not end the climb
+HELPS = 1.05  # more workers help when they are this much faster; a step that is not ends the climb
 FLAT = 0.9  # a neighbour this close below the best: a rung between them may be as fast, and cheaper
 LIGHT = 0.05  # batches in flight under this share of the RAM budget: fewer of them is not worth a trial
 DONE_WAIT = 0.01  # a data wait below this share of the step: nothing left for more workers to hide
 WORKERS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the climb's rungs
 TRIAL_S = 1.0  # a trial's timed part at most (after its first batch)
-# a trial is run only while it costs less than this share of the time the run would still wait for data at the
-# best setting so far (its length from the fastest trial, its wait the least): what more trials could save at most
+# a trial is run only while it costs less than this share of the time the run would still wait for data
+# at the best setting so far (its length from the fastest trial, its wait the least): what more trials could
+# save at most
 PAYBACK = 0.5
 PSS_EVERY_S = 0.2  # PeakPss's shortest wait between readings
 
 
 class Probe(Dataset):
-    """The part of the data set a trial reads, each item timed in the process that makes it: `count` evenly spaced
+    """The part of the data set a trial reads, each item timed in the process that makes it: `count` evenly
 {% if cookiecutter.with_streams == "yes" %}
-    items, or a stream's first `count` records (a shard stream's shards split over the workers, any other stream
-    splitting itself). `collate`: the run's, plus the worker's first-item figures riding along."""
+    spaced items, or a stream's first `count` records (a shard stream's shards split over the workers, any
+    other stream splitting itself). `collate`: the run's, plus the worker's first-item figures riding
+    along."""
 {% else %}
-    items. `collate`: the run's, plus the worker's first-item figures riding along."""
+    spaced items. `collate`: the run's, plus the worker's first-item figures riding along."""
 {% endif %}
 
     def __init__(self, dataset, count: int, collate):
         self.dataset, self.count, self.collate_fn = dataset, count, collate
-        self.times: list[tuple[float, float]] = []  # each item made in this process: (time.time() it began, seconds)
+        # each item made in this process: (time.time() it began, seconds)
+        self.times: list[tuple[float, float]] = []
 {% if cookiecutter.with_streams == "yes" %}
-        size = 0 if shard_plan.is_stream(dataset) else len(dataset)  # a stream is read from its start: nothing to pick
+        # a stream is read from its start: nothing to pick
+        size = 0 if shard_plan.is_stream(dataset) else len(dataset)
 {% else %}
         size = len(dataset)
 {% endif %}
@@ -96,17 +100,18 @@ class Probe(Dataset):
 {% endif %}
 
     def collate(self, samples):
-        """The batch, and (worker pid, when its first item began by the wall clock, which processes share, how much
-        longer that item took than the later ones) from a worker; None from the main process."""
+        """The batch, and (worker pid, when its first item began by the wall clock, which processes share, how
+        much longer that item took than the later ones) from a worker; None from the main process."""
         if get_worker_info() is None or not self.times:
             return self.collate_fn(samples), None
         (began, first), later = self.times[0], [took for _, took in self.times[1:]]
-        return self.collate_fn(samples), (os.getpid(), began, max(first - statistics.median(later or [0.0]), 0.0))
+        slower = max(first - statistics.median(later or [0.0]), 0.0)
+        return self.collate_fn(samples), (os.getpid(), began, slower)
 
 
-def probe_loader(dataset, settings: LoaderSettings, count: int, collate, seed: int, rng_mode: str = "per_sample"):
-    """The run's kind of train loader over a Probe of `count` samples, with `settings`: the data read as train.py
-    reads it."""
+def probe_loader(dataset, settings: LoaderSettings, count: int, collate, seed: int, rng_mode="per_sample"):
+    """The run's kind of train loader over a Probe of `count` samples, with `settings`: the data read as
+    train.py reads it."""
     probe = Probe(dataset, count, collate)
 {% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
@@ -116,9 +121,10 @@ def probe_loader(dataset, settings: LoaderSettings, count: int, collate, seed: i
 
 
 class PeakPss(threading.Thread):
-    """Polls the PSS of this process and its children (with `queue`, the batches waiting in shared memory too, which
-    are in no process's PSS) until `result()`, keeping the highest reading. A reading costs ~10 ms of kernel time per
-    process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a tenth of a core."""
+    """Polls the PSS of this process and its children (with `queue`, the batches waiting in shared memory too,
+    which are in no process's PSS) until `result()`, keeping the highest reading. A reading costs ~10 ms of
+    kernel time per process (smaps_rollup walks the page tables): each poll waits ten times the last one's, a
+    tenth of a core."""
 
     def __init__(self, queue: bool = False, leave_out=frozenset()):
         super().__init__(daemon=True)
@@ -129,7 +135,8 @@ class PeakPss(threading.Thread):
         pss = monitor.pss_mib(self.leave_out)
         if not self.queue:
             return pss
-        pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in self.leave_out]
+        kids = psutil.Process().children(recursive=True)
+        pids = [os.getpid()] + [c.pid for c in kids if c.pid not in self.leave_out]
         return pss + monitor.shared_batches(pids) / MiB
 
     def run(self) -> None:
@@ -152,8 +159,8 @@ def children() -> set[int]:
 
 
 def workers_gone(leave_out=frozenset(), seconds: float = 10) -> None:
-    """A loader collected, its workers (the children not in `leave_out`) waited for: the DataLoader iterator shuts
-    them down when collected."""
+    """A loader collected, its workers (the children not in `leave_out`) waited for: the DataLoader iterator
+    shuts them down when collected."""
     gc.collect()
     deadline = time.time() + seconds
     while children() - leave_out and time.time() < deadline:
@@ -161,8 +168,9 @@ def workers_gone(leave_out=frozenset(), seconds: float = 10) -> None:
 
 
 class ModelStep:
-    """The model's forward and backward on a batch as the loop makes it (to the device, data.normalize), on a model
-    of its own built as the run builds it: the run's model, optimizer and generators stay as they are."""
+    """The model's forward and backward on a batch as the loop makes it (to the device, data.normalize), on a
+    model of its own built as the run builds it: the run's model, optimizer and generators stay as they are.
+    """
 
     def __init__(self, cfg, device: torch.device):
         with rng.kept():  # the model's initialisation draws from the main RNG; leave it as it was
@@ -182,7 +190,8 @@ class ModelStep:
     def batches_per_s(self, dataset, collate, batch_size: int, steps: int = 5) -> float:
         """The model's pace on one batch made from the first samples (the pace the loader must keep)."""
         with rng.kept():
-            samples = first_samples(dataset, "data.train", batch_size)  # as the dry step reads them (streams too)
+            # as the dry step reads them (streams too)
+            samples = first_samples(dataset, "data.train", batch_size)
             batch = collate([samples[i % len(samples)] for i in range(batch_size)])
         for i in range(steps + 2):  # two warm-up steps, then the timed ones
             if i == 2:
@@ -209,8 +218,8 @@ def workers_cpu_s(leave_out: set[int]) -> float:
 
 @dataclass
 class Budget:
-    """What the trials and the pick may use on this rank: MiB of measured peak PSS (batches in flight and pinned
-    copies included), CPUs for the workers, seconds of trials."""
+    """What the trials and the pick may use on this rank: MiB of measured peak PSS (batches in flight and
+    pinned copies included), CPUs for the workers, seconds of trials."""
 
     ram_mib: float
     cpus: int
@@ -218,7 +227,7 @@ class Budget:
 
     @classmethod
     def of(cls, loader_cfg) -> Budget:
-        """From loader.ram_budget_mib, cpu_budget and tune_s, their null defaults settled; bad values refused."""
+        """From loader.ram_budget_mib, cpu_budget and tune_s, null defaults settled; bad values refused."""
         ranks, cpus = memory.local_ranks(), usable_cpus()
         ram = loader_cfg.ram_budget_mib
         if ram is None:
@@ -226,8 +235,8 @@ class Budget:
         cpu = loader_cfg.cpu_budget if loader_cfg.cpu_budget is not None else max(cpus // ranks, 1)
         if cpu > cpus:
             raise UserError(
-                f"loader.cpu_budget={cpu} is more than the {cpus} CPUs this process may use: set it to at most {cpus}, "
-                "or null (the usable CPUs split over this node's processes)"
+                f"loader.cpu_budget={cpu} is more than the {cpus} CPUs this process may use: "
+                f"set it to at most {cpus}, or null (the usable CPUs split over this node's processes)"
             )
         return cls(float(ram), int(cpu), float(loader_cfg.tune_s))
 
@@ -243,7 +252,8 @@ class Trial:
     data_wait: float  # the share of the loop's time spent waiting for the next batch
     peak_pss_mib: float  # main process, workers and the batches in shared memory, at their peak
     workers_cpu: float  # cores the workers used on average
-    loading_cpu: float  # the CPU share of the loop's wait (num_workers=0: how busy a loading process keeps a core)
+    # the CPU share of the loop's wait (num_workers=0: how busy a loading process keeps a core)
+    loading_cpu: float
     seconds: float
     over: str | None = None  # why it may not be picked (its measured peak past the budget)
 
@@ -251,8 +261,8 @@ class Trial:
         pin = " pin_memory=true" if self.pin_memory else ""
         return (
             f"num_workers={self.num_workers} prefetch_factor={self.prefetch_factor}{pin}: "
-            f"{self.samples_per_s:.0f} samples/s, data wait {self.data_wait:.0%}, peak PSS {self.peak_pss_mib:.0f} "
-            f"MiB, workers' CPU {self.workers_cpu:.1f}"
+            f"{self.samples_per_s:.0f} samples/s, data wait {self.data_wait:.0%}, "
+            f"peak PSS {self.peak_pss_mib:.0f} MiB, workers' CPU {self.workers_cpu:.1f}"
         )
 
 
@@ -288,14 +298,15 @@ def tuned_keys(loader_cfg) -> list[str]:
 
 def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: int, rng_mode: str,
             seconds: float) -> Trial:  # fmt: skip
-    """One trial: the batches of a probe through the model's step, the wait for each timed; the first batch (the
-    workers' start) is not counted. Ends after enough batches that the queue turns over a few times, or `seconds`."""
+    """One trial: the batches of a probe through the model's step, the wait for each timed; the first batch
+    (the workers' start) is not counted. Ends after enough batches that the queue turns over a few times, or
+    `seconds`."""
     batches = max(12, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)
     loader = probe_loader(dataset, settings, batches * settings.batch_size, collate, seed, rng_mode)
     others = children()  # processes that are not the trial's (a tracker's, a test's): in no figure of it
     peak, began = PeakPss(queue=True, leave_out=others), time.perf_counter()
-    # num_workers=0 loads in this process: its draws are put back. More workers than cores is a rung of the climb:
-    # DataLoader's warning about it (check_worker_number_rationality) is not for the trials.
+    # num_workers=0 loads in this process: its draws are put back. More workers than cores is a rung of the
+    # climb: DataLoader's warning about it (check_worker_number_rationality) is not for the trials.
     with rng.kept(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
         items, item = iter(loader), None
@@ -318,15 +329,17 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
     peak_mib = peak.result()
     del loader
     workers_gone(others)
-    return Trial(settings.num_workers, settings.prefetch_factor, settings.pin_memory,
-                 count * settings.batch_size / span if span > 0 else 0.0, waited / span if span > 0 else 1.0,
-                 peak_mib, cpu, loading / waited if waited > 0 else 1.0, time.perf_counter() - began)  # fmt: skip
+    speed, wait = (count * settings.batch_size / span, waited / span) if span > 0 else (0.0, 1.0)
+    loading_cpu = loading / waited if waited > 0 else 1.0
+    seconds = time.perf_counter() - began
+    figures = speed, wait, peak_mib, cpu, loading_cpu, seconds
+    return Trial(settings.num_workers, settings.prefetch_factor, settings.pin_memory, *figures)
 
 
 def next_rung(t: Trial) -> int | None:
-    """The climb's next worker count after trial `t`: as many more as its wait suggests (a loop waiting 75% of the
-    time wants about 4x the workers), 1.5x to 4x (1 to 4 after the main process), on a rung of WORKERS; None past
-    the last rung."""
+    """The climb's next worker count after trial `t`: as many more as its wait suggests (a loop waiting 75% of
+    the time wants about 4x the workers), 1.5x to 4x (1 to 4 after the main process), on a rung of WORKERS;
+    None past the last rung."""
     if not t.num_workers:  # loading takes data_wait of the main process's time: so many workers hide it
         return next(w for w in WORKERS if w >= min(4.0, max(1.0, t.data_wait / max(1 - t.data_wait, 0.01))))
     grow = min(4.0, max(1.5, 1 / max(1 - t.data_wait, 0.25)))
@@ -340,14 +353,15 @@ def cost(t) -> tuple:
 
 def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[str], budget: Budget, seed: int,
          rng_mode: str = "per_sample", run_batches: int | None = None, say=log.info) -> Pick:  # fmt: skip
-    """Trials, each said in one line (`say`), and the pick: the climb of num_workers at the base prefetch, then
-    prefetch_factor around the fastest, then (CUDA) pin_memory; the keys not in `tuned` stay as `base` has them.
-    `run_batches`: the batches the run will take (None: not known), whose wait for data bounds the trials (PAYBACK)."""
+    """Trials, each said in one line (`say`), and the pick: the climb of num_workers at the base prefetch,
+    then prefetch_factor around the fastest, then (CUDA) pin_memory; the keys not in `tuned` stay as `base`
+    has them. `run_batches`: the batches the run will take (None: not known), whose wait for data bounds the
+    trials (PAYBACK)."""
     began, batch = time.perf_counter(), memory.sample_batch_bytes(dataset, base.batch_size, collate)
     if batch / MiB > budget.ram_mib:
         raise UserError(
-            f"loader=auto: one batch of {base.batch_size} needs {batch / MiB:.1f} MiB, over loader.ram_budget_mib="
-            f"{budget.ram_mib:g}: raise the budget or lower loader.batch_size"
+            f"loader=auto: one batch of {base.batch_size} needs {batch / MiB:.1f} MiB, "
+            f"over loader.ram_budget_mib={budget.ram_mib:g}: raise the budget or lower loader.batch_size"
         )
     # the plan's figures, measured as the trials run
     main_mib, per_worker, worker_cpu = monitor.pss_mib(children()), 0.0, 1.0
@@ -361,10 +375,11 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         if ram > budget.ram_mib:
             return f"its plan needs ~{ram:.0f} MiB, over the RAM budget of {budget.ram_mib:.0f} MiB"
         if space is not None and s.num_workers and plan.shm_need(memory.local_ranks()) > space[0]:
-            return f"its batches need {plan.shm_need(memory.local_ranks()) / MiB:.0f} MiB of {memory.SHM_DIR}, " \
-                   f"{space[0] / MiB:.0f} MiB free"  # fmt: skip
+            need = plan.shm_need(memory.local_ranks()) / MiB
+            return f"its batches need {need:.0f} MiB of {memory.SHM_DIR}, {space[0] / MiB:.0f} MiB free"
         if s.num_workers * worker_cpu > budget.cpus + 0.5:
-            return f"its workers would use ~{s.num_workers * worker_cpu:.1f} CPUs, over the budget of {budget.cpus}"
+            use = s.num_workers * worker_cpu
+            return f"its workers would use ~{use:.1f} CPUs, over the budget of {budget.cpus}"
         return None
 
     def attempt(s: LoaderSettings) -> Trial | None:
@@ -374,7 +389,8 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             return None
         fastest = max((t.samples_per_s for t in trials), default=0.0)
         if run_batches and fastest:  # a short run, or one that hardly waits, affords few trials
-            waits = min(t.data_wait for t in trials) * run_batches * base.batch_size / fastest  # at the best so far
+            # at the best so far
+            waits = min(t.data_wait for t in trials) * run_batches * base.batch_size / fastest
             if PAYBACK * waits < trials[-1].seconds:
                 return None
         if why := planned(s):
@@ -382,12 +398,12 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             if skip in skipped:
                 return None
             skipped.append(skip)
-            say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", s.num_workers, s.prefetch_factor, why)
+            say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", *skip.values())
             return None
         t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5))
         if t.peak_pss_mib > budget.ram_mib:
             t.over = f"peak PSS {t.peak_pss_mib:.0f} MiB, over the budget of {budget.ram_mib:.0f} MiB"
-        if s.num_workers:  # what one more worker costs, for the next plan (CPU: as the most workers so far used)
+        if s.num_workers:  # what one more worker costs, for the next plan (CPU: as the most workers used)
             in_flight = memory.Plan(s, batch).mib
             per_worker = max(per_worker, (t.peak_pss_mib - main_mib - in_flight) / s.num_workers)
             if s.num_workers >= max(tr.num_workers for tr in trials):
@@ -415,7 +431,8 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         if t.over or not helped or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
             break
         target = next_rung(t) or t.num_workers  # past its budgets, the most workers on the way to it that fit
-        fits = [w for w in WORKERS if t.num_workers < w <= target and planned(settings(w, prefetch, pin)) is None]
+        way = [w for w in WORKERS if t.num_workers < w <= target]
+        fits = [w for w in way if planned(settings(w, prefetch, pin)) is None]
         if target not in fits[-1:] and target > t.num_workers:
             attempt(settings(target, prefetch, pin))  # not tried: said, and listed among the skipped
         workers = fits[-1] if fits else None
@@ -427,7 +444,8 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         w, spans = best.num_workers, []
         below = [t.num_workers for t in trials if t.num_workers < w]
         above = [t.num_workers for t in trials if t.num_workers > w]
-        if below and by_workers(max(below)) >= FLAT * best.samples_per_s:  # the speed flattens out below the best
+        # the speed flattens out below the best
+        if below and by_workers(max(below)) >= FLAT * best.samples_per_s:
             spans.append((max(below), w))
         if above:
             spans.append((w, min(above)))
@@ -440,13 +458,15 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         lean = min(trials, key=lambda t: t.peak_pss_mib, default=None)
         seen = f"; the leanest setting tried peaks at {lean.peak_pss_mib:.0f} MiB" if lean else ""
         raise UserError(
-            f"loader=auto: no setting fits loader.ram_budget_mib={budget.ram_mib:.0f}{seen}: raise the budget to "
+            f"loader=auto: no setting fits loader.ram_budget_mib={budget.ram_mib:.0f}{seen}: "
+            "raise the budget to "
             f"{(lean.peak_pss_mib if lean else main_mib) * 1.2:.0f} or more, or lower loader.batch_size"
         )
     fastest = max(ok, key=lambda t: t.samples_per_s)
     around = min((t for t in ok if t.samples_per_s >= (1 - WITHIN) * fastest.samples_per_s), key=cost)
     if "prefetch_factor" in tuned and around.num_workers:
-        # fewer batches ahead where they weigh on the budget; more where the wait shows and a budget held workers back
+        # fewer batches ahead where they weigh on the budget; more where the wait shows and a budget held
+        # workers back
         in_flight = memory.Plan(settings(around.num_workers, around.prefetch_factor, pin), batch).mib
         held = any("CPUs" not in skip["why"] for skip in skipped)  # by the RAM or /dev/shm, not by the CPUs
         for p in [1] * (in_flight > LIGHT * budget.ram_mib) + [4] * (held and around.data_wait > DONE_WAIT):
@@ -464,7 +484,8 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
     below = max(fewer, key=lambda t: (t.num_workers, t.samples_per_s), default=None)
     than = f" ({below.num_workers} workers: {below.data_wait:.0%})" if below else ""
     why = (
-        f"num_workers={picked.num_workers} prefetch_factor={picked.prefetch_factor}: data wait {chosen.data_wait:.0%}"
+        f"num_workers={picked.num_workers} prefetch_factor={picked.prefetch_factor}: "
+        f"data wait {chosen.data_wait:.0%}"
         f"{than}, {chosen.samples_per_s:.0f} samples/s ({fastest.samples_per_s:.0f} the fastest), peak PSS "
         f"{chosen.peak_pss_mib / 1024:.2f} of {budget.ram_mib / 1024:.2f} GiB"
     )
@@ -482,11 +503,12 @@ def short_of(pick: Pick, budget: Budget) -> str | None:
 
 
 def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict | None, world) -> Pick:
-    """The run's pick: a resume's checkpoint's, without trials, where this machine affords it (rng_mode=per_worker
+    """The run's pick: a resume's checkpoint's, without trials, where this machine affords it
 {% if cookiecutter.with_streams == "yes" %}
-    and a plain stream keep it whatever: their batches depend on the workers); else the trials'."""
+    (rng_mode=per_worker and a plain stream keep it whatever: their batches depend on the workers); else the
+    trials'."""
 {% else %}
-    keeps it whatever: its batches depend on the workers); else the trials'."""
+    (rng_mode=per_worker keeps it whatever: its batches depend on the workers); else the trials'."""
 {% endif %}
     tuned, budget = tuned_keys(cfg.loader), Budget.of(cfg.loader)
     rank = f"rank {world.rank}: " if world.world_size > 1 else ""
@@ -508,23 +530,29 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
         pick.settings = settings if settings.num_workers else settings.in_main()
         pick.budget = asdict(budget)  # this run's, which training is held to
         short = short_of(pick, budget)
-        keep = cfg.rng_mode.value == "per_worker"{% if cookiecutter.with_streams == "yes" %} or state["kind"] == "stream"{% endif +%}
+        keep = cfg.rng_mode.value == "per_worker"
+{% if cookiecutter.with_streams == "yes" %}
+        keep = keep or state["kind"] == "stream"
+{% endif %}
         if short is None or keep:
-            also = f" (this machine is short of it: {short}; kept, as the batches depend on it)" if short else ""
-            say("loader=auto: the checkpoint's pick, no trials: %s%s", pick.why, also)
+            also = f" (this machine is short of it: {short}; kept, as the batches depend on it)"
+            say("loader=auto: the checkpoint's pick, no trials: %s%s", pick.why, also if short else "")
             return pick
-        log.warning(rank + "loader=auto: the checkpoint's pick does not fit this machine (%s): tuning again", short)
+        line = "loader=auto: the checkpoint's pick does not fit this machine (%s): tuning again"
+        log.warning(rank + line, short)
     collate = problem.collate or torch.utils.data.default_collate
     run_batches = batches_of_run(cfg, problem.train_set, base.batch_size, world.world_size)
     step = ModelStep(cfg, device)
-    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, cfg.rng_mode.value, run_batches, say)
+    mode = cfg.rng_mode.value
+    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, mode, run_batches, say)
     pick.kept = kept
     say("loader=auto picks %s (%d trials, %.1f s)", pick.why, len(pick.trials), pick.tuned_s)
     return pick
 
 
 def batches_of_run(cfg, dataset, batch_size: int, world_size: int = 1) -> int | None:
-    """The batches a run of `cfg` takes on each rank, which bounds its trials (None: a stream's, not known ahead)."""
+    """The batches a run of `cfg` takes on each rank, which bounds its trials (None: a stream's, not known
+    ahead)."""
 {% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
         return None

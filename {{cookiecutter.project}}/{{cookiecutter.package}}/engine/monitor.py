@@ -59,8 +59,8 @@ def _readings() -> dict[int, tuple[int, int, int]]:
 
 
 def pss_mib(leave_out=frozenset()) -> float:
-    """PSS of this process and its live children but those in `leave_out`, in MiB: the light reading polled for a
-    peak."""
+    """PSS of this process and its live children but those in `leave_out`, in MiB: the light reading polled
+    for a peak."""
     return sum(pss for pid, (_, pss, _) in _readings().items() if pid not in leave_out) / MiB
 
 
@@ -163,11 +163,12 @@ class Monitor:
             figures = reading.result()  # on every rank: `wait` means read before the workers exit
             held = figures["pss_mib"] + figures["shm_mib"]
             if self.budget_mib is not None and held > self.budget_mib:  # each rank against its own budget
-                log.warning(
-                    "loader=auto: this process, its workers and the batches in shared memory hold %.0f MiB at step "
-                    "%d, over loader.ram_budget_mib=%.0f: the data set's memory grew after the trials; lower "
-                    "loader.num_workers for the next run, or raise the budget", held, step, self.budget_mib,
-                )  # fmt: skip
+                line = (
+                    "loader=auto: this process, its workers and the batches in shared memory hold %.0f MiB "
+                    "at step %d, over loader.ram_budget_mib=%.0f: the data set's memory grew after the trials; "
+                    "lower loader.num_workers for the next run, or raise the budget"
+                )
+                log.warning(line, held, step, self.budget_mib)
                 self.budget_mib = None
             if not self.runlog.enabled:
                 continue

@@ -249,7 +249,9 @@ def precheck(cfg, run_dir: Path, is_main: bool = True) -> tuple[Path, dict] | No
     loader = ckpt["ranks"][0]["loader"]
     if loader.get("kind") == "stream" and loader["position"] and written_by(ckpt) == world_size:
         workers = cfg.loader.num_workers  # loader=auto keeps a stream's pick: the checkpoint's workers
-        readers = world_size * max(loader["num_workers"] if workers == "tune" else workers, 1)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = {"tune": loader["num_workers"], "auto": cpus}.get(workers, workers)
+        readers = world_size * max(workers, 1)
         why = plain_stream_refusal(loader, readers, loader["stateful"], cfg.data.get("stream_resume", "exact"))
         if why:
             raise UserError(f"resume: data.train {why}")

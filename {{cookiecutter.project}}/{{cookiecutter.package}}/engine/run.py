@@ -261,7 +261,7 @@ def loaders(cfg, problem: Problem, world, device: torch.device, run_dir: Path, c
     if ckpt:  # the run's global batch, over this run's processes: the same steps whatever their number
         settings = replace(settings, batch_size=resume.per_rank_batch(ckpt, cfg, world.world_size))
     pick = None
-    if loader_tuning.tuned_keys(cfg.loader):  # loader=auto: trials on this data and model pick the keys set to tune
+    if loader_tuning.tuned_keys(cfg.loader):  # loader=auto: trials on this data and model pick them
         pick = loader_tuning.choose(cfg, problem, device, settings, ckpt, world)
         (run_dir / loader_tuning.pick_file(world.rank)).write_text(json.dumps(pick.saved(), indent=2))
         settings = pick.settings
