@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from {{ cookiecutter.package }}.engine import monitor
+from {{ cookiecutter.package }}.engine.failures import EXIT_BAD_SAMPLE
 from {{ cookiecutter.package }}.engine.loader import LoaderSettings, usable_cpus
 from {{ cookiecutter.package }}.engine.loader_tuning import TUNED, Budget, tune
 from tests.helpers import RNG_DATA, load_ckpt, read_jsonl, run_torchrun, run_train, same_weights
@@ -123,6 +124,23 @@ def test_per_worker_keeps_its_first_pick(tmp_path):
     run_train(whole, *RNG_DATA, "epochs=2", "loader=balanced", "rng_mode=per_worker", f"loader.num_workers={workers}",
               f"loader.persistent_workers={persistent}")  # fmt: skip
     assert same_weights(whole / "checkpoints/last.pth", part / "checkpoints/last.pth")
+
+
+@pytest.mark.slow  # three runs, two of them into the trials
+def test_a_sample_that_fails_in_the_trials_fails_as_in_a_run_and_skip_still_skips(tmp_path):
+    """A failing sample that the trials read first is named by the data set's own index, with its traceback, as a
+    fixed profile's run names it (the control); with data.on_bad_sample=skip the trials leave it out, the run trains.
+    The last sample is in every trial, whose probe of evenly spaced samples is read whole in its first trial."""
+    bad = [*RNG_DATA, "data.train.size=2000", "data.train._target_=tests.datasets.FailsAtIndex", "+data.train.bad=1999"]
+    auto = run_train(tmp_path / "auto", *bad, "epochs=1", "loader=auto", expect=EXIT_BAD_SAMPLE)
+    fixed = run_train(tmp_path / "fixed", *bad, "epochs=1", "loader=balanced", expect=EXIT_BAD_SAMPLE)
+    for proc in (auto, fixed):
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: data set index 1999: ValueError: sample 1999 has no label"), proc.stderr
+        assert "in checked" in proc.stderr, proc.stderr[-2000:]
+    assert "loader=auto picks" not in auto.stdout + auto.stderr  # it failed in the trials
+    run_train(tmp_path / "skip", *bad, "epochs=1", "loader=auto", "data.on_bad_sample=skip")
+    assert "loader=auto picks" in (tmp_path / "skip" / "train.log").read_text()
 
 
 @pytest.mark.parametrize(

@@ -212,7 +212,8 @@ def diagnose(cfg) -> None:
         length = loader_tuning.batches_of_run(cfg, train_set, base.batch_size)
         pick = loader_tuning.tune(train_set, collate, step, base, loader_tuning.tuned_keys(auto),
                                   loader_tuning.Budget.of(auto), cfg.seed, cfg.rng_mode.value, length,
-                                  say=lambda line, *a: print("  " + line % a, flush=True))  # fmt: skip
+                                  say=lambda line, *a: print("  " + line % a, flush=True),
+                                  skip=cfg.data.get("on_bad_sample", "error") == "skip")  # fmt: skip
 {% if cookiecutter.with_streams == "yes" %}
     sizes = shard_plan.shard_sizes(train_set) if shard_plan.is_shard_stream(train_set) else None  # None: not known
     samples = sum(sizes) if sizes is not None else None if shard_plan.is_stream(train_set) else len(train_set)

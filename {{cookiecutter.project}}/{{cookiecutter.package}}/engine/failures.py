@@ -85,7 +85,9 @@ def fetch_guarded(dataset, indices, skip: bool, fetch=None) -> Samples:
             source = ""
             with contextlib.suppress(Exception):  # a description that fails must not hide the sample's own error
                 source = f" ({dataset.sample_source(index)})"  # a data set without one names no source
-            line = f"data set index {index}{source}: {reason(e)}"[:500]
+            # a loader=auto trial's Probe names the data set's index
+            at = dataset.data_index(index) if hasattr(dataset, "data_index") else index
+            line = f"data set index {at}{source}: {reason(e)}"[:500]
             if not skip:
                 failed = BadSample(line)
                 failed.trace = user_trace(e)  # text: it travels from the worker with the batch's note

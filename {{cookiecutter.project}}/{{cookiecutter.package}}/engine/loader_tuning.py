@@ -50,6 +50,7 @@ HELPS = 1.05  # more workers help when they are this much faster; a step that is
 FLAT = 0.9  # a neighbour this close below the best: a rung between them may be as fast, and cheaper
 LIGHT = 0.05  # batches in flight under this share of the RAM budget: fewer of them is not worth a trial
 DONE_WAIT = 0.01  # a data wait below this share of the step: nothing left for more workers to hide
+BUSY = 0.9  # the workers and this process use this share of the CPU budget: more workers would only take CPU
 WORKERS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the climb's rungs
 TRIAL_S = 1.0  # a trial's timed part at most (after its first batch)
 # a trial is run only while it costs less than this share of the time the run would still wait for data
@@ -84,6 +85,13 @@ class Probe(Dataset):
     def __len__(self) -> int:
         return len(self.picks)
 
+    def data_index(self, index: int) -> int:
+        """The data set's index of item `index`: a failing sample is named by it, as in the run."""
+        return self.picks[index]
+
+    def sample_source(self, index: int) -> str:
+        return self.dataset.sample_source(self.picks[index])  # without one: AttributeError, no source
+
     def __getitem__(self, index):
         began = time.time()
         item = self.dataset[self.picks[index]]
@@ -109,15 +117,18 @@ class Probe(Dataset):
         return self.collate_fn(samples), (os.getpid(), began, slower)
 
 
-def probe_loader(dataset, settings: LoaderSettings, count: int, collate, seed: int, rng_mode="per_sample"):
+def probe_loader(dataset, settings: LoaderSettings, count: int, collate, seed: int, rng_mode="per_sample",
+                 skip: bool = False):  # fmt: skip
     """The run's kind of train loader over a Probe of `count` samples, with `settings`: the data read as
-    train.py reads it."""
+    train.py reads it (`skip`: data.on_bad_sample=skip leaves a failing sample out, as the run will)."""
     probe = Probe(dataset, count, collate)
 {% if cookiecutter.with_streams == "yes" %}
     if shard_plan.is_stream(dataset):
         return StreamLoader(probe, settings, seed=seed, collate_fn=probe.collate)
 {% endif %}
-    return TrainLoader(probe, settings, seed=seed, rng_mode=rng_mode, collate_fn=probe.collate)
+    bad = "skip" if skip else "error"
+    return TrainLoader(probe, settings, seed=seed, rng_mode=rng_mode, collate_fn=probe.collate,
+                       on_bad_sample=bad)  # fmt: skip
 
 
 class PeakPss(threading.Thread):
@@ -252,6 +263,7 @@ class Trial:
     data_wait: float  # the share of the loop's time spent waiting for the next batch
     peak_pss_mib: float  # main process, workers and the batches in shared memory, at their peak
     workers_cpu: float  # cores the workers used on average
+    main_cpu: float  # cores this process used on average (the step's threads, the pin thread)
     # the CPU share of the loop's wait (num_workers=0: how busy a loading process keeps a core)
     loading_cpu: float
     seconds: float
@@ -297,12 +309,12 @@ def tuned_keys(loader_cfg) -> list[str]:
 
 
 def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: int, rng_mode: str,
-            seconds: float) -> Trial:  # fmt: skip
+            seconds: float, skip: bool = False) -> Trial:  # fmt: skip
     """One trial: the batches of a probe through the model's step, the wait for each timed; the first batch
     (the workers' start) is not counted. Ends after enough batches that the queue turns over a few times, or
     `seconds`."""
     batches = max(12, 3 * settings.num_workers * (settings.prefetch_factor or 0) + 8)
-    loader = probe_loader(dataset, settings, batches * settings.batch_size, collate, seed, rng_mode)
+    loader = probe_loader(dataset, settings, batches * settings.batch_size, collate, seed, rng_mode, skip)
     others = children()  # processes that are not the trial's (a tracker's, a test's): in no figure of it
     peak, began = PeakPss(queue=True, leave_out=others), time.perf_counter()
     # num_workers=0 loads in this process: its draws are put back. More workers than cores is a rung of the
@@ -311,7 +323,8 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
         warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
         items, item = iter(loader), None
         step(next(items)[0])
-        cpu, start, waited, count = workers_cpu_s(others), time.perf_counter(), 0.0, 0
+        cpu, main, start = workers_cpu_s(others), time.process_time(), time.perf_counter()
+        waited, count = 0.0, 0
         loading = 0.0  # this thread's CPU seconds inside next(): the loading itself when num_workers=0
         while time.perf_counter() - start < seconds:
             asked, used = time.perf_counter(), time.thread_time()
@@ -325,6 +338,7 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
         step.sync()
         span = time.perf_counter() - start
         cpu = (workers_cpu_s(others) - cpu) / span if span > 0 else 0.0
+        main = (time.process_time() - main) / span if span > 0 else 0.0
         del items, item
     peak_mib = peak.result()
     del loader
@@ -332,7 +346,7 @@ def measure(settings: LoaderSettings, dataset, collate, step: ModelStep, seed: i
     speed, wait = (count * settings.batch_size / span, waited / span) if span > 0 else (0.0, 1.0)
     loading_cpu = loading / waited if waited > 0 else 1.0
     seconds = time.perf_counter() - began
-    figures = speed, wait, peak_mib, cpu, loading_cpu, seconds
+    figures = speed, wait, peak_mib, cpu, main, loading_cpu, seconds
     return Trial(settings.num_workers, settings.prefetch_factor, settings.pin_memory, *figures)
 
 
@@ -352,11 +366,12 @@ def cost(t) -> tuple:
 
 
 def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[str], budget: Budget, seed: int,
-         rng_mode: str = "per_sample", run_batches: int | None = None, say=log.info) -> Pick:  # fmt: skip
+         rng_mode: str = "per_sample", run_batches: int | None = None, say=log.info,
+         skip: bool = False) -> Pick:  # fmt: skip
     """Trials, each said in one line (`say`), and the pick: the climb of num_workers at the base prefetch,
     then prefetch_factor around the fastest, then (CUDA) pin_memory; the keys not in `tuned` stay as `base`
     has them. `run_batches`: the batches the run will take (None: not known), whose wait for data bounds the
-    trials (PAYBACK)."""
+    trials (PAYBACK); `skip`: data.on_bad_sample=skip."""
     began, batch = time.perf_counter(), memory.sample_batch_bytes(dataset, base.batch_size, collate)
     if batch / MiB > budget.ram_mib:
         raise UserError(
@@ -394,13 +409,13 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
             if PAYBACK * waits < trials[-1].seconds:
                 return None
         if why := planned(s):
-            skip = {"num_workers": s.num_workers, "prefetch_factor": s.prefetch_factor, "why": why}
-            if skip in skipped:
+            passed = {"num_workers": s.num_workers, "prefetch_factor": s.prefetch_factor, "why": why}
+            if passed in skipped:
                 return None
-            skipped.append(skip)
-            say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", *skip.values())
+            skipped.append(passed)
+            say("loader=auto: num_workers=%d prefetch_factor=%s not tried: %s", *passed.values())
             return None
-        t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5))
+        t = measure(s, dataset, collate, step, seed, rng_mode, max(min(left, TRIAL_S), 0.5), skip)
         if t.peak_pss_mib > budget.ram_mib:
             t.over = f"peak PSS {t.peak_pss_mib:.0f} MiB, over the budget of {budget.ram_mib:.0f} MiB"
         if s.num_workers:  # what one more worker costs, for the next plan (CPU: as the most workers used)
@@ -428,7 +443,9 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         helped = best is None or t.samples_per_s >= HELPS * best.samples_per_s
         if helped and t.over is None:
             best = t
-        if t.over or not helped or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
+        # the CPU, not the reads, is the limit
+        busy = t.num_workers and t.workers_cpu + t.main_cpu >= BUSY * budget.cpus
+        if t.over or not helped or busy or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
             break
         target = next_rung(t) or t.num_workers  # past its budgets, the most workers on the way to it that fit
         way = [w for w in WORKERS if t.num_workers < w <= target]
@@ -468,7 +485,7 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         # fewer batches ahead where they weigh on the budget; more where the wait shows and a budget held
         # workers back
         in_flight = memory.Plan(settings(around.num_workers, around.prefetch_factor, pin), batch).mib
-        held = any("CPUs" not in skip["why"] for skip in skipped)  # by the RAM or /dev/shm, not by the CPUs
+        held = any("CPUs" not in passed["why"] for passed in skipped)  # by the RAM or /dev/shm, not the CPUs
         for p in [1] * (in_flight > LIGHT * budget.ram_mib) + [4] * (held and around.data_wait > DONE_WAIT):
             if p != around.prefetch_factor:
                 attempt(settings(around.num_workers, p, pin))
@@ -544,7 +561,8 @@ def choose(cfg, problem, device: torch.device, base: LoaderSettings, ckpt: dict 
     run_batches = batches_of_run(cfg, problem.train_set, base.batch_size, world.world_size)
     step = ModelStep(cfg, device)
     mode = cfg.rng_mode.value
-    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, mode, run_batches, say)
+    skip = cfg.data.get("on_bad_sample", "error") == "skip"
+    pick = tune(problem.train_set, collate, step, base, tuned, budget, cfg.seed, mode, run_batches, say, skip)
     pick.kept = kept
     say("loader=auto picks %s (%d trials, %.1f s)", pick.why, len(pick.trials), pick.tuned_s)
     return pick
