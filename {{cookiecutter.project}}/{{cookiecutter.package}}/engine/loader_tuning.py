@@ -433,6 +433,9 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         s = replace(base, num_workers=workers, prefetch_factor=prefetch, pin_memory=pin)
         return s if workers else s.in_main()
 
+    def busy(t: Trial) -> bool:  # the CPU, not the reads, is the limit: more workers would only take CPU
+        return t.num_workers > 0 and t.workers_cpu + t.main_cpu >= BUSY * budget.cpus
+
     pin = base.pin_memory
     prefetch = base.prefetch_factor or 2
     workers, best = (0 if "num_workers" in tuned else base.num_workers), None
@@ -443,9 +446,7 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
         helped = best is None or t.samples_per_s >= HELPS * best.samples_per_s
         if helped and t.over is None:
             best = t
-        # the CPU, not the reads, is the limit
-        busy = t.num_workers and t.workers_cpu + t.main_cpu >= BUSY * budget.cpus
-        if t.over or not helped or busy or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
+        if t.over or not helped or busy(t) or t.data_wait < DONE_WAIT or "num_workers" not in tuned:
             break
         target = next_rung(t) or t.num_workers  # past its budgets, the most workers on the way to it that fit
         way = [w for w in WORKERS if t.num_workers < w <= target]
@@ -482,10 +483,10 @@ def tune(dataset, collate, step: ModelStep, base: LoaderSettings, tuned: list[st
     fastest = max(ok, key=lambda t: t.samples_per_s)
     around = min((t for t in ok if t.samples_per_s >= (1 - WITHIN) * fastest.samples_per_s), key=cost)
     if "prefetch_factor" in tuned and around.num_workers:
-        # fewer batches ahead where they weigh on the budget; more where the wait shows and a budget held
-        # workers back
+        # fewer batches ahead where they weigh on the budget; more where the wait shows and more workers
+        # cannot hide it: a budget held them back, or the CPUs are busy (a deeper queue evens out the pace)
         in_flight = memory.Plan(settings(around.num_workers, around.prefetch_factor, pin), batch).mib
-        held = any("CPUs" not in passed["why"] for passed in skipped)  # by the RAM or /dev/shm, not the CPUs
+        held = any("CPUs" not in passed["why"] for passed in skipped) or busy(around)  # RAM, /dev/shm or CPUs
         for p in [1] * (in_flight > LIGHT * budget.ram_mib) + [4] * (held and around.data_wait > DONE_WAIT):
             if p != around.prefetch_factor:
                 attempt(settings(around.num_workers, p, pin))
