@@ -102,6 +102,7 @@ def test_quick_start_runs_as_written(bake, tmp_path):
     assert runs == [
         "doctor_balanced",
         "eval_balanced",
+        "train_auto",
         "train_balanced",
         "train_memory-tight",
         "train_memory-tight_debug",
